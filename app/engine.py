@@ -1,0 +1,99 @@
+"""Build vLLM's AsyncLLM from the settings: the one place engine arguments are made."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from app.settings import GIB, Settings
+from connectors import (
+    HOST_TIER_SPEC_MODULE,
+    HOST_TIER_SPEC_NAME,
+    OFFLOADING_CONNECTOR_MODULE,
+    OFFLOADING_CONNECTOR_NAME,
+    SIMPLE_CONNECTOR_MODULE,
+    SIMPLE_CONNECTOR_NAME,
+)
+from connectors.compat import DISABLE_FIX_KEY
+
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+class EngineConfigError(ValueError):
+    """The settings ask for something this machine's vLLM cannot run."""
+
+
+def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
+    """The connector part of the engine arguments, or None for no offloading."""
+    if settings.connector == "none":
+        return None
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": int(settings.cpu_tier_gib * GIB),
+        DISABLE_FIX_KEY: settings.disable_streaming_session_fix,
+    }
+    if settings.connector == "offloading":
+        extra.update(
+            spec_name=HOST_TIER_SPEC_NAME,
+            spec_module_path=HOST_TIER_SPEC_MODULE,
+            block_size=settings.block_size * settings.blocks_per_chunk,
+        )
+        name, module = OFFLOADING_CONNECTOR_NAME, OFFLOADING_CONNECTOR_MODULE
+    else:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda_alike():
+            raise EngineConfigError(
+                "connector 'simple' needs a CUDA GPU: vLLM's SimpleCPUOffloadConnector "
+                "worker is CUDA-only. Use connector 'offloading' on this machine."
+            )
+        name, module = SIMPLE_CONNECTOR_NAME, SIMPLE_CONNECTOR_MODULE
+    return {
+        "kv_connector": name,
+        "kv_connector_module_path": module,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def build_engine_args(settings: Settings) -> AsyncEngineArgs:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    transfer = kv_transfer_config(settings)
+    args: dict[str, Any] = {
+        "model": settings.resolved_model(),
+        "served_model_name": [settings.resolved_served_model_name()],
+        "block_size": settings.block_size,
+        "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": int(settings.kv_cache_gib * GIB),
+        "enforce_eager": settings.enforce_eager,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "seed": settings.seed,
+        "kv_transfer_config": KVTransferConfig(**transfer) if transfer else None,
+    }
+    if settings.async_scheduling is not None:
+        args["async_scheduling"] = settings.async_scheduling
+    # Pass-through last: an operator's explicit engine argument wins.
+    args.update(settings.engine_args)
+    return AsyncEngineArgs(**args)
+
+
+def build_engine(settings: Settings) -> AsyncLLM:
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = build_engine_args(settings)
+    logger.info(
+        "starting engine: model=%s connector=%s kv_cache=%.2fGiB cpu_tier=%.2fGiB block_size=%d",
+        engine_args.model,
+        settings.connector,
+        settings.kv_cache_gib,
+        settings.cpu_tier_gib,
+        settings.block_size,
+    )
+    return AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)

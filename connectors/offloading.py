@@ -1,0 +1,89 @@
+"""vLLM's OffloadingConnector with the streaming-session fix of vLLM PR #60810.
+
+A streaming-input session that resumes for its next chunk is scheduled as a *new*
+request (``scheduled_new_reqs``) and so carries its full block table. vLLM before
+0.33 treated that table as this step's additions and appended it to the table the
+connector already tracked. The store jobs pair chunk j's offload key with block j
+of that doubled table, so earlier chunks' KV was stored under later chunks' keys:
+the CPU tier was silently corrupted.
+
+The fix replaces the tracked table with the full one (keeping the store cursor,
+which stays valid because a continuation keeps its prefix). We also carry vLLM
+PR #63010: a request that restarts from token 0 offers every chunk again.
+
+Both overrides run *before* the upstream code and only reset state that the
+upstream code then rebuilds, so on a vLLM that already has the fix they are
+no-ops; we skip them there anyway (see ``compat``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+from connectors.compat import streaming_fix_wanted
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
+    """Scheduler side of the OffloadingConnector, safe for resumed sessions."""
+
+    def _update_req_states(self, scheduler_output: SchedulerOutput) -> None:
+        # A request in scheduled_new_reqs brings its whole block table: forget the
+        # table we tracked so upstream's extend() rebuilds it instead of doubling it.
+        for new_req in scheduler_output.scheduled_new_reqs:
+            req_status = self._req_status.get(new_req.req_id)
+            if req_status is not None:
+                for group_state in req_status.group_states:
+                    group_state.block_ids.clear()
+        super()._update_req_states(scheduler_output)
+
+    def get_num_new_matched_tokens(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        max_num_new_tokens: int | None = None,
+    ) -> tuple[int | None, bool]:
+        # Only requests starting at token 0 get here (new or preempted): their
+        # earlier stores may have been flushed or evicted, so offer every chunk.
+        req_status = self._req_status.get(request.request_id)
+        if req_status is not None:
+            for group_state in req_status.group_states:
+                group_state.next_stored_chunk_idx = 0
+        return super().get_num_new_matched_tokens(
+            request, num_computed_tokens, max_num_new_tokens
+        )
+
+
+class StreamingSafeOffloadingConnector(OffloadingConnector):
+    """OffloadingConnector whose scheduler side handles resumed streaming sessions.
+
+    Load it with ``kv_connector="StreamingSafeOffloadingConnector"`` and
+    ``kv_connector_module_path="connectors.offloading"``.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra_config: dict[str, Any] = self._kv_transfer_config.kv_connector_extra_config
+        if self.connector_scheduler is not None and streaming_fix_wanted(extra_config):
+            # Swap the class rather than build a second scheduler: the subclass
+            # only overrides methods, and building twice would re-create the
+            # offloading manager the spec already handed out.
+            self.connector_scheduler.__class__ = StreamingSafeOffloadingScheduler
