@@ -1,0 +1,157 @@
+"""The seed bug (vLLM PR #60810) on vLLM's real Scheduler, with and without our fix.
+
+A streaming session's first chunk (8 tokens, block size 4) stores blocks (0, 1).
+Resumed with a 12-token chunk, its context is 8 + 1 kept output + 12 = 21 tokens,
+so blocks 2, 3 and 4 are new and must be stored from the session's own blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as upstream_scheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+)
+
+from connectors import compat
+from connectors.offloading import StreamingSafeOffloadingScheduler
+from connectors.simple import StreamingSafeSimpleCPUOffloadScheduler
+from tests.unit.scheduler_harness import EOS_TOKEN_ID, SchedulerHarness
+
+FIRST_CHUNK = list(range(1, 9))
+SECOND_CHUNK = list(range(200, 212))
+
+
+def run_two_chunk_session(harness: SchedulerHarness) -> tuple[list[int], list[int]]:
+    """Device-block offsets stored for each of the session's two chunks."""
+    harness.add_chunk("session", FIRST_CHUNK)
+    first = harness.run([100, EOS_TOKEN_ID])
+    harness.add_chunk("session", SECOND_CHUNK)
+    second = harness.run([300, EOS_TOKEN_ID])
+    return first, second
+
+
+def connector_scheduler(harness: SchedulerHarness) -> Any:
+    if harness.connector_kind == "offloading":
+        return harness.connector.connector_scheduler
+    return harness.connector.scheduler_manager
+
+
+@pytest.fixture(autouse=True)
+def fresh_detection() -> Iterator[None]:
+    compat.upstream_has_streaming_fix.cache_clear()
+    yield
+    compat.upstream_has_streaming_fix.cache_clear()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("connector", ["offloading", "simple"])
+def test_resumed_session_stores_its_new_blocks(connector: str, async_scheduling: bool) -> None:
+    harness = SchedulerHarness(connector, async_scheduling)  # type: ignore[arg-type]
+    assert isinstance(
+        connector_scheduler(harness),
+        StreamingSafeOffloadingScheduler | StreamingSafeSimpleCPUOffloadScheduler,
+    )
+    first, second = run_two_chunk_session(harness)
+    assert first == [0, 1]
+    assert sorted(second) == [2, 3, 4]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("connector", ["offloading", "simple"])
+def test_negative_control_unfixed_connector_shows_the_seed_bug(
+    connector: str, async_scheduling: bool
+) -> None:
+    """The same session on vLLM's own scheduler side (fix disabled) goes wrong,
+    so the test above can fail."""
+    harness = SchedulerHarness(connector, async_scheduling, disable_fix=True)  # type: ignore[arg-type]
+    assert type(connector_scheduler(harness)).__name__ in {
+        "OffloadingConnectorScheduler",
+        "SimpleCPUOffloadScheduler",
+    }
+    first, second = run_two_chunk_session(harness)
+    assert first == [0, 1]
+    assert sorted(second) != [2, 3, 4]
+    if connector == "offloading":
+        # The doubled table pairs the new chunks' keys with the old blocks:
+        # vLLM's PR reports exactly (0, 1, 2) on the unfixed code.
+        assert sorted(second) == [0, 1, 2]
+    else:
+        # The simple connector's cursor points into the stale copy: blocks 3 and 4
+        # of the new chunk are never offloaded.
+        assert not {3, 4} & set(second)
+
+
+def _yield_req_data_033(scheduler_output: Any) -> Iterator[tuple[str, Any, bool]]:
+    """vLLM 0.33's yield_req_data: new requests carry a full table."""
+    for req in scheduler_output.scheduled_new_reqs:
+        yield req.req_id, req.block_ids, True
+    cached = scheduler_output.scheduled_cached_reqs
+    yield from zip(
+        cached.req_ids,
+        cached.new_block_ids,
+        (req_id in cached.resumed_req_ids for req_id in cached.req_ids),
+    )
+
+
+def test_detection_reads_the_installed_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+    from packaging.version import Version
+    from vllm.distributed.kv_transfer.kv_connector import utils
+
+    # The fix shipped in 0.33: the probe must agree with the installed version.
+    fixed_release = Version(vllm.__version__).release >= (0, 33)
+    assert compat.yield_req_data_reports_full_tables() is fixed_release
+    assert compat.streaming_fix_wanted({}) is (not fixed_release)
+    assert compat.streaming_fix_wanted({compat.DISABLE_FIX_KEY: "true"}) is False
+
+    monkeypatch.setattr(utils, "yield_req_data", _yield_req_data_033)
+    compat.upstream_has_streaming_fix.cache_clear()
+    assert compat.yield_req_data_reports_full_tables() is True
+    assert compat.streaming_fix_wanted({}) is False
+
+
+def test_fixed_vllm_keeps_upstream_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a vLLM that has the fix, our connector stands aside."""
+    from vllm.distributed.kv_transfer.kv_connector import utils
+
+    monkeypatch.setattr(utils, "yield_req_data", _yield_req_data_033)
+    monkeypatch.setattr(upstream_scheduler, "yield_req_data", _yield_req_data_033)
+    harness = SchedulerHarness("offloading", async_scheduling=False)
+    assert type(connector_scheduler(harness)) is OffloadingConnectorScheduler
+    first, second = run_two_chunk_session(harness)
+    assert (first, sorted(second)) == ([0, 1], [2, 3, 4])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_fix_is_idempotent_on_a_fixed_vllm(
+    monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
+) -> None:
+    """Forcing our fix onto a vLLM whose scheduler already resets the table (0.33
+    semantics of yield_req_data drive 0.32's reset branch) changes nothing."""
+    monkeypatch.setattr(upstream_scheduler, "yield_req_data", _yield_req_data_033)
+    monkeypatch.setattr(compat, "upstream_has_streaming_fix", lambda: False)
+    harness = SchedulerHarness("offloading", async_scheduling)
+    assert isinstance(connector_scheduler(harness), StreamingSafeOffloadingScheduler)
+    first, second = run_two_chunk_session(harness)
+    assert (first, sorted(second)) == ([0, 1], [2, 3, 4])
+
+
+@pytest.mark.parametrize("disable_fix", [False, True], ids=["fixed", "negative-control"])
+def test_restart_from_token_zero_offers_every_chunk_again(disable_fix: bool) -> None:
+    """vLLM PR #63010: a preempted request restarts from token 0; when its earlier
+    chunks are no longer in the tier (the recording manager misses every lookup),
+    they must be stored again, or the tier keeps a hole before the old cursor."""
+    harness = SchedulerHarness("offloading", async_scheduling=False, disable_fix=disable_fix)
+    harness.add_chunk("request", list(range(1, 17)))
+    assert harness.run([5, 6, 7], max_steps=3) == [0, 1, 2, 3]
+    # Preempt the running request (device cache reset); the tier is kept.
+    assert harness.scheduler.reset_prefix_cache(reset_running_requests=True)
+    stored_after_restart = sorted(harness.run([8, EOS_TOKEN_ID]))
+    if disable_fix:
+        assert stored_after_restart == [4]
+    else:
+        assert stored_after_restart == [0, 1, 2, 3, 4]
