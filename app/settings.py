@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     api_keys: list[SecretStr] = Field(
         default_factory=list, description="Accepted bearer keys (JSON list or comma-separated). Empty: no auth."
     )
+    admin_api_keys: list[SecretStr] = Field(
+        default_factory=list, description="Keys for /v1/admin routes. Empty: any accepted API key."
+    )
     guard_metrics: bool = Field(default=False, description="Require an API key on /metrics too.")
     log_level: str = "info"
 
@@ -87,7 +90,7 @@ class Settings(BaseSettings):
     )
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):

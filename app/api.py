@@ -1,0 +1,11 @@
+"""Every route of ours, collected in one place (vLLM's OpenAI routes come from vLLM)."""
+
+from fastapi import APIRouter
+
+from app import admin
+from app.sessions import rest, ws
+
+api_router = APIRouter()
+api_router.include_router(rest.router)
+api_router.include_router(ws.router)
+api_router.include_router(admin.router)

@@ -1,0 +1,115 @@
+"""Optional API keys: ``Authorization: Bearer <key>``, compared in constant time.
+
+A pure ASGI middleware, so it guards websockets exactly like HTTP routes. It puts
+the caller's identity (a fingerprint of the key, never the key) in
+``scope["state"]["owner"]``: a session belongs to the key that created it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.errors import APIError, unauthorized
+
+ANONYMOUS = "anonymous"
+ALWAYS_OPEN_PATHS = frozenset({"/health"})
+
+
+def key_owner(key: str) -> str:
+    return "key_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def bearer_token(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            text = value.decode("latin-1")
+            scheme, _, token = text.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, keys: Iterable[str], guard_metrics: bool = False):
+        self.app = app
+        self._keys = [key.encode() for key in keys]
+        self._open_paths = set(ALWAYS_OPEN_PATHS) | (set() if guard_metrics else {"/metrics"})
+
+    def _match(self, token: str | None) -> str | None:
+        if token is None:
+            return None
+        candidate = token.encode()
+        # Compare against every key, without stopping early, in constant time.
+        matched = None
+        for key in self._keys:
+            if hmac.compare_digest(candidate, key):
+                matched = token
+        return matched
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        path = scope.get("path", "")
+        if not self._keys:
+            state["owner"] = ANONYMOUS
+            await self.app(scope, receive, send)
+            return
+        key = self._match(bearer_token(scope))
+        if key is not None:
+            state["owner"] = key_owner(key)
+            await self.app(scope, receive, send)
+            return
+        if path in self._open_paths or path.startswith("/metrics/"):
+            state["owner"] = ANONYMOUS
+            await self.app(scope, receive, send)
+            return
+        error = unauthorized()
+        if scope["type"] == "http":
+            await send_http_error(send, error, [(b"www-authenticate", b"Bearer")])
+            return
+        # Websocket: accept, say why in the OpenAI error shape, close with 1008.
+        message = await receive()
+        if message["type"] != "websocket.connect":
+            return
+        await send({"type": "websocket.accept"})
+        event = {"type": "error", "event_id": "event_auth", "error": {**error.body()["error"], "event_id": None}}
+        await send({"type": "websocket.send", "text": json.dumps(event)})
+        await send({"type": "websocket.close", "code": 1008, "reason": "invalid api key"})
+
+
+class BodySizeLimitMiddleware:
+    """Refuse request bodies over the limit with 413 before reading them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                error = APIError(
+                    413, f"The request body exceeds {self.max_bytes} bytes.", code="request_too_large",
+                    type="invalid_request_error",
+                )
+                await send_http_error(send, error)
+                return
+        await self.app(scope, receive, send)
+
+
+async def send_http_error(
+    send: Send, error: APIError, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """Answer an HTTP request from ASGI middleware with an OpenAI-shaped error."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers + (extra_headers or [])})
+    await send({"type": "http.response.body", "body": body})

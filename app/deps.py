@@ -1,0 +1,29 @@
+"""Typed FastAPI dependencies: the service, the caller, the engine."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends
+from starlette.requests import HTTPConnection
+
+from app.auth import ANONYMOUS
+from app.sessions.service import SessionService
+
+
+def get_session_service(connection: HTTPConnection) -> SessionService:
+    return connection.app.state.session_service
+
+
+def get_owner(connection: HTTPConnection) -> str:
+    """The caller, as set by the API-key middleware."""
+    return str(connection.scope.get("state", {}).get("owner", ANONYMOUS))
+
+
+def get_engine(connection: HTTPConnection) -> Any:
+    return connection.app.state.engine_client
+
+
+ServiceDep = Annotated[SessionService, Depends(get_session_service)]
+OwnerDep = Annotated[str, Depends(get_owner)]
+EngineDep = Annotated[Any, Depends(get_engine)]

@@ -1,0 +1,105 @@
+"""The OpenAI error shape, in one place for REST, SSE and websocket alike.
+
+Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str,
+        type: str | None = None,
+        param: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.type = type or _default_type(status)
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 409:
+        return "conflict_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, type: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+# --- common errors ------------------------------------------------------------
+
+
+def session_not_found(session_id: str) -> APIError:
+    return APIError(404, f"No session with id {session_id!r}.", code="session_not_found", param="session_id")
+
+
+def unauthorized(message: str = "Missing or invalid API key.") -> APIError:
+    return APIError(401, message, code="invalid_api_key")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    if first.get("type") == "json_invalid":
+        return APIError(400, "The request body is not valid JSON.", code="invalid_json")
+    message = first.get("msg", "Invalid request.")
+    param = ".".join(loc) or None
+    return APIError(400, f"{param}: {message}" if param else message, code="invalid_request", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error our routes raise to the OpenAI shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return error_response(APIError(400, "The request body is not valid JSON.", code="invalid_json"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
+        error = APIError(exc.status_code, str(exc.detail or phrase), code=phrase.lower().replace(" ", "_") or "error")
+        return error_response(error, headers=getattr(exc, "headers", None))

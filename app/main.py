@@ -1,0 +1,118 @@
+"""The server: vLLM's own OpenAI app plus our session routes, on one AsyncLLM.
+
+``create_app`` builds the FastAPI app with vLLM's ``build_app`` (so
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health`` and
+``/metrics`` are vLLM's code), adds our routers and middleware, and starts the
+engine in the lifespan (or uses the one it is given, as the tests do).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from argparse import Namespace
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from app.api import api_router
+from app.auth import APIKeyMiddleware, BodySizeLimitMiddleware
+from app.errors import install_error_handlers
+from app.metrics import session_metrics
+from app.openai_usage import UsageProvenanceMiddleware
+from app.provenance import ProvenanceRecorder
+from app.sessions.service import SessionService
+from app.settings import Settings, load_settings
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TASKS: tuple[Any, ...] = ("generate",)
+
+
+def vllm_server_args(settings: Settings, model_path: str) -> Namespace:
+    """vLLM's own server arguments, so its serving layer behaves as under `vllm serve`."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    return parser.parse_args(
+        [
+            "--model", model_path,
+            "--served-model-name", settings.resolved_served_model_name(),
+            "--max-model-len", str(settings.max_model_len),
+            # cached_tokens in usage; our middleware adds the source split.
+            "--enable-prompt-tokens-details",
+        ]
+    )
+
+
+def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    model_path = settings.resolved_model()
+    args = vllm_server_args(settings, model_path)
+    app = build_app(args, supported_tasks=SUPPORTED_TASKS)
+    app.title = "streaming-sessions"
+    app.description = "Streaming-input LLM sessions over REST and websocket, beside vLLM's OpenAI API."
+    vllm_lifespan = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from app.engine import build_engine
+
+        owns_engine = engine is None
+        llm = engine if engine is not None else build_engine(settings)
+        recorder = ProvenanceRecorder()
+        recorder.attach(llm)
+        await init_app_state(llm, app.state, args, SUPPORTED_TASKS)
+        service = SessionService(
+            engine=llm,
+            settings=settings,
+            model_name=settings.resolved_served_model_name(),
+            tokenizer=llm.get_tokenizer(),
+            metrics=session_metrics(),
+            recorder=recorder,
+        )
+        app.state.settings = settings
+        app.state.provenance = recorder
+        app.state.session_service = service
+        await service.start()
+        try:
+            async with vllm_lifespan(app):
+                yield
+        finally:
+            await service.stop()
+            if owns_engine:
+                llm.shutdown()
+
+    app.router.lifespan_context = lifespan
+    app.include_router(api_router)
+    install_error_handlers(app)
+    # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
+    # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.
+    app.middleware_stack = None
+    # Added last runs first: keys, then body size, then usage rewriting.
+    app.add_middleware(UsageProvenanceMiddleware)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(
+        APIKeyMiddleware,
+        keys=[key.get_secret_value() for key in settings.api_keys],
+        guard_metrics=settings.guard_metrics,
+    )
+    return app
+
+
+def cli(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    settings = load_settings(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=settings.log_level.upper())
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, ws="websockets-sansio")
+
+
+if __name__ == "__main__":
+    cli()

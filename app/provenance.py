@@ -1,0 +1,82 @@
+"""Where each request's prompt tokens came from: device prefix cache, CPU tier or compute.
+
+vLLM's scheduler measures this per request (``PrefillStats``: local and external
+cached tokens) but ``RequestOutput`` carries only the sum. The recorder taps the
+engine's output processor, which sees every ``EngineCoreOutput``, and keeps the
+split by request id until the serving code claims it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PrefillSources:
+    """Prompt tokens of one request's first prefill, by where their KV came from."""
+
+    device_tokens: int
+    cpu_tier_tokens: int
+
+
+class ProvenanceRecorder:
+    """Bounded map from external request id to its prefill sources."""
+
+    def __init__(self, capacity: int = 4096):
+        self._capacity = capacity
+        self._records: OrderedDict[str, PrefillSources] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def record(self, request_id: str, sources: PrefillSources) -> None:
+        with self._lock:
+            self._records[request_id] = sources
+            self._records.move_to_end(request_id)
+            while len(self._records) > self._capacity:
+                # Unclaimed records (a client that never read usage) age out.
+                self._records.popitem(last=False)
+
+    def pop(self, request_id: str) -> PrefillSources | None:
+        with self._lock:
+            return self._records.pop(request_id, None)
+
+    def pop_prefix(self, prefix: str) -> PrefillSources | None:
+        """Sum and remove every record whose id starts with ``prefix`` (vLLM
+        suffixes one id per prompt of a batched completion)."""
+        with self._lock:
+            keys = [key for key in self._records if key.startswith(prefix)]
+            if not keys:
+                return None
+            found = [self._records.pop(key) for key in keys]
+        return PrefillSources(
+            device_tokens=sum(s.device_tokens for s in found),
+            cpu_tier_tokens=sum(s.cpu_tier_tokens for s in found),
+        )
+
+    def attach(self, engine: Any) -> None:
+        """Wrap the engine's ``output_processor.process_outputs`` to record sources."""
+        processor = engine.output_processor
+        original = processor.process_outputs
+        if getattr(original, "_provenance_recorder", None) is self:
+            return
+
+        def process_outputs(engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+            for output in engine_core_outputs:
+                stats = getattr(output, "prefill_stats", None)
+                if stats is None:
+                    continue
+                state = processor.request_states.get(output.request_id)
+                request_id = getattr(state, "external_req_id", None) or output.request_id
+                self.record(
+                    request_id,
+                    PrefillSources(
+                        device_tokens=int(stats.num_local_cached_tokens),
+                        cpu_tier_tokens=int(stats.num_external_cached_tokens),
+                    ),
+                )
+            return original(engine_core_outputs, *args, **kwargs)
+
+        process_outputs._provenance_recorder = self  # type: ignore[attr-defined]
+        processor.process_outputs = process_outputs

@@ -1,0 +1,252 @@
+"""Wire models of the session API: REST bodies, SSE events and websocket events.
+
+Clients import this module too (``clients/``), so it depends on pydantic only.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# -- sampling ----------------------------------------------------------------------
+
+
+class SamplingOptions(BaseModel):
+    """Sampling settings for one chunk; unset fields fall back to the session defaults.
+
+    vLLM's streaming input allows one sequence per chunk and no stop strings, so
+    ``n`` and ``stop`` are absent on purpose.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int | None = Field(default=None, ge=1, description="Tokens to generate after this chunk.")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+
+
+SAMPLING_FIELDS = tuple(SamplingOptions.model_fields)
+
+
+class SessionDefaults(SamplingOptions):
+    """Per-session defaults, applied to every chunk that leaves a field unset."""
+
+
+Metadata = Annotated[dict[str, str], Field(max_length=16)]
+ChunkInput = Annotated[
+    str | list[Annotated[int, Field(ge=0)]],
+    Field(description="The chunk: text, or token ids.", min_length=1),
+]
+
+# -- usage ---------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    """Where the prompt tokens' KV came from. ``cached_tokens`` is what the OpenAI
+    API calls it; the other three split the prompt exactly."""
+
+    cached_tokens: int = Field(description="device_tokens + cpu_tier_tokens")
+    device_tokens: int = Field(description="Already on the device: the session's own context, or prefix-cache hits.")
+    cpu_tier_tokens: int = Field(description="Loaded from the CPU tier (host memory).")
+    computed_tokens: int = Field(description="Computed for this request.")
+
+
+class ChunkUsage(BaseModel):
+    prompt_tokens: int = Field(description="Context before the chunk plus the chunk itself.")
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+# -- REST --------------------------------------------------------------------------------
+
+SessionStatus = Literal["active", "generating", "closed"]
+
+
+class SessionCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, description="Must name the served model when given.")
+    defaults: SessionDefaults = Field(default_factory=SessionDefaults)
+    metadata: Metadata = Field(default_factory=dict)
+
+
+class SessionObject(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    model: str
+    created: int
+    status: SessionStatus
+    close_reason: str | None = None
+    defaults: SessionDefaults
+    metadata: dict[str, str]
+    num_chunks: int
+    num_tokens: int = Field(description="Tokens in the context the engine holds.")
+    max_tokens: int = Field(description="Longest context this session may reach.")
+    last_activity_at: float
+    expires_at: float | None = Field(description="When an idle session is closed; None once closed.")
+
+
+class SessionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SessionObject]
+
+
+class SessionDeleted(BaseModel):
+    id: str
+    object: Literal["session.deleted"] = "session.deleted"
+    deleted: bool = True
+
+
+class ChunkRequest(SamplingOptions):
+    input: ChunkInput
+    stream: bool = False
+
+
+class ChunkOutput(BaseModel):
+    text: str
+    token_ids: list[int]
+
+
+class ChunkResponse(BaseModel):
+    id: str
+    object: Literal["session.chunk"] = "session.chunk"
+    session_id: str
+    index: int
+    output: ChunkOutput
+    finish_reason: str | None
+    usage: ChunkUsage
+
+
+class ChunkDeltaEvent(BaseModel):
+    """One SSE ``data:`` event of a streamed chunk."""
+
+    id: str
+    object: Literal["session.chunk.delta"] = "session.chunk.delta"
+    session_id: str
+    index: int
+    delta: ChunkOutput
+
+
+class ChunkDoneEvent(BaseModel):
+    """The last SSE event of a streamed chunk, before ``[DONE]``."""
+
+    id: str
+    object: Literal["session.chunk.done"] = "session.chunk.done"
+    session_id: str
+    index: int
+    finish_reason: str | None
+    usage: ChunkUsage
+
+
+class TranscriptResponse(BaseModel):
+    object: Literal["session.transcript"] = "session.transcript"
+    session_id: str
+    token_ids: list[int]
+    text: str
+    num_tokens: int
+
+
+class ResetCacheResponse(BaseModel):
+    object: Literal["cache.reset"] = "cache.reset"
+    device_cache_reset: bool
+    cpu_tier_kept: bool = True
+
+
+# -- websocket: client events ---------------------------------------------------------------
+
+
+class _ClientEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    event_id: str | None = Field(default=None, description="Echoed in errors about this event.")
+
+
+class SessionUpdateEvent(_ClientEvent):
+    type: Literal["session.update"]
+    session: SessionDefaults
+
+
+class InputAppendEvent(_ClientEvent, SamplingOptions):
+    type: Literal["input.append"]
+    input: ChunkInput
+
+
+class SessionCloseEvent(_ClientEvent):
+    type: Literal["session.close"]
+
+
+ClientEvent = Annotated[
+    SessionUpdateEvent | InputAppendEvent | SessionCloseEvent, Field(discriminator="type")
+]
+
+# -- websocket: server events ---------------------------------------------------------------
+
+
+class _ServerEvent(BaseModel):
+    event_id: str
+
+
+class SessionCreatedEvent(_ServerEvent):
+    type: Literal["session.created"] = "session.created"
+    session: SessionObject
+
+
+class SessionUpdatedEvent(_ServerEvent):
+    type: Literal["session.updated"] = "session.updated"
+    session: SessionObject
+
+
+class ResponseOutputDeltaEvent(_ServerEvent):
+    type: Literal["response.output.delta"] = "response.output.delta"
+    chunk_index: int
+    delta: ChunkOutput
+
+
+class ResponseDoneEvent(_ServerEvent):
+    type: Literal["response.done"] = "response.done"
+    chunk_index: int
+    finish_reason: str | None
+    output: ChunkOutput
+    usage: ChunkUsage
+
+
+class SessionClosedEvent(_ServerEvent):
+    type: Literal["session.closed"] = "session.closed"
+    reason: str
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    code: str | None
+    message: str
+    param: str | None = None
+    event_id: str | None = Field(default=None, description="The client event this error is about.")
+
+
+class ErrorEvent(_ServerEvent):
+    type: Literal["error"] = "error"
+    error: ErrorDetail
+
+
+ServerEvent = (
+    SessionCreatedEvent
+    | SessionUpdatedEvent
+    | ResponseOutputDeltaEvent
+    | ResponseDoneEvent
+    | SessionClosedEvent
+    | ErrorEvent
+)
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")

@@ -1,0 +1,169 @@
+"""Thin REST transport over SessionService."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from app.deps import OwnerDep, ServiceDep
+from app.errors import APIError
+from app.sessions.protocol import (
+    ChunkDeltaEvent,
+    ChunkDoneEvent,
+    ChunkOutput,
+    ChunkRequest,
+    ChunkResponse,
+    SessionCreateRequest,
+    SessionDeleted,
+    SessionList,
+    SessionObject,
+    TranscriptResponse,
+)
+from app.sessions.service import PreparedChunk, SessionService
+from app.sessions.session import ChunkResult
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+ERROR_RESPONSES: dict[int | str, dict[str, str]] = {
+    400: {"description": "Invalid request (OpenAI error shape)"},
+    401: {"description": "Missing or invalid API key"},
+    404: {"description": "Unknown session"},
+    409: {"description": "Session closed, or a chunk already in flight"},
+}
+
+T = TypeVar("T")
+
+
+@router.post("", status_code=201, response_model=SessionObject, responses=ERROR_RESPONSES)
+async def create_session(
+    service: ServiceDep, owner: OwnerDep, body: SessionCreateRequest | None = None
+) -> SessionObject:
+    """Open a streaming-input session. Optional body: per-session sampling defaults and metadata."""
+    session = service.create(owner, body or SessionCreateRequest())
+    return service.describe(session)
+
+
+@router.get("", response_model=SessionList, responses=ERROR_RESPONSES)
+async def list_sessions(service: ServiceDep, owner: OwnerDep) -> SessionList:
+    """The caller's open sessions."""
+    return SessionList(data=[service.describe(s) for s in service.owned_by(owner)])
+
+
+@router.get("/{session_id}", response_model=SessionObject, responses=ERROR_RESPONSES)
+async def get_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> SessionObject:
+    """A session's state: status, token and chunk counts, times."""
+    return service.describe(service.get(owner, session_id, include_closed=True))
+
+
+@router.get("/{session_id}/transcript", response_model=TranscriptResponse, responses=ERROR_RESPONSES)
+async def get_transcript(session_id: str, service: ServiceDep, owner: OwnerDep) -> TranscriptResponse:
+    """The context the engine holds for the session, as token ids and text. A request
+    that starts with these token ids reuses the session's KV (device or CPU tier)."""
+    session, text = service.transcript(owner, session_id)
+    return TranscriptResponse(
+        session_id=session.id, token_ids=list(session.token_ids), text=text, num_tokens=len(session.token_ids)
+    )
+
+
+@router.delete("/{session_id}", response_model=SessionDeleted, responses=ERROR_RESPONSES)
+async def delete_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> SessionDeleted:
+    """Close a session and free its device KV (what was offloaded stays in the CPU tier)."""
+    session = await service.close(owner, session_id, reason="deleted")
+    return SessionDeleted(id=session.id)
+
+
+@router.post(
+    "/{session_id}/chunks",
+    response_model=ChunkResponse,
+    responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}},
+)
+async def append_chunk(
+    session_id: str, body: ChunkRequest, request: Request, service: ServiceDep, owner: OwnerDep
+) -> ChunkResponse | StreamingResponse:
+    """Append one input chunk and generate after it: one JSON body, or SSE with ``stream``."""
+    prepared = await service.prepare_chunk(
+        owner, session_id, body.input, body, transport="sse" if body.stream else "rest", wait=False
+    )
+    chunk_id = f"chunk_{secrets.token_hex(12)}"
+    if body.stream:
+        return StreamingResponse(
+            _sse_events(service, prepared, chunk_id),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    result = await _unless_disconnected(request, service.run_chunk(prepared))
+    return ChunkResponse(
+        id=chunk_id,
+        session_id=session_id,
+        index=result.index,
+        output=ChunkOutput(text=result.text, token_ids=result.token_ids),
+        finish_reason=result.finish_reason,
+        usage=result.usage,
+    )
+
+
+async def _sse_events(service: SessionService, prepared: PreparedChunk, chunk_id: str) -> AsyncIterator[str]:
+    """SSE frames of one chunk. The chunk runs in its own task from the start, so
+    its lock is released even if the response never begins streaming; if the
+    client goes away mid-stream, cancelling that task aborts the session."""
+    frames: asyncio.Queue[str | None] = asyncio.Queue()
+    session_id = prepared.session.id
+
+    async def produce() -> None:
+        try:
+            async with contextlib.aclosing(service.stream_chunk(prepared)) as events:
+                async for event in events:
+                    payload: ChunkDoneEvent | ChunkDeltaEvent
+                    if isinstance(event, ChunkResult):
+                        payload = ChunkDoneEvent(
+                            id=chunk_id, session_id=session_id, index=event.index,
+                            finish_reason=event.finish_reason, usage=event.usage,
+                        )
+                    else:
+                        payload = ChunkDeltaEvent(
+                            id=chunk_id, session_id=session_id, index=prepared.session.num_chunks,
+                            delta=ChunkOutput(text=event.text, token_ids=event.token_ids),
+                        )
+                    frames.put_nowait(f"data: {payload.model_dump_json()}\n\n")
+        except APIError as exc:
+            # Headers are gone already: the error travels as an SSE event.
+            frames.put_nowait(f"data: {json.dumps(exc.body())}\n\n")
+        finally:
+            frames.put_nowait("data: [DONE]\n\n")
+            frames.put_nowait(None)
+
+    producer = asyncio.create_task(produce())
+    try:
+        while (frame := await frames.get()) is not None:
+            yield frame
+    finally:
+        if not producer.done():
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.2) -> T:
+    """Await ``work``, cancelling it if the client disconnects first, so an
+    abandoned chunk aborts its engine request instead of running on."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, APIError):
+                    await task
+                raise APIError(499, "The client closed the connection.", code="client_disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

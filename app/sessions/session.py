@@ -1,0 +1,221 @@
+"""One streaming-input session: a single vLLM request that lives across chunks.
+
+The session feeds ``AsyncLLM.generate`` from a queue of ``StreamingInput`` chunks,
+so the engine keeps the session's KV on the device between chunks and answers each
+chunk without recomputing what came before. A background task ("the pump") owns
+the engine request; cancelling it aborts the request and frees its KV.
+
+No FastAPI here: transports (REST, websocket) drive sessions through the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.engine.protocol import StreamingInput
+from vllm.inputs.engine import tokens_input
+
+from app.provenance import PrefillSources, ProvenanceRecorder
+from app.sessions.protocol import ChunkUsage, PromptTokensDetails, SessionDefaults, SessionStatus
+
+logger = logging.getLogger(__name__)
+
+# How long a graceful close waits for the engine to finish the request before aborting.
+GRACEFUL_CLOSE_S = 10.0
+
+
+class SessionFailedError(RuntimeError):
+    """The engine request behind a session ended or failed mid-chunk."""
+
+
+@dataclass
+class ChunkDelta:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class ChunkResult:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: ChunkUsage
+    time_to_first_token: float | None
+
+
+class StreamingSession:
+    def __init__(
+        self,
+        session_id: str,
+        owner: str,
+        model: str,
+        engine: Any,
+        defaults: SessionDefaults,
+        metadata: dict[str, str],
+        max_tokens: int,
+        recorder: ProvenanceRecorder | None = None,
+    ):
+        self.id = session_id
+        self.owner = owner
+        self.model = model
+        self.defaults = defaults
+        self.metadata = metadata
+        self.max_tokens = max_tokens
+        self.created = int(time.time())
+        self.last_activity = time.time()
+        self.status: SessionStatus = "active"
+        self.close_reason: str | None = None
+        # The context the engine holds: every chunk's input and its output except
+        # the last sampled token, which vLLM discards when the session resumes.
+        self.token_ids: list[int] = []
+        self.num_chunks = 0
+        # One chunk in flight: REST callers fail fast on it, websocket callers queue.
+        self.lock = asyncio.Lock()
+        self._engine = engine
+        self._recorder = recorder
+        self._inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
+        self._outputs: asyncio.Queue[Any] = asyncio.Queue()
+        self._pump: asyncio.Task[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.status == "closed"
+
+    @property
+    def request_id(self) -> str:
+        return self.id
+
+    # ------------------------------------------------------------------ chunks
+    async def generate(self, input_ids: list[int], params: Any) -> AsyncGenerator[ChunkDelta | ChunkResult, None]:
+        """Append one chunk and stream its answer; the caller holds ``self.lock``.
+
+        Yields deltas, then one ``ChunkResult``. If the consumer stops early (a
+        client disconnect cancels it), the engine request is aborted: a session
+        cannot resume from the middle of a chunk.
+        """
+        if self.closed:
+            raise SessionFailedError(f"session {self.id} is closed ({self.close_reason})")
+        index = self.num_chunks
+        context_before = len(self.token_ids)
+        started = time.monotonic()
+        self.status = "generating"
+        self._inputs.put_nowait(StreamingInput(prompt=tokens_input(list(input_ids)), sampling_params=params))
+        if self._pump is None:
+            self._pump = asyncio.create_task(self._run_engine(params), name=f"session-{self.id}")
+
+        token_ids: list[int] = []
+        text_parts: list[str] = []
+        first_token_at: float | None = None
+        finish_reason: str | None = None
+        num_cached_tokens = 0
+        finished_cleanly = False
+        try:
+            while finish_reason is None:
+                item = await self._outputs.get()
+                if isinstance(item, BaseException):
+                    raise SessionFailedError(f"engine request failed: {item}") from item
+                if item is None:
+                    raise SessionFailedError("the engine ended the session mid-chunk")
+                completion = item.outputs[0]
+                num_cached_tokens = item.num_cached_tokens or num_cached_tokens
+                if completion.token_ids:
+                    if first_token_at is None:
+                        first_token_at = time.monotonic()
+                    token_ids.extend(completion.token_ids)
+                    text_parts.append(completion.text)
+                    yield ChunkDelta(list(completion.token_ids), completion.text)
+                finish_reason = completion.finish_reason
+            finished_cleanly = True
+        finally:
+            if not finished_cleanly:
+                self.terminate("client_disconnected" if not self.closed else self.close_reason or "aborted")
+
+        usage = self._usage(index, context_before, input_ids, token_ids, num_cached_tokens)
+        self.token_ids += list(input_ids) + token_ids[:-1]
+        self.num_chunks += 1
+        self.status = "active"
+        self.last_activity = time.time()
+        yield ChunkResult(
+            index=index,
+            token_ids=token_ids,
+            text="".join(text_parts),
+            finish_reason=finish_reason,
+            usage=usage,
+            time_to_first_token=None if first_token_at is None else first_token_at - started,
+        )
+
+    def _usage(
+        self, index: int, context_before: int, input_ids: list[int], output_ids: list[int], num_cached: int
+    ) -> ChunkUsage:
+        prompt_tokens = context_before + len(input_ids)
+        if index == 0:
+            # The first chunk is an ordinary prefill: its hits come from the device
+            # prefix cache or the CPU tier, as the scheduler measured them.
+            recorded = self._recorder.pop(self.request_id) if self._recorder else None
+            sources = recorded or PrefillSources(device_tokens=num_cached, cpu_tier_tokens=0)
+        else:
+            # A resumed chunk attends over the session's own context, still on device.
+            sources = PrefillSources(device_tokens=context_before, cpu_tier_tokens=0)
+        cached = sources.device_tokens + sources.cpu_tier_tokens
+        return ChunkUsage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(output_ids),
+            total_tokens=prompt_tokens + len(output_ids),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=cached,
+                device_tokens=sources.device_tokens,
+                cpu_tier_tokens=sources.cpu_tier_tokens,
+                computed_tokens=max(prompt_tokens - cached, 0),
+            ),
+        )
+
+    # ------------------------------------------------------------------ engine
+    async def _feed(self) -> AsyncIterator[StreamingInput]:
+        while (chunk := await self._inputs.get()) is not None:
+            yield chunk
+
+    async def _run_engine(self, first_params: Any) -> None:
+        try:
+            async for output in self._engine.generate(
+                prompt=self._feed(), sampling_params=first_params, request_id=self.request_id
+            ):
+                self._outputs.put_nowait(output)
+            self._outputs.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # engine errors reach the chunk's consumer
+            logger.warning("session %s: engine request failed: %s", self.id, exc)
+            self._outputs.put_nowait(exc)
+
+    # ------------------------------------------------------------------ closing
+    def terminate(self, reason: str) -> None:
+        """Close now: cancelling the pump aborts the engine request and frees its KV."""
+        if not self.closed:
+            self.status = "closed"
+            self.close_reason = reason
+        if self._pump is not None and not self._pump.done():
+            self._pump.cancel()
+
+    async def close(self, reason: str) -> None:
+        """Close gracefully when idle (the engine finishes the request), else abort."""
+        if self.closed:
+            return
+        pump = self._pump
+        if self.status == "generating" or pump is None:
+            self.terminate(reason)
+        else:
+            self.status = "closed"
+            self.close_reason = reason
+            self._inputs.put_nowait(None)
+        if pump is not None:
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(pump), GRACEFUL_CLOSE_S)
+            if not pump.done():
+                pump.cancel()

@@ -1,0 +1,47 @@
+"""Thin websocket transport: accept, find or create the session, hand over."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, WebSocket
+
+from app.deps import OwnerDep, ServiceDep
+from app.errors import APIError
+from app.sessions.connection import SessionConnection
+from app.sessions.protocol import ErrorDetail, ErrorEvent, SessionCreateRequest
+
+router = APIRouter(tags=["sessions"])
+
+
+@router.websocket("/v1/sessions/ws")
+async def new_session_ws(websocket: WebSocket, service: ServiceDep, owner: OwnerDep) -> None:
+    """Open a new session for this connection; it closes when the connection does."""
+    await websocket.accept()
+    try:
+        session = service.create(owner, SessionCreateRequest())
+    except APIError as exc:
+        await _refuse(websocket, exc)
+        return
+    await SessionConnection(websocket, service, owner, session, owns_session=True).run(created=True)
+
+
+@router.websocket("/v1/sessions/{session_id}/ws")
+async def attach_session_ws(websocket: WebSocket, session_id: str, service: ServiceDep, owner: OwnerDep) -> None:
+    """Attach to an existing session; it stays open when the connection ends."""
+    await websocket.accept()
+    try:
+        session = service.get(owner, session_id, include_closed=True)
+        if session.closed:
+            raise APIError(409, f"Session {session_id} is closed ({session.close_reason}).", code="session_closed")
+    except APIError as exc:
+        await _refuse(websocket, exc)
+        return
+    await SessionConnection(websocket, service, owner, session, owns_session=False).run(created=False)
+
+
+async def _refuse(websocket: WebSocket, error: APIError) -> None:
+    event = ErrorEvent(
+        event_id="event_refused",
+        error=ErrorDetail(type=error.type, code=error.code, message=error.message, param=error.param),
+    )
+    await websocket.send_text(event.model_dump_json())
+    await websocket.close(code=1008 if error.status in (401, 403, 404) else 1011, reason=error.code)

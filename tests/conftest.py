@@ -1,0 +1,85 @@
+"""Shared fixtures: one real vLLM engine per test session, built from test settings."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from app.settings import Settings
+
+# Small enough for 2 cores, large enough that no test evicts by accident:
+# the tiny model keeps 2 KiB of KV per token.
+TEST_ENGINE_SETTINGS: dict[str, Any] = {
+    "kv_cache_gib": 0.25,
+    "cpu_tier_gib": 0.5,
+    "block_size": 32,
+    "max_model_len": 4096,
+    "max_num_seqs": 16,
+    "max_sessions": 8,
+    "enforce_eager": True,
+}
+
+
+def make_settings(**overrides: Any) -> Settings:
+    return Settings(_env_file=None, **{**TEST_ENGINE_SETTINGS, **overrides})
+
+
+@pytest.fixture(scope="session")
+def engine_settings() -> Settings:
+    return make_settings()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def engine(engine_settings: Settings) -> AsyncIterator[Any]:
+    from app.engine import build_engine
+
+    llm = build_engine(engine_settings)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> Iterator[str]:
+    yield "asyncio"
+
+
+API_KEYS = ("test-key-alice", "test-key-bob")
+
+
+@pytest.fixture(scope="session")
+def server_settings() -> Settings:
+    return make_settings(api_keys=list(API_KEYS), session_idle_timeout_s=600.0)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def server(engine: Any, server_settings: Settings) -> AsyncIterator[str]:
+    """The real app over real HTTP on a loopback port, sharing the session's engine.
+
+    uvicorn runs as a task on the test session's event loop, so async tests talk to
+    it with real sockets; sync clients must run in a thread (asyncio.to_thread).
+    """
+    import asyncio
+
+    import uvicorn
+
+    from app.main import create_app
+
+    app = create_app(server_settings, engine=engine)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets-sansio", lifespan="on")
+    uv_server = uvicorn.Server(config)
+    task = asyncio.create_task(uv_server.serve())
+    while not uv_server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.05)
+    port = uv_server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    uv_server.should_exit = True
+    await asyncio.wait_for(task, 30)
+
+
+def auth(key: str = API_KEYS[0]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

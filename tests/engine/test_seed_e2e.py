@@ -1,0 +1,63 @@
+"""The seed PR's end-to-end validation, in-process on the real engine and our CPU tier.
+
+A three-chunk streaming session fills the CPU tier. After a reset of the device
+prefix cache (the tier is kept), a greedy request on a prefix of the session's
+context is served from the tier and must equal a full recompute token for token.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from tests.conftest import make_settings
+from tests.helpers import generate_once, random_tokens, run_streaming_session
+
+pytestmark = pytest.mark.engine
+
+CHUNK_TOKENS = 100
+CHUNK_OUTPUT_TOKENS = 8
+PROBE_OUTPUT_TOKENS = 32
+
+
+async def tier_vs_recompute(engine: Any, seed: int, prefix_len: int) -> tuple[Any, Any]:
+    rng = random.Random(seed)
+    chunks = [random_tokens(rng, CHUNK_TOKENS) for _ in range(3)]
+    context, _ = await run_streaming_session(engine, chunks, max_tokens=CHUNK_OUTPUT_TOKENS)
+    assert len(context) >= prefix_len
+    # Device prefix cache only: the CPU tier keeps what the session offloaded.
+    assert await engine.reset_prefix_cache(), "device prefix cache reset refused"
+    served = await generate_once(engine, context[:prefix_len], PROBE_OUTPUT_TOKENS)
+    recomputed = await generate_once(engine, context[:prefix_len], PROBE_OUTPUT_TOKENS, recompute=True)
+    assert recomputed.num_cached_tokens == 0
+    return served, recomputed
+
+
+@pytest.mark.parametrize("prefix_len", [192, 160, 288])
+async def test_session_prefix_served_from_cpu_tier_equals_recompute(engine: Any, prefix_len: int) -> None:
+    served, recomputed = await tier_vs_recompute(engine, seed=prefix_len, prefix_len=prefix_len)
+    # The device cache was just reset, so every cached token came from the CPU tier.
+    assert served.num_cached_tokens >= 160
+    assert list(served.outputs[0].token_ids) == list(recomputed.outputs[0].token_ids)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def unfixed_engine() -> AsyncIterator[Any]:
+    """A second engine running vLLM's unfixed connector code, for the negative
+    control only; it is shut down as soon as this module's tests end."""
+    from app.engine import build_engine
+
+    llm = build_engine(make_settings(disable_streaming_session_fix=True))
+    yield llm
+    llm.shutdown()
+
+
+async def test_negative_control_unfixed_connector_corrupts_the_tier(unfixed_engine: Any) -> None:
+    served, recomputed = await tier_vs_recompute(unfixed_engine, seed=192, prefix_len=192)
+    assert served.num_cached_tokens >= 160
+    # The seed bug: chunk 2 and 3 were stored from chunk 1's blocks.
+    assert list(served.outputs[0].token_ids) != list(recomputed.outputs[0].token_ids)
