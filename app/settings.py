@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +72,11 @@ class Settings(BaseSettings):
     # --- server --------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: list[SecretStr] = Field(
+    # NoDecode: the validator below accepts a JSON list or a comma-separated string.
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="Accepted bearer keys (JSON list or comma-separated). Empty: no auth."
     )
-    admin_api_keys: list[SecretStr] = Field(
+    admin_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="Keys for /v1/admin routes. Empty: any accepted API key."
     )
     guard_metrics: bool = Field(default=False, description="Require an API key on /metrics too.")

