@@ -61,7 +61,11 @@ class SessionConnection:
 
     async def send(self, event: ServerEvent) -> None:
         async with self._send_lock:
-            await self.websocket.send_text(event.model_dump_json())
+            try:
+                await self.websocket.send_text(event.model_dump_json())
+            except (WebSocketDisconnect, RuntimeError):
+                # The client went away; the reader sees the disconnect and cleans up.
+                logger.debug("session %s: dropped %s, connection closed", self.session.id, event.type)
 
     async def send_error(self, error: APIError, client_event_id: str | None = None) -> None:
         await self.send(
@@ -118,7 +122,8 @@ class SessionConnection:
                 if not self.session.closed:
                     await self.service.close(self.owner, self.session.id, reason="closed_by_client")
                 await self.send(SessionClosedEvent(event_id=self._event_id(), reason="closed_by_client"))
-                await self.websocket.close(1000)
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                    await self.websocket.close(1000)
                 return
 
     async def _parse(self, raw: str) -> Any:

@@ -1,0 +1,168 @@
+"""The Python clients (async and sync, REST and websocket) and the CLI, against the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from clients import (
+    AsyncSessionsClient,
+    AuthenticationError,
+    ConflictError,
+    NotFoundError,
+    SessionsClient,
+)
+from tests.conftest import API_KEYS, auth
+
+pytestmark = pytest.mark.server
+
+REPO = Path(__file__).resolve().parents[2]
+CHUNKS: list[Any] = ["The quick brown fox", [11, 12, 13, 14, 15], " jumps over the lazy dog."]
+DEFAULTS = {"temperature": 0, "ignore_eos": True, "max_tokens": 5}
+
+
+async def reference_outputs(server: str) -> list[list[int]]:
+    """The server's own answer to CHUNKS, over raw HTTP."""
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        session_id = (await http.post("/v1/sessions", json={"defaults": DEFAULTS})).json()["id"]
+        outputs = []
+        for chunk in CHUNKS:
+            body = (await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": chunk})).json()
+            outputs.append(body["output"]["token_ids"])
+        await http.delete(f"/v1/sessions/{session_id}")
+    return outputs
+
+
+@pytest.mark.parametrize("transport", ["rest", "websocket"])
+async def test_async_client(server: str, transport: str) -> None:
+    expected = await reference_outputs(server)
+    async with AsyncSessionsClient(server, API_KEYS[0]) as client:
+        async with client.sessions.create(defaults=DEFAULTS, transport=transport) as session:  # type: ignore[arg-type]
+            assert session.transport == transport
+            first = await session.send(CHUNKS[0])
+            streamed = [delta async for delta in session.stream(CHUNKS[1])]
+            third = await session.send(CHUNKS[2])
+            assert session.last_reply is third
+            got = [first.token_ids, [t for d in streamed for t in d.token_ids], third.token_ids]
+            assert got == expected
+            assert third.index == 2 and third.usage.prompt_tokens_details.device_tokens > 0
+            transcript = await session.transcript()
+            assert transcript.num_tokens == (await session.refresh()).num_tokens
+            session_id = session.id
+        # Leaving the block closed the session.
+        info = await client.sessions.retrieve(session_id)
+        assert info.status == "closed"
+
+
+def _sync_session(server: str, transport: str) -> list[list[int]]:
+    with SessionsClient(server, API_KEYS[0]) as client, client.sessions.create(
+        defaults=DEFAULTS, transport=transport  # type: ignore[arg-type]
+    ) as session:
+        first = session.send(CHUNKS[0])
+        streamed = [t for delta in session.stream(CHUNKS[1]) for t in delta.token_ids]
+        assert session.last_reply is not None and session.last_reply.token_ids == streamed
+        third = session.send(CHUNKS[2])
+        return [first.token_ids, streamed, third.token_ids]
+
+
+@pytest.mark.parametrize("transport", ["rest", "websocket"])
+async def test_sync_client(server: str, transport: str) -> None:
+    expected = await reference_outputs(server)
+    # The server runs on this test's event loop: the blocking client runs in a thread.
+    assert await asyncio.to_thread(_sync_session, server, transport) == expected
+
+
+async def test_errors_are_typed(server: str) -> None:
+    async with AsyncSessionsClient(server, API_KEYS[0]) as client:
+        with pytest.raises(NotFoundError) as missing:
+            await client.sessions.retrieve("sess_missing")
+        assert missing.value.status_code == 404 and missing.value.code == "session_not_found"
+        session = await client.sessions.create()
+        busy = asyncio.create_task(session.send([3] * 10, max_tokens=1000))
+        for _ in range(500):
+            if (await client.sessions.retrieve(session.id)).status == "generating":
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(ConflictError) as in_flight:
+            await session.send([4], max_tokens=1)
+        assert in_flight.value.code == "chunk_in_flight"
+        await busy
+        await client.sessions.delete(session.id)
+        with pytest.raises(ConflictError) as closed:
+            await session.send("late")
+        assert closed.value.status_code == 409 and closed.value.code == "session_closed"
+    async with AsyncSessionsClient(server, "wrong-key") as stranger:
+        with pytest.raises(AuthenticationError) as denied:
+            await stranger.sessions.list()
+        assert denied.value.status_code == 401 and denied.value.type == "authentication_error"
+
+    def websocket_with_wrong_key() -> None:
+        with SessionsClient(server, API_KEYS[0]) as owner:
+            session = owner.sessions.create()
+            try:
+                with SessionsClient(server, "wrong-key") as stranger:
+                    stranger.sessions.attach(session.id, transport="websocket")
+            finally:
+                session.close()
+
+    with pytest.raises(AuthenticationError):
+        await asyncio.to_thread(websocket_with_wrong_key)
+
+
+def readme_python_blocks() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+async def run_python(code: str, server: str, *args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
+    env = {**os.environ, "STREAMSESS_BASE_URL": server, "STREAMSESS_API_KEY": API_KEYS[0], "PYTHONPATH": str(REPO)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, *(("-c", code) if code else ()), *args,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=env, cwd=REPO,
+    )
+    out, err = await asyncio.wait_for(process.communicate(stdin), 300)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_readme_examples_run(server: str) -> None:
+    blocks = readme_python_blocks()
+    assert len(blocks) >= 2
+    for block in blocks:
+        code, out, err = await run_python(block, server)
+        assert code == 0, f"README example failed:\n{block}\n--- stderr ---\n{err}"
+        assert out.strip(), block
+    # The sync example ends on the typed 404.
+    assert "404 session_not_found" in out
+
+
+async def test_cli(server: str, tmp_path: Path) -> None:
+    transcript = tmp_path / "meeting.txt"
+    transcript.write_text("first line of the meeting\n\nsecond line\nthird line\n")
+    code, out, err = await run_python("", server, "-m", "clients.cli", "run", str(transcript), "--max-tokens", "3", "--keep")
+    assert code == 0, err
+    assert len(out.splitlines()) == 3  # one answer per non-empty line
+    assert re.search(r"\[3/3 100%\] ttft \d+ ms, 3 tokens .*device \d+, cpu tier \d+, computed \d+", err), err
+    session_id = re.search(r"session (sess_\w+) left open", err).group(1)  # type: ignore[union-attr]
+
+    code, out, _ = await run_python("", server, "-m", "clients.cli", "list")
+    assert code == 0 and session_id in out
+    code, out, _ = await run_python(
+        "", server, "-m", "clients.cli", "run", "--session", session_id, "--transport", "websocket", "--quiet",
+        stdin=b"a live line\nanother\n",
+    )
+    assert code == 0 and len(out.splitlines()) == 2
+    code, out, _ = await run_python("", server, "-m", "clients.cli", "show", session_id)
+    assert code == 0 and '"num_chunks": 5' in out
+    code, out, _ = await run_python("", server, "-m", "clients.cli", "close", session_id)
+    assert code == 0 and '"deleted": true' in out
+    code, _, err = await run_python("", server, "-m", "clients.cli", "close", session_id)
+    assert code == 1 and "session_not_found" in err
