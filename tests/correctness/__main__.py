@@ -1,0 +1,88 @@
+"""Run the correctness harness at a chosen size and seed, and print a summary.
+
+    python -m tests.correctness --sessions 500 --seed 1            # in process, every config
+    python -m tests.correctness --sessions 50 --config bpc2-async --disable-fix   # negative control
+    python -m tests.correctness --sessions 20 --url http://127.0.0.1:8000 --api-key KEY
+
+Exit status 1 when any output differs from its recompute or a config had no tier hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from tests.correctness.harness import (
+    HARNESS_CONFIGS,
+    SESSION_TOKENS,
+    HttpBackend,
+    InProcessHarness,
+    harness_settings,
+    make_workload,
+    run_workload,
+    workload_for,
+)
+
+
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    if args.url:
+        backend = HttpBackend(args.url, args.api_key, args.model)
+        try:
+            workload = make_workload(
+                args.seed, args.sessions, block_size=args.block_size, blocks_per_chunk=args.blocks_per_chunk,
+                max_session_tokens=SESSION_TOKENS,
+            )
+            report = await run_workload(backend, workload)
+        finally:
+            await backend.aclose()
+        results.append({"config": f"http:{args.url}", **report.summary()})
+        return results
+    names = list(HARNESS_CONFIGS) if args.config == "all" else [args.config]
+    per_config = max(1, args.sessions // len(names))
+    for index, name in enumerate(names):
+        settings = harness_settings(name, disable_streaming_session_fix=args.disable_fix)
+        async with InProcessHarness(settings) as backend:
+            report = await run_workload(backend, workload_for(settings, args.seed + index, per_config))
+        summary = {"config": name, "fix": not args.disable_fix, **report.summary()}
+        results.append(summary)
+        print(json.dumps({k: v for k, v in summary.items() if k != "first_mismatches"}), flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.correctness", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=50, help="sessions in all (split across configs)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", default="all", choices=["all", *HARNESS_CONFIGS])
+    parser.add_argument("--disable-fix", action="store_true", help="negative control: vLLM's unfixed connector")
+    parser.add_argument("--url", help="run against this server instead of in process")
+    parser.add_argument("--api-key")
+    parser.add_argument("--model", default="embedded-tiny", help="model name for /v1/completions (HTTP mode)")
+    parser.add_argument("--block-size", type=int, default=32, help="the server's block size (HTTP mode)")
+    parser.add_argument("--blocks-per-chunk", type=int, default=1, help="the server's blocks per chunk (HTTP mode)")
+    parser.add_argument("--json-out", help="also write the results here")
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    totals = {
+        key: sum(r[key] for r in results)
+        for key in ("sessions", "chunks", "prefix_requests", "prefix_requests_with_tier_hits", "tier_tokens", "mismatches")
+    }
+    totals["seconds"] = round(sum(r["seconds"] for r in results), 1)
+    print(json.dumps({"seed": args.seed, "totals": totals}, indent=2))
+    for result in results:
+        for mismatch in result["first_mismatches"]:
+            print(f"mismatch in {result['config']} (seed {result['seed']}): {mismatch}", file=sys.stderr)
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump({"seed": args.seed, "totals": totals, "configs": results}, handle, indent=2)
+    failed = totals["mismatches"] > 0 or any(r["prefix_requests_with_tier_hits"] == 0 for r in results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,456 @@
+"""Randomized correctness harness: streaming sessions and prefix reuse, token-exact
+against a full recompute.
+
+The seed bug corrupted the CPU tier silently: sessions' own answers stayed right and
+only later cache hits went wrong. So the harness checks both:
+
+- every session chunk's answer equals the equivalent one-shot request (the whole
+  context so far plus the chunk, computed from scratch);
+- every prefix-reuse request (random prefix of a session's context, during the
+  sessions and after they closed and the device cache was reset) equals a recompute,
+  and counts the tokens it got from the CPU tier, so that a run without tier hits
+  cannot pass for a success.
+
+All decoding is greedy. A recompute is a request that can hit no cache
+(``skip_reading_prefix_cache`` in process, a fresh ``cache_salt`` over HTTP).
+The harness runs against the engine in process (through our ``SessionService``) or
+against a server over HTTP (through our client), behind one ``Backend`` interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from app.provenance import ProvenanceRecorder
+
+# -- workload --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    chunks: list[ChunkPlan]
+
+
+@dataclass(frozen=True)
+class Workload:
+    seed: int
+    sessions: list[SessionPlan]
+    concurrency: int
+    # Probability of a prefix probe after each chunk, while sessions run.
+    interleaved_probe_rate: float
+    probes_after_close: int
+    # Mean seconds between forced preemptions while sessions run; None: none.
+    preempt_every_s: float | None = None
+
+
+def make_workload(
+    seed: int,
+    num_sessions: int,
+    *,
+    block_size: int,
+    blocks_per_chunk: int,
+    max_session_tokens: int,
+    concurrency: int = 4,
+    vocab_size: int = 700,
+    max_chunks: int = 8,
+    max_output_tokens: int = 12,
+    interleaved_probe_rate: float = 0.5,
+    probes_after_close: int = 2,
+    preempt_every_s: float | None = None,
+) -> Workload:
+    """Sessions with 1..max_chunks chunks of 1 token to several blocks; half the
+    chunks make the context end exactly on, or one token off, a block or an
+    offload-chunk boundary."""
+    rng = random.Random(seed)
+    offload_tokens = block_size * blocks_per_chunk
+    sessions = []
+    for _ in range(num_sessions):
+        chunks: list[ChunkPlan] = []
+        length = 0
+        for _ in range(rng.randint(1, max_chunks)):
+            if rng.random() < 0.5:
+                unit = rng.choice((block_size, offload_tokens))
+                boundary = (length // unit + rng.randint(1, 3)) * unit
+                size = max(1, boundary - length + rng.choice((-1, 0, 1)))
+            else:
+                size = rng.choice((1, 2, rng.randint(1, 4 * offload_tokens)))
+            max_tokens = rng.randint(1, max_output_tokens)
+            if length + size + max_tokens > max_session_tokens:
+                break
+            chunks.append(ChunkPlan([rng.randrange(1, vocab_size) for _ in range(size)], max_tokens))
+            length += size + max_tokens - 1
+        if chunks:
+            sessions.append(SessionPlan(chunks))
+    return Workload(seed, sessions, concurrency, interleaved_probe_rate, probes_after_close, preempt_every_s)
+
+
+# -- backends ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    cpu_tier_tokens: int
+
+
+class Backend(Protocol):
+    async def open_session(self) -> str: ...
+
+    async def session_chunk(self, session_id: str, token_ids: list[int], max_tokens: int) -> list[int]: ...
+
+    async def close_session(self, session_id: str) -> None: ...
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, recompute: bool) -> Generation: ...
+
+    async def reset_device_cache(self) -> bool: ...
+
+    async def leftover_requests(self) -> list[str]: ...
+
+    async def engine_counter(self, name: str) -> float:
+        """A vLLM Prometheus counter of this backend's engine (e.g. preemptions)."""
+        ...
+
+    async def preempt_running(self) -> None:
+        """Preempt every running request through vLLM's own preemption path."""
+        ...
+
+
+class InProcessBackend:
+    """Sessions through our SessionService on a real AsyncLLM; probes straight to the engine."""
+
+    def __init__(self, engine: Any, service: Any, recorder: ProvenanceRecorder):
+        self._engine = engine
+        self._service = service
+        self._recorder = recorder
+        self._ids = itertools.count()
+
+    async def open_session(self) -> str:
+        from app.sessions.protocol import SessionCreateRequest, SessionDefaults
+
+        defaults = SessionDefaults(temperature=0.0, ignore_eos=True)
+        return str(self._service.create("harness", SessionCreateRequest(defaults=defaults)).id)
+
+    async def session_chunk(self, session_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+        from app.sessions.protocol import SamplingOptions
+
+        prepared = await self._service.prepare_chunk(
+            "harness", session_id, token_ids, SamplingOptions(max_tokens=max_tokens), transport="harness", wait=True
+        )
+        return list((await self._service.run_chunk(prepared)).token_ids)
+
+    async def close_session(self, session_id: str) -> None:
+        await self._service.close("harness", session_id)
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, recompute: bool) -> Generation:
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+
+        request_id = f"harness-{next(self._ids)}"
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+            skip_reading_prefix_cache=True if recompute else None,
+        )
+        final = None
+        async for output in self._engine.generate(
+            prompt=tokens_input(list(prompt_ids)), sampling_params=params, request_id=request_id
+        ):
+            final = output
+        assert final is not None
+        sources = self._recorder.pop(request_id)
+        return Generation(list(final.outputs[0].token_ids), sources.cpu_tier_tokens if sources else 0)
+
+    async def reset_device_cache(self) -> bool:
+        return bool(await self._engine.reset_prefix_cache())
+
+    async def leftover_requests(self) -> list[str]:
+        states = self._engine.output_processor.request_states
+        return sorted(getattr(state, "external_req_id", None) or key for key, state in states.items())
+
+    async def preempt_running(self) -> None:
+        # vLLM 0.32 admits a request only when all of it fits, so a small device
+        # cache alone never preempts; a reset with reset_running_requests does,
+        # through the scheduler's own _preempt_request. While idle sessions hold
+        # blocks the reset itself then fails (and says so), after the preemption.
+        with contextlib.suppress(Exception):
+            await self._engine.reset_prefix_cache(reset_running_requests=True)
+
+    async def engine_counter(self, name: str) -> float:
+        from prometheus_client import REGISTRY
+
+        model = self._engine.model_config.served_model_name
+        return sum(
+            sample.value
+            for metric in REGISTRY.collect()
+            for sample in metric.samples
+            if sample.name == name and sample.labels.get("model_name") == model
+        )
+
+
+class HttpBackend:
+    """Sessions through our async client (REST); probes through vLLM's /v1/completions."""
+
+    def __init__(self, base_url: str, api_key: str | None, model: str):
+        import httpx
+
+        from clients import AsyncSessionsClient
+
+        self._client = AsyncSessionsClient(base_url, api_key, max_retries=0)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300)
+        self._model = model
+        self._sessions: dict[str, Any] = {}
+
+    async def open_session(self) -> str:
+        session = await self._client.sessions.create(defaults={"temperature": 0, "ignore_eos": True})
+        self._sessions[session.id] = session
+        return session.id
+
+    async def session_chunk(self, session_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+        return (await self._sessions[session_id].send(token_ids, max_tokens=max_tokens)).token_ids
+
+    async def close_session(self, session_id: str) -> None:
+        await self._sessions.pop(session_id).close()
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, recompute: bool) -> Generation:
+        body: dict[str, Any] = {
+            "model": self._model, "prompt": prompt_ids, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+        }
+        if recompute:
+            body["cache_salt"] = uuid.uuid4().hex  # new block hashes: no cache can serve it
+        response = await self._http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        payload = response.json()
+        details = payload["usage"]["prompt_tokens_details"] or {}
+        return Generation(list(payload["choices"][0]["token_ids"]), int(details.get("cpu_tier_tokens") or 0))
+
+    async def reset_device_cache(self) -> bool:
+        return (await self._http.post("/v1/admin/reset_device_cache")).status_code == 200
+
+    async def leftover_requests(self) -> list[str]:
+        return [s.id for s in await self._client.sessions.list()]
+
+    async def preempt_running(self) -> None:
+        return  # no operator route preempts; the server is exercised as it runs
+
+    async def engine_counter(self, name: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = (await self._http.get("/metrics")).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and sample.labels.get("model_name") == self._model
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+        await self._http.aclose()
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+@dataclass
+class Mismatch:
+    kind: str  # "chunk" or "prefix"
+    session: int
+    chunk: int
+    prompt_tokens: int
+    expected: list[int]
+    got: list[int]
+
+
+@dataclass
+class Report:
+    seed: int
+    sessions: int = 0
+    chunks: int = 0
+    prefix_requests: int = 0
+    prefix_requests_with_tier_hits: int = 0
+    tier_tokens: int = 0
+    device_resets: int = 0
+    preemptions: int = 0
+    leftover_requests: list[str] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["mismatches"] = len(self.mismatches)
+        data["first_mismatches"] = [asdict(m) for m in self.mismatches[:3]]
+        return data
+
+
+async def run_workload(backend: Backend, workload: Workload) -> Report:
+    report = Report(seed=workload.seed)
+    rng = random.Random(workload.seed + 1)
+    limit = asyncio.Semaphore(workload.concurrency)
+    contexts: dict[int, list[int]] = {}
+    started = time.monotonic()
+    preemptions_before = await backend.engine_counter("vllm:num_preemptions_total")
+
+    async def probe(session_index: int, chunk_index: int, context: list[int]) -> None:
+        length = rng.randint(1, len(context))
+        max_tokens = rng.randint(1, 8)
+        served = await backend.generate(context[:length], max_tokens, recompute=False)
+        expected = await backend.generate(context[:length], max_tokens, recompute=True)
+        report.prefix_requests += 1
+        if served.cpu_tier_tokens:
+            report.prefix_requests_with_tier_hits += 1
+            report.tier_tokens += served.cpu_tier_tokens
+        if served.token_ids != expected.token_ids:
+            report.mismatches.append(
+                Mismatch("prefix", session_index, chunk_index, length, expected.token_ids, served.token_ids)
+            )
+
+    async def run_session(index: int, plan: SessionPlan) -> None:
+        async with limit:
+            session_id = await backend.open_session()
+            context: list[int] = []
+            try:
+                for chunk_index, chunk in enumerate(plan.chunks):
+                    got = await backend.session_chunk(session_id, chunk.token_ids, chunk.max_tokens)
+                    expected = await backend.generate(context + chunk.token_ids, chunk.max_tokens, recompute=True)
+                    report.chunks += 1
+                    if got != expected.token_ids:
+                        report.mismatches.append(
+                            Mismatch("chunk", index, chunk_index, len(context) + len(chunk.token_ids),
+                                     expected.token_ids, got)
+                        )
+                    # The engine keeps every output token but the last sampled one.
+                    context += chunk.token_ids + got[:-1]
+                    if rng.random() < workload.interleaved_probe_rate:
+                        await probe(index, chunk_index, context)
+            finally:
+                await backend.close_session(session_id)
+            contexts[index] = context
+            report.sessions += 1
+
+    async def preempt_now_and_then() -> None:
+        assert workload.preempt_every_s is not None
+        while True:
+            await asyncio.sleep(rng.expovariate(1 / workload.preempt_every_s))
+            await backend.preempt_running()
+
+    preemptor = asyncio.create_task(preempt_now_and_then()) if workload.preempt_every_s else None
+    try:
+        await asyncio.gather(*(run_session(i, plan) for i, plan in enumerate(workload.sessions)))
+    finally:
+        if preemptor is not None:
+            preemptor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await preemptor
+    # With every session closed the device cache can be dropped: prefixes now come
+    # from the CPU tier (or are recomputed where the tier evicted them).
+    if await backend.reset_device_cache():
+        report.device_resets += 1
+    for index in sorted(contexts):
+        for _ in range(workload.probes_after_close):
+            await probe(index, -1, contexts[index])
+    report.leftover_requests = await backend.leftover_requests()
+    report.preemptions = int(await backend.engine_counter("vllm:num_preemptions_total") - preemptions_before)
+    report.seconds = round(time.monotonic() - started, 2)
+    return report
+
+
+# -- configurations -----------------------------------------------------------------------
+
+MIB = 1 << 20
+SESSION_TOKENS = 512
+CONCURRENCY = 4
+PREEMPT_EVERY_S = 0.3
+
+# Float32 weights: the comparisons are token-exact, and fp32 keeps greedy near-ties
+# between a chunked and a one-shot prefill far rarer than bf16 does. The tiny
+# model then holds 4 KiB of KV per token.
+# Device cache: 2,560 tokens = room for the 4 sessions' contexts (up to 512 tokens
+# each, held while they wait for their next chunk) plus one more request, so there
+# is always progress but cached blocks are evicted all the time. vLLM 0.32 admits
+# a request only when all of it fits, so memory pressure alone never preempts:
+# the harness preempts running requests itself (see preempt_running).
+# CPU tier: 5,632 tokens, less than a run stores, so it evicts too.
+BASE_CONFIG: dict[str, Any] = {
+    "kv_cache_gib": 10 * MIB / (1 << 30),
+    "cpu_tier_gib": 22 * MIB / (1 << 30),
+    "block_size": 32,
+    "max_model_len": 1024,
+    "max_num_seqs": 16,
+    "max_sessions": 16,
+    "max_chunk_tokens": 1024,
+    "max_chunk_output_tokens": 64,
+    "session_idle_timeout_s": 3600.0,
+    # Small prefill steps: long prompts run over several steps, so the forced
+    # preemptions often land mid-prefill.
+    "engine_args": {"dtype": "float32", "max_num_batched_tokens": 64},
+}
+
+HARNESS_CONFIGS: dict[str, dict[str, Any]] = {
+    "bpc1-sync": {"blocks_per_chunk": 1, "async_scheduling": False},
+    "bpc1-async": {"blocks_per_chunk": 1, "async_scheduling": True},
+    "bpc2-sync": {"blocks_per_chunk": 2, "async_scheduling": False},
+    "bpc2-async": {"blocks_per_chunk": 2, "async_scheduling": True},
+}
+
+
+def harness_settings(name: str, **overrides: Any) -> Any:
+    from app.settings import Settings
+
+    values = {**BASE_CONFIG, **HARNESS_CONFIGS[name], "served_model_name": f"harness-{name}", **overrides}
+    return Settings(_env_file=None, **values)
+
+
+def workload_for(settings: Any, seed: int, num_sessions: int) -> Workload:
+    return make_workload(
+        seed,
+        num_sessions,
+        block_size=settings.block_size,
+        blocks_per_chunk=settings.blocks_per_chunk,
+        max_session_tokens=SESSION_TOKENS,
+        concurrency=CONCURRENCY,
+        preempt_every_s=PREEMPT_EVERY_S,
+    )
+
+
+class InProcessHarness:
+    """An engine, a session service and the in-process backend, started and stopped together."""
+
+    def __init__(self, settings: Any):
+        self.settings = settings
+
+    async def __aenter__(self) -> InProcessBackend:
+        from app.engine import build_engine
+        from app.metrics import session_metrics
+        from app.sessions.service import SessionService
+
+        self.engine = build_engine(self.settings)
+        recorder = ProvenanceRecorder()
+        recorder.attach(self.engine)
+        self.service = SessionService(
+            engine=self.engine,
+            settings=self.settings,
+            model_name=self.settings.resolved_served_model_name(),
+            tokenizer=self.engine.get_tokenizer(),
+            metrics=session_metrics(),
+            recorder=recorder,
+        )
+        await self.service.start()
+        return InProcessBackend(self.engine, self.service, recorder)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.service.stop()
+        self.engine.shutdown()
