@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.errors import APIError, unauthorized
+from app.errors import send_http_error, unauthorized
 
 ANONYMOUS = "anonymous"
 ALWAYS_OPEN_PATHS = frozenset({"/health"})
@@ -81,35 +81,3 @@ class APIKeyMiddleware:
         event = {"type": "error", "event_id": "event_auth", "error": {**error.body()["error"], "event_id": None}}
         await send({"type": "websocket.send", "text": json.dumps(event)})
         await send({"type": "websocket.close", "code": 1008, "reason": "invalid api key"})
-
-
-class BodySizeLimitMiddleware:
-    """Refuse request bodies over the limit with 413 before reading them."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                error = APIError(
-                    413, f"The request body exceeds {self.max_bytes} bytes.", code="request_too_large",
-                    type="invalid_request_error",
-                )
-                await send_http_error(send, error)
-                return
-        await self.app(scope, receive, send)
-
-
-async def send_http_error(
-    send: Send, error: APIError, extra_headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    """Answer an HTTP request from ASGI middleware with an OpenAI-shaped error."""
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers + (extra_headers or [])})
-    await send({"type": "http.response.body", "body": body})

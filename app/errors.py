@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 
 class APIError(Exception):
@@ -103,3 +104,13 @@ def install_error_handlers(app: FastAPI) -> None:
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
         error = APIError(exc.status_code, str(exc.detail or phrase), code=phrase.lower().replace(" ", "_") or "error")
         return error_response(error, headers=getattr(exc, "headers", None))
+
+
+async def send_http_error(
+    send: Send, error: APIError, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """Answer an HTTP request from ASGI middleware with an OpenAI-shaped error."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers + (extra_headers or [])})
+    await send({"type": "http.response.body", "body": body})

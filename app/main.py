@@ -18,9 +18,10 @@ from typing import Any
 from fastapi import FastAPI
 
 from app.api import api_router
-from app.auth import APIKeyMiddleware, BodySizeLimitMiddleware
+from app.auth import APIKeyMiddleware
 from app.errors import install_error_handlers
 from app.metrics import session_metrics
+from app.middleware import BodySizeLimitMiddleware, ReplicaHeaderMiddleware
 from app.openai_usage import UsageProvenanceMiddleware
 from app.provenance import ProvenanceRecorder
 from app.sessions.service import SessionService
@@ -97,6 +98,8 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     # Added last runs first: keys, then body size, then usage rewriting.
     app.add_middleware(UsageProvenanceMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.replica_name:
+        app.add_middleware(ReplicaHeaderMiddleware, replica_name=settings.replica_name)
     app.add_middleware(
         APIKeyMiddleware,
         keys=[key.get_secret_value() for key in settings.api_keys],

@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     )
     guard_metrics: bool = Field(default=False, description="Require an API key on /metrics too.")
     log_level: str = "info"
+    replica_name: str | None = Field(
+        default=None, description="Sent as the X-Replica header on every response, to tell replicas apart."
+    )
 
     # --- sessions ------------------------------------------------------------
     max_sessions: int = Field(default=32, gt=0, description="Open sessions at once, across all keys.")

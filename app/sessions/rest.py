@@ -7,9 +7,9 @@ import contextlib
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import StreamingResponse
 
 from app.deps import OwnerDep, ServiceDep
@@ -43,10 +43,13 @@ T = TypeVar("T")
 
 @router.post("", status_code=201, response_model=SessionObject, responses=ERROR_RESPONSES)
 async def create_session(
-    service: ServiceDep, owner: OwnerDep, body: SessionCreateRequest | None = None
+    service: ServiceDep,
+    owner: OwnerDep,
+    body: SessionCreateRequest | None = None,
+    x_session_id: Annotated[str | None, Header(description="Choose the session id (for session-affine proxies).")] = None,
 ) -> SessionObject:
     """Open a streaming-input session. Optional body: per-session sampling defaults and metadata."""
-    session = service.create(owner, body or SessionCreateRequest())
+    session = service.create(owner, body or SessionCreateRequest(), session_id=x_session_id)
     return service.describe(session)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -35,6 +36,7 @@ from app.settings import Settings
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 # Closed sessions are remembered this many at a time, so a late append gets
 # "closed (expired)" rather than "unknown".
 CLOSED_SESSIONS_KEPT = 1024
@@ -98,7 +100,12 @@ class SessionService:
                     await self._close(session, "expired")
 
     # ------------------------------------------------------------------ lookup
-    def create(self, owner: str, request: SessionCreateRequest) -> StreamingSession:
+    def create(self, owner: str, request: SessionCreateRequest, session_id: str | None = None) -> StreamingSession:
+        """Open a session. ``session_id`` lets the client choose the id (the
+        ``X-Session-ID`` header), so a proxy can route creation and every later
+        request of the session to the same replica by hashing it."""
+        if session_id is not None:
+            self._check_session_id(session_id)
         if request.model is not None and request.model != self.model_name:
             raise APIError(404, f"The model {request.model!r} does not exist.", code="model_not_found", param="model")
         if len(self._sessions) >= self._settings.max_sessions:
@@ -111,7 +118,7 @@ class SessionService:
             )
         self._check_sampling(request.defaults, "defaults")
         session = StreamingSession(
-            session_id=f"sess_{secrets.token_hex(12)}",
+            session_id=session_id or f"sess_{secrets.token_hex(12)}",
             owner=owner,
             model=self.model_name,
             engine=self._engine,
@@ -266,6 +273,16 @@ class SessionService:
                 self._closed.popitem(last=False)
 
     # ------------------------------------------------------------------ checks
+    def _check_session_id(self, session_id: str) -> None:
+        if not SESSION_ID_PATTERN.fullmatch(session_id):
+            raise APIError(
+                400, "A session id is 1 to 128 letters, digits, '_', '-' or '.', starting with a letter or digit.",
+                code="invalid_session_id", param="X-Session-ID",
+            )
+        if session_id in self._sessions or session_id in self._closed:
+            raise APIError(409, f"A session with id {session_id!r} exists already.", code="session_exists",
+                           param="X-Session-ID")
+
     def _open_session(self, owner: str, session_id: str) -> StreamingSession:
         session = self.get(owner, session_id, include_closed=True)
         if session.closed:

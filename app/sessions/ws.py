@@ -17,7 +17,7 @@ async def new_session_ws(websocket: WebSocket, service: ServiceDep, owner: Owner
     """Open a new session for this connection; it closes when the connection does."""
     await websocket.accept()
     try:
-        session = service.create(owner, SessionCreateRequest())
+        session = service.create(owner, SessionCreateRequest(), session_id=websocket.headers.get("x-session-id"))
     except APIError as exc:
         await _refuse(websocket, exc)
         return
@@ -44,4 +44,4 @@ async def _refuse(websocket: WebSocket, error: APIError) -> None:
         error=ErrorDetail(type=error.type, code=error.code, message=error.message, param=error.param),
     )
     await websocket.send_text(event.model_dump_json())
-    await websocket.close(code=1008 if error.status in (401, 403, 404) else 1011, reason=error.code)
+    await websocket.close(code=1008 if error.status < 500 else 1011, reason=error.code)

@@ -54,6 +54,8 @@ class Workload:
     probes_after_close: int
     # Mean seconds between forced preemptions while sessions run; None: none.
     preempt_every_s: float | None = None
+    # Sessions per wave; the device cache is reset and probed after each wave.
+    wave_size: int = 8
 
 
 def make_workload(
@@ -94,7 +96,9 @@ def make_workload(
             length += size + max_tokens - 1
         if chunks:
             sessions.append(SessionPlan(chunks))
-    return Workload(seed, sessions, concurrency, interleaved_probe_rate, probes_after_close, preempt_every_s)
+    return Workload(
+        seed, sessions, concurrency, interleaved_probe_rate, probes_after_close, preempt_every_s, 2 * concurrency
+    )
 
 
 # -- backends ----------------------------------------------------------------------------
@@ -347,21 +351,26 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
             await asyncio.sleep(rng.expovariate(1 / workload.preempt_every_s))
             await backend.preempt_running()
 
-    preemptor = asyncio.create_task(preempt_now_and_then()) if workload.preempt_every_s else None
-    try:
-        await asyncio.gather(*(run_session(i, plan) for i, plan in enumerate(workload.sessions)))
-    finally:
-        if preemptor is not None:
-            preemptor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await preemptor
-    # With every session closed the device cache can be dropped: prefixes now come
-    # from the CPU tier (or are recomputed where the tier evicted them).
-    if await backend.reset_device_cache():
-        report.device_resets += 1
-    for index in sorted(contexts):
-        for _ in range(workload.probes_after_close):
-            await probe(index, -1, contexts[index])
+    # Sessions run in waves (concurrency sessions at a time within a wave). When a
+    # wave's sessions have all closed, nothing holds device blocks: the device cache
+    # is dropped and their prefixes probed, so they come from the CPU tier (or are
+    # recomputed where the small tier already evicted them).
+    indexed = list(enumerate(workload.sessions))
+    for start in range(0, len(indexed), workload.wave_size):
+        wave = indexed[start : start + workload.wave_size]
+        preemptor = asyncio.create_task(preempt_now_and_then()) if workload.preempt_every_s else None
+        try:
+            await asyncio.gather(*(run_session(i, plan) for i, plan in wave))
+        finally:
+            if preemptor is not None:
+                preemptor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await preemptor
+        if await backend.reset_device_cache():
+            report.device_resets += 1
+        for index, _ in wave:
+            for _ in range(workload.probes_after_close):
+                await probe(index, -1, contexts[index])
     report.leftover_requests = await backend.leftover_requests()
     report.preemptions = int(await backend.engine_counter("vllm:num_preemptions_total") - preemptions_before)
     report.seconds = round(time.monotonic() - started, 2)
