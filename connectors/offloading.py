@@ -14,6 +14,10 @@ PR #63010: a request that restarts from token 0 offers every chunk again.
 Both overrides run *before* the upstream code and only reset state that the
 upstream code then rebuilds, so on a vLLM that already has the fix they are
 no-ops; we skip them there anyway (see ``compat``).
+
+A third carries vLLM 0.33's handling of a request that a cache reset preempts and
+reloads from the tier in the same step; vLLM 0.32 died on an assertion there. Our
+correctness harness found it (see docs/correctness.md).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from connectors.compat import streaming_fix_wanted
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -49,6 +54,29 @@ class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
                 for group_state in req_status.group_states:
                     group_state.block_ids.clear()
         super()._update_req_states(scheduler_output)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        # vLLM 0.33: a cache reset with running requests preempts a request and may
+        # reschedule it, with a load from the tier, in the same step. That load is
+        # not on the worker yet, so there is nothing to flush for it; vLLM 0.32
+        # asserted every preempted request's jobs are stores and killed the engine.
+        preempted = scheduler_output.preempted_req_ids
+        reloading = {
+            req_id
+            for req_id in preempted or ()
+            if (status := self._req_status.get(req_id)) is not None
+            and status.transfer_jobs
+            and status.transfer_jobs <= self._current_batch_load_jobs.keys()
+        }
+        if not reloading:
+            return super().build_connector_meta(scheduler_output)
+        # preempted_req_ids only drives the flush in build_connector_meta (and the
+        # manager's no-op on_schedule_end); hide these requests for this call only.
+        scheduler_output.preempted_req_ids = set(preempted or ()) - reloading
+        try:
+            return super().build_connector_meta(scheduler_output)
+        finally:
+            scheduler_output.preempted_req_ids = preempted
 
     def get_num_new_matched_tokens(
         self,

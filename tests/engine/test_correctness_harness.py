@@ -6,6 +6,8 @@ scheduling mode are engine settings), started and shut down around its test.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.correctness.harness import (
@@ -46,7 +48,11 @@ async def test_harness_simple_connector() -> None:
 
 async def test_negative_control_harness_catches_the_seed_bug() -> None:
     settings = harness_settings("bpc1-sync", disable_streaming_session_fix=True)
+    # No forced preemptions: unfixed vLLM 0.32 also dies on a preempt-and-reload
+    # in one step (see test_reset_that_preempts_and_reloads_in_one_step), and this
+    # control is about the seed bug alone.
+    workload = replace(workload_for(settings, SEED, SESSIONS_PER_CONFIG), preempt_every_s=None)
     async with InProcessHarness(settings) as backend:
-        report = await run_workload(backend, workload_for(settings, SEED, SESSIONS_PER_CONFIG))
+        report = await run_workload(backend, workload)
     assert report.prefix_requests_with_tier_hits > 0
     assert any(m.kind == "prefix" for m in report.mismatches), report.summary()

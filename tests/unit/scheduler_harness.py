@@ -82,16 +82,21 @@ class KeysSpec(LoadStoreSpec):
 
 
 class RecordingOffloadingManager(OffloadingManager):
-    """Accepts every store, misses every lookup, and remembers what was stored."""
+    """Accepts every store and remembers what was stored. Lookups miss, unless
+    ``serve_hits`` is set: then stored keys hit and can be loaded."""
 
     def __init__(self) -> None:
         self.stored_keys: list[OffloadKey] = []
+        self.serve_hits = False
+        self.loaded_keys: list[OffloadKey] = []
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return LookupResult.MISS
+        return LookupResult.HIT if self.serve_hits and key in self.stored_keys else LookupResult.MISS
 
     def prepare_load(self, keys: Any, req_context: ReqContext) -> LoadStoreSpec:
-        raise AssertionError("the recording manager never reports a hit")
+        keys = list(keys)
+        self.loaded_keys.extend(keys)
+        return KeysSpec(keys)
 
     def prepare_store(self, keys: Any, req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
@@ -205,6 +210,7 @@ class SchedulerHarness:
         # Completions reported back to the connector with the next model output.
         self._pending_offloading_jobs: list[int] = []
         self._pending_simple_events: list[int] = []
+        self._finished_loads: set[str] = set()
 
     # ------------------------------------------------------------------ inputs
     def add_chunk(self, req_id: str, token_ids: list[int]) -> None:
@@ -267,6 +273,9 @@ class SchedulerHarness:
             for job_id, job in metadata.store_jobs.items():
                 stored += [offsets[int(b)] for b in job.src_spec.block_ids]
                 self._pending_offloading_jobs.append(job_id)
+            # Loads complete at once, as on our host tier.
+            self._pending_offloading_jobs.extend(metadata.load_jobs)
+            self._finished_loads.update(job.req_id for job in metadata.load_jobs.values())
         elif isinstance(metadata, SimpleCPUOffloadMetadata):
             if metadata.store_event >= 0:
                 stored += [offsets[b] for b in metadata.store_gpu_blocks]
@@ -285,10 +294,13 @@ class SchedulerHarness:
             )
         self._pending_offloading_jobs = []
         self._pending_simple_events = []
+        finished_loads, self._finished_loads = self._finished_loads, set()
         req_ids = [r.request_id for r in running]
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=[[token] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=worker_meta),
+            kv_connector_output=KVConnectorOutput(
+                kv_connector_worker_meta=worker_meta, finished_recving=finished_loads or None
+            ),
         )

@@ -155,3 +155,23 @@ def test_restart_from_token_zero_offers_every_chunk_again(disable_fix: bool) -> 
         assert stored_after_restart == [4]
     else:
         assert stored_after_restart == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("disable_fix", [False, True], ids=["fixed", "negative-control"])
+def test_reset_that_preempts_and_reloads_in_one_step(disable_fix: bool) -> None:
+    """Found by the correctness harness: a cache reset with running requests preempts
+    a request, and the same step reschedules it with a load from the tier. vLLM 0.32
+    asserted that a preempted request's jobs are all stores and killed the engine
+    core; 0.33 skips the not-yet-submitted load, and so do we."""
+    harness = SchedulerHarness("offloading", async_scheduling=False, disable_fix=disable_fix)
+    manager = harness.connector.connector_scheduler.manager
+    harness.add_chunk("request", list(range(1, 17)))
+    assert harness.run([5, 6, 7], max_steps=3) == [0, 1, 2, 3]
+    manager.serve_hits = True  # the stored chunks can now be loaded back
+    assert harness.scheduler.reset_prefix_cache(reset_running_requests=True)
+    if disable_fix:
+        with pytest.raises(AssertionError):
+            harness.run([8, EOS_TOKEN_ID])
+        return
+    assert harness.run([8, EOS_TOKEN_ID]) == [4]
+    assert len(manager.loaded_keys) == 4  # the restart was served from the tier
