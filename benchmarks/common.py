@@ -1,0 +1,195 @@
+"""Shared parts of the benchmarks: servers under test, engine settings, timing, results.
+
+Every comparison runs both sides in the same run with the same engine settings and
+compile mode, one server at a time, and pins vLLM's CPU thread count with
+VLLM_CPU_NUM_OF_RESERVED_CPU: setting a kv_transfer_config otherwise stops vLLM from
+reserving a core, and "offload on vs off" would really be 2 threads against 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+API_KEY = "bench-key"
+RESERVED_CPUS = "1"  # VLLM_CPU_NUM_OF_RESERVED_CPU on every side of every comparison
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """The engine settings both sides of a comparison share."""
+
+    preset: str = "bench"
+    kv_cache_gib: float = 1.0
+    cpu_tier_gib: float = 4.0
+    block_size: int = 32
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    enforce_eager: bool = True
+
+    def model_dir(self) -> str:
+        from app.models.builder import ensure_model
+
+        return str(ensure_model(self.preset))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model_preset": self.preset,
+            "kv_cache_gib": self.kv_cache_gib,
+            "cpu_tier_gib": self.cpu_tier_gib,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "enforce_eager": self.enforce_eager,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": RESERVED_CPUS,
+        }
+
+
+def engine_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMSESS_")}
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = RESERVED_CPUS
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RunningServer:
+    name: str
+    base_url: str
+    model: str
+    process: subprocess.Popen[bytes]
+
+
+def _wait_healthy(server: RunningServer, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {server.process.returncode}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(1)
+    raise TimeoutError(f"{server.name} did not become healthy")
+
+
+@contextlib.contextmanager
+def _serve(name: str, command: list[str], env: dict[str, str], port: int, model: str, log: Path) -> Iterator[RunningServer]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=out)
+        server = RunningServer(name, f"http://127.0.0.1:{port}", model, process)
+        try:
+            _wait_healthy(server)
+            yield server
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def our_server(setup: EngineSetup, log_dir: Path, connector: str = "offloading") -> contextlib.AbstractContextManager[RunningServer]:
+    port = free_port()
+    env = engine_env()
+    env.update(
+        STREAMSESS_MODEL_PRESET=setup.preset,
+        STREAMSESS_PORT=str(port),
+        STREAMSESS_API_KEYS=API_KEY,
+        STREAMSESS_KV_CACHE_GIB=str(setup.kv_cache_gib),
+        STREAMSESS_CPU_TIER_GIB=str(setup.cpu_tier_gib),
+        STREAMSESS_BLOCK_SIZE=str(setup.block_size),
+        STREAMSESS_MAX_MODEL_LEN=str(setup.max_model_len),
+        STREAMSESS_MAX_NUM_SEQS=str(setup.max_num_seqs),
+        STREAMSESS_MAX_SESSIONS=str(setup.max_num_seqs - 4),
+        STREAMSESS_ENFORCE_EAGER=str(setup.enforce_eager).lower(),
+        STREAMSESS_CONNECTOR=connector,
+        STREAMSESS_LOG_LEVEL="warning",
+    )
+    return _serve("ours", [sys.executable, "-m", "app.main"], env, port, f"embedded-{setup.preset}", log_dir / "ours.log")
+
+
+def vllm_server(setup: EngineSetup, log_dir: Path, prefix_caching: bool) -> contextlib.AbstractContextManager[RunningServer]:
+    """vLLM's own OpenAI server, as a user would run it, with the same engine settings."""
+    port = free_port()
+    name = f"embedded-{setup.preset}"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", setup.model_dir(), "--served-model-name", name,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--block-size", str(setup.block_size),
+        "--kv-cache-memory-bytes", str(int(setup.kv_cache_gib * (1 << 30))),
+        "--max-model-len", str(setup.max_model_len),
+        "--max-num-seqs", str(setup.max_num_seqs),
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+        "--enforce-eager" if setup.enforce_eager else "--no-enforce-eager",
+        "--disable-log-stats",
+    ]
+    label = f"vllm-prefix-{'on' if prefix_caching else 'off'}"
+    return _serve(label, command, engine_env(), port, name, log_dir / f"{label}.log")
+
+
+def random_tokens(rng: random.Random, count: int, vocab: int = 700) -> list[int]:
+    return [rng.randrange(1, vocab) for _ in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+
+
+def write_result(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "machine": machine(), **payload}, indent=2))
+    return path
+
+
+async def sse_completion(http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
+    """One streamed /v1/completions request: (time to first token, total time, token ids)."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "return_token_ids": True,
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    tokens: list[int] = []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[len("data: "):])
+            for choice in payload.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                if ids and first is None:
+                    first = time.perf_counter() - start
+                tokens.extend(ids)
+    total = time.perf_counter() - start
+    return (first if first is not None else total), total, tokens

@@ -1,0 +1,174 @@
+"""Benchmark 3: concurrency. N sessions at once, against vLLM's server resending history.
+
+N in (1, 4, 16, 32) concurrent sessions, each TURNS turns of CHUNK new tokens and GEN
+generated tokens, on our server (SSE sessions) and on vLLM's own OpenAI server with
+prefix caching, the client resending the whole history each turn. Reports aggregate
+generated tokens per second and p50/p99 time to first token per chunk.
+
+    python -m benchmarks.concurrency             # bench model
+    python -m benchmarks.concurrency --quick     # tiny model, N in (1, 2), 2 turns
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import (
+    API_KEY,
+    RESULTS,
+    EngineSetup,
+    our_server,
+    percentile,
+    random_tokens,
+    sse_completion,
+    vllm_server,
+    write_result,
+)
+
+
+async def ours_session(base_url: str, chunks: list[list[int]], gen: int, ttfts: list[float]) -> int:
+    from clients import AsyncSessionsClient
+
+    generated = 0
+    async with AsyncSessionsClient(base_url, API_KEY, max_retries=0, timeout=1200) as client:
+        async with client.sessions.create(defaults={"temperature": 0, "ignore_eos": True}) as session:
+            for chunk in chunks:
+                start = time.perf_counter()
+                first = None
+                async for delta in session.stream(chunk, max_tokens=gen):
+                    if first is None:
+                        first = time.perf_counter() - start
+                    generated += len(delta.token_ids)
+                ttfts.append(first if first is not None else time.perf_counter() - start)
+    return generated
+
+
+async def vllm_session(base_url: str, model: str, chunks: list[list[int]], gen: int, ttfts: list[float]) -> int:
+    generated = 0
+    history: list[int] = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=1200) as http:
+        for chunk in chunks:
+            history += chunk
+            ttft, _, output = await sse_completion(http, model, history, gen)
+            history += output
+            generated += len(output)
+            ttfts.append(ttft)
+    return generated
+
+
+async def measure(run_one: Any, workloads: list[list[list[int]]]) -> dict[str, float]:
+    ttfts: list[float] = []
+    start = time.perf_counter()
+    generated = sum(await asyncio.gather(*(run_one(chunks, ttfts) for chunks in workloads)))
+    wall = time.perf_counter() - start
+    return {
+        "tokens_per_s": generated / wall,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "wall_s": wall,
+        "generated_tokens": generated,
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib)
+    rng = random.Random(args.seed)
+    workloads = {
+        n: [[random_tokens(rng, args.chunk) for _ in range(args.turns)] for _ in range(n)] for n in args.sessions
+    }
+    warmup = [[random_tokens(rng, args.chunk) for _ in range(2)]]
+    log_dir = Path(args.out) / "logs"
+    results: dict[str, dict[str, Any]] = {"ours-sse": {}, "vllm-prefix-on": {}}
+
+    with our_server(setup, log_dir) as server:
+        async def run_ours(chunks: list[list[int]], ttfts: list[float]) -> int:
+            return await ours_session(server.base_url, chunks, args.gen, ttfts)
+
+        await measure(run_ours, warmup)
+        for n, workload in workloads.items():
+            results["ours-sse"][str(n)] = await measure(run_ours, workload)
+
+    with vllm_server(setup, log_dir, prefix_caching=True) as server:
+        async def run_vllm(chunks: list[list[int]], ttfts: list[float]) -> int:
+            return await vllm_session(server.base_url, server.model, chunks, args.gen, ttfts)
+
+        await measure(run_vllm, warmup)
+        for n, workload in workloads.items():
+            results["vllm-prefix-on"][str(n)] = await measure(run_vllm, workload)
+
+    ratios = {
+        n: {
+            "throughput_ours_vs_vllm": results["ours-sse"][n]["tokens_per_s"] / results["vllm-prefix-on"][n]["tokens_per_s"],
+            "ttft_p50_ours_vs_vllm": results["ours-sse"][n]["ttft_p50_s"] / results["vllm-prefix-on"][n]["ttft_p50_s"],
+        }
+        for n in results["ours-sse"]
+    }
+    return {
+        "settings": {**setup.describe(), "sessions": args.sessions, "turns": args.turns, "chunk_tokens": args.chunk,
+                     "gen_tokens": args.gen, "seed": args.seed},
+        "results": results,
+        "ratios": ratios,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for side, by_n in result["results"].items():
+        ns = [int(n) for n in by_n]
+        left.plot(ns, [by_n[str(n)]["tokens_per_s"] for n in ns], marker="o", label=side)
+        right.plot(ns, [by_n[str(n)]["ttft_p50_s"] * 1000 for n in ns], marker="o", label=f"{side} p50")
+        right.plot(ns, [by_n[str(n)]["ttft_p99_s"] * 1000 for n in ns], marker="x", linestyle="--", label=f"{side} p99")
+    left.set_xlabel("concurrent sessions")
+    left.set_ylabel("generated tokens / s")
+    right.set_xlabel("concurrent sessions")
+    right.set_ylabel("time to first token per chunk (ms)")
+    right.set_yscale("log")
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    figure.suptitle(f"Concurrency ({result['settings']['model_preset']} model)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument("--gen", type=int, default=16)
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--cpu-tier-gib", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    name = "concurrency"
+    if args.quick:
+        args.preset, args.sessions, args.turns, args.chunk, args.gen = "tiny", [1, 2], 2, 64, 4
+        args.kv_cache_gib, args.cpu_tier_gib, name = 0.25, 0.5, "concurrency-quick"
+    result = asyncio.run(main_async(args))
+    path = write_result(name, result, Path(args.out))
+    plot(result, path.with_suffix(".png"))
+    print(path)
+    for n, ratio in result["ratios"].items():
+        print(n, ratio)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Benchmark 2: CPU-tier prefix reuse. How much cheaper is a prefix from the CPU tier?
+
+For prefixes of 512, 1,024 and 2,048 tokens, time to first token (max_tokens=1) when:
+- recompute: nothing cached (skip_reading_prefix_cache);
+- device: the prefix is in the device prefix cache;
+- cpu-tier: the device cache was reset and the prefix loads from our CPU tier.
+
+Also the tier's load bandwidth (vLLM's kv_offload_load_bytes / load_time, measured by our
+host-tier worker around its page copies) against this machine's host memcpy bandwidth
+(torch copy_ of 512 MiB), measured here with the same thread count as the model worker.
+
+    python -m benchmarks.tier_reuse            # bench model
+    python -m benchmarks.tier_reuse --quick    # tiny model, one size (the suite's smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import RESERVED_CPUS, RESULTS, EngineSetup, random_tokens, write_result
+
+_ids = itertools.count()
+
+
+def host_memcpy_gbps(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(mib << 20, dtype=torch.int8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in first
+        best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(previous)
+    return (mib << 20) / best / 1e9
+
+
+def _timed(work: Any) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def registry_total(name: str, model: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        for sample in metric.samples
+        if sample.name == name and sample.labels.get("model_name") == model
+    )
+
+
+async def first_token(engine: Any, recorder: Any, prompt: list[int], recompute: bool = False) -> tuple[float, int, int]:
+    """(time to first token, cached tokens, of which from the CPU tier)."""
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
+
+    request_id = f"tier-bench-{next(_ids)}"
+    params = SamplingParams(max_tokens=1, temperature=0, skip_reading_prefix_cache=True if recompute else None)
+    start = time.perf_counter()
+    final = None
+    async for output in engine.generate(prompt=tokens_input(prompt), sampling_params=params, request_id=request_id):
+        final = output
+    elapsed = time.perf_counter() - start
+    sources = recorder.pop(request_id)
+    assert final is not None
+    return elapsed, int(final.num_cached_tokens or 0), sources.cpu_tier_tokens if sources else 0
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from app.engine import build_engine
+    from app.provenance import ProvenanceRecorder
+    from app.settings import Settings
+
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = RESERVED_CPUS
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib)
+    settings = Settings(
+        _env_file=None, model_preset=setup.preset, kv_cache_gib=setup.kv_cache_gib,
+        cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size, max_model_len=setup.max_model_len,
+        enforce_eager=setup.enforce_eager, served_model_name="tier-bench",
+    )
+    engine = build_engine(settings)
+    recorder = ProvenanceRecorder()
+    recorder.attach(engine)
+    rng = random.Random(args.seed)
+    rows = []
+    try:
+        await first_token(engine, recorder, random_tokens(rng, 64))  # warm-up
+        for length in args.sizes:
+            samples: dict[str, list[float]] = {"recompute": [], "device": [], "cpu-tier": []}
+            tier_tokens: list[int] = []
+            load_gbps: list[float] = []
+            for _ in range(args.repeats):
+                prompt = random_tokens(rng, length + 1)
+                samples["recompute"].append((await first_token(engine, recorder, prompt, recompute=True))[0])
+                samples["device"].append((await first_token(engine, recorder, prompt))[0])
+                # A small request steps the engine once more so the deferred stores land.
+                await first_token(engine, recorder, random_tokens(rng, 8))
+                assert await engine.reset_prefix_cache(), "device cache reset refused"
+                bytes_before = registry_total("vllm:kv_offload_load_bytes_total", "tier-bench")
+                time_before = registry_total("vllm:kv_offload_load_time_total", "tier-bench")
+                elapsed, _, from_tier = await first_token(engine, recorder, prompt)
+                await asyncio.sleep(0.2)  # let the step's stats reach the registry
+                loaded = registry_total("vllm:kv_offload_load_bytes_total", "tier-bench") - bytes_before
+                load_time = registry_total("vllm:kv_offload_load_time_total", "tier-bench") - time_before
+                samples["cpu-tier"].append(elapsed)
+                tier_tokens.append(from_tier)
+                if loaded > 0 and load_time > 0:
+                    load_gbps.append(loaded / load_time / 1e9)
+            medians = {side: statistics.median(values) for side, values in samples.items()}
+            rows.append(
+                {
+                    "prefix_tokens": length,
+                    "ttft_s": medians,
+                    "cpu_tier_tokens": statistics.median(tier_tokens),
+                    "tier_load_gbps": statistics.median(load_gbps) if load_gbps else None,
+                    "recompute_vs_tier": medians["recompute"] / medians["cpu-tier"],
+                    "tier_vs_device": medians["cpu-tier"] / medians["device"],
+                }
+            )
+    finally:
+        engine.shutdown()
+    threads = max(1, (os.cpu_count() or 1) - int(RESERVED_CPUS))
+    memcpy = host_memcpy_gbps(threads)
+    for row in rows:
+        row["tier_load_vs_memcpy"] = row["tier_load_gbps"] / memcpy if row["tier_load_gbps"] else None
+    return {
+        "settings": {**setup.describe(), "repeats": args.repeats, "seed": args.seed, "worker_threads": threads},
+        "host_memcpy_gbps": memcpy,
+        "rows": rows,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    sides = ("recompute", "cpu-tier", "device")
+    figure, axis = plt.subplots(figsize=(8, 5))
+    width = 0.25
+    for offset, side in enumerate(sides):
+        axis.bar(
+            [i + (offset - 1) * width for i in range(len(rows))],
+            [row["ttft_s"][side] * 1000 for row in rows],
+            width, label=side,
+        )
+    axis.set_xticks(range(len(rows)), [f"{row['prefix_tokens']} tokens" for row in rows])
+    axis.set_yscale("log")
+    axis.set_ylabel("time to first token (ms)")
+    axis.set_title(f"Prefix reuse ({result['settings']['model_preset']} model): recompute vs CPU tier vs device cache")
+    axis.grid(True, axis="y", which="both", alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model, one 256-token prefix")
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--cpu-tier-gib", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    name = "tier_reuse"
+    if args.quick:
+        args.preset, args.sizes, args.repeats = "tiny", [256], 1
+        args.kv_cache_gib, args.cpu_tier_gib, name = 0.25, 0.5, "tier_reuse-quick"
+    result = asyncio.run(main_async(args))
+    path = write_result(name, result, Path(args.out))
+    plot(result, path.with_suffix(".png"))
+    print(path)
+    print(f"host memcpy: {result['host_memcpy_gbps']:.1f} GB/s")
+    for row in result["rows"]:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
