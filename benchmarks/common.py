@@ -8,6 +8,7 @@ reserving a core, and "offload on vs off" would really be 2 threads against 1.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -17,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,41 @@ def vllm_server(setup: EngineSetup, log_dir: Path, prefix_caching: bool) -> cont
     ]
     label = f"vllm-prefix-{'on' if prefix_caching else 'off'}"
     return _serve(label, command, engine_env(), port, name, log_dir / f"{label}.log")
+
+
+def benchmark_parser(doc: str | None, kv_cache_gib: float) -> argparse.ArgumentParser:
+    """The options every benchmark takes; each adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model, tiny size: the test suite's smoke run")
+    parser.add_argument("--preset", default="bench", help="embedded model preset")
+    parser.add_argument("--kv-cache-gib", type=float, default=kv_cache_gib)
+    parser.add_argument("--cpu-tier-gib", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG results go")
+    return parser
+
+
+def quick_engine(args: argparse.Namespace) -> None:
+    """--quick engine settings, shared by every benchmark."""
+    args.preset, args.kv_cache_gib, args.cpu_tier_gib = "tiny", 0.25, 0.5
+
+
+def finish(name: str, result: dict[str, Any], out: str, plot: Callable[[dict[str, Any], Path], None]) -> Path:
+    """Write the JSON and the PNG, and print the JSON's path (the smoke test reads it)."""
+    path = write_result(name, result, Path(out))
+    plot(result, path.with_suffix(".png"))
+    print(path)
+    return path
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def random_tokens(rng: random.Random, count: int, vocab: int = 700) -> list[int]:

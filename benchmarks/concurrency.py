@@ -22,14 +22,16 @@ import httpx
 
 from benchmarks.common import (
     API_KEY,
-    RESULTS,
     EngineSetup,
+    benchmark_parser,
+    finish,
     our_server,
     percentile,
+    pyplot,
+    quick_engine,
     random_tokens,
     sse_completion,
     vllm_server,
-    write_result,
 )
 
 
@@ -119,10 +121,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for side, by_n in result["results"].items():
@@ -146,26 +145,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--preset", default="bench")
+    parser = benchmark_parser(__doc__, kv_cache_gib=2.0)
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--gen", type=int, default=16)
-    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
-    parser.add_argument("--cpu-tier-gib", type=float, default=4.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     name = "concurrency"
     if args.quick:
-        args.preset, args.sessions, args.turns, args.chunk, args.gen = "tiny", [1, 2], 2, 64, 4
-        args.kv_cache_gib, args.cpu_tier_gib, name = 0.25, 0.5, "concurrency-quick"
+        args.sessions, args.turns, args.chunk, args.gen = [1, 2], 2, 64, 4
+        quick_engine(args)
+        name = "concurrency-quick"
     result = asyncio.run(main_async(args))
-    path = write_result(name, result, Path(args.out))
-    plot(result, path.with_suffix(".png"))
-    print(path)
+    finish(name, result, args.out, plot)
     for n, ratio in result["ratios"].items():
         print(n, ratio)
 

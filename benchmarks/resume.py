@@ -30,13 +30,15 @@ import httpx
 from benchmarks.common import (
     API_KEY,
     RESERVED_CPUS,
-    RESULTS,
     EngineSetup,
+    benchmark_parser,
+    finish,
     our_server,
+    pyplot,
+    quick_engine,
     random_tokens,
     sse_completion,
     vllm_server,
-    write_result,
 )
 
 Turns = list[tuple[float, float]]  # per turn: (ttft_s, total_s)
@@ -176,10 +178,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     figure, axis = plt.subplots(figsize=(8, 5))
@@ -202,26 +201,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 turns, 1 session")
-    parser.add_argument("--preset", default="bench")
+    parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--turns", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--gen", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
-    parser.add_argument("--cpu-tier-gib", type=float, default=4.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     name = "resume"
     if args.quick:
-        args.preset, args.turns, args.repeats, args.chunk, args.gen = "tiny", 3, 1, 64, 4
-        args.kv_cache_gib, args.cpu_tier_gib, name = 0.25, 0.5, "resume-quick"
+        args.turns, args.repeats, args.chunk, args.gen = 3, 1, 64, 4
+        quick_engine(args)
+        name = "resume-quick"
     result = asyncio.run(main_async(args))
-    path = write_result(name, result, Path(args.out))
-    plot(result, path.with_suffix(".png"))
-    print(path)
+    finish(name, result, args.out, plot)
     for key, value in result["summary"].items():
         print(f"{key}: {value}")
 

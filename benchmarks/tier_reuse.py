@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESERVED_CPUS, RESULTS, EngineSetup, random_tokens, write_result
+from benchmarks.common import (
+    RESERVED_CPUS,
+    EngineSetup,
+    benchmark_parser,
+    finish,
+    pyplot,
+    quick_engine,
+    random_tokens,
+)
 
 _ids = itertools.count()
 
@@ -144,10 +152,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = result["rows"]
     sides = ("recompute", "cpu-tier", "device")
@@ -171,24 +176,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model, one 256-token prefix")
-    parser.add_argument("--preset", default="bench")
+    parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
-    parser.add_argument("--cpu-tier-gib", type=float, default=4.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     name = "tier_reuse"
     if args.quick:
-        args.preset, args.sizes, args.repeats = "tiny", [256], 1
-        args.kv_cache_gib, args.cpu_tier_gib, name = 0.25, 0.5, "tier_reuse-quick"
+        args.sizes, args.repeats = [256], 1
+        quick_engine(args)
+        name = "tier_reuse-quick"
     result = asyncio.run(main_async(args))
-    path = write_result(name, result, Path(args.out))
-    plot(result, path.with_suffix(".png"))
-    print(path)
+    finish(name, result, args.out, plot)
     print(f"host memcpy: {result['host_memcpy_gbps']:.1f} GB/s")
     for row in result["rows"]:
         print(row)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import httpx
 
 from app.sessions.protocol import ChunkUsage, SessionDefaults, SessionObject, TranscriptResponse
-from clients.errors import APIStatusError, error_from_body
+from clients.errors import APIConnectionError, APIStatusError, APITimeoutError, error_from_body
 
 Transport = Literal["rest", "websocket"]
 
@@ -111,6 +111,12 @@ def error_from_response(response: httpx.Response) -> APIStatusError:
     except ValueError:
         body = {"error": {"message": response.text or response.reason_phrase}}
     return error_from_body(body, response.status_code)
+
+
+def connection_error(exc: Exception) -> APIConnectionError:
+    if isinstance(exc, httpx.TimeoutException):
+        return APITimeoutError(f"timed out: {exc}")
+    return APIConnectionError(f"connection failed: {exc}")
 
 
 def reply_from_rest(body: dict[str, Any]) -> ChunkReply:

@@ -32,6 +32,7 @@ from clients._common import (
     backoff_s,
     check_response,
     chunk_payload,
+    connection_error,
     create_payload,
     error_from_response,
     reply_from_rest,
@@ -39,7 +40,6 @@ from clients._common import (
 )
 from clients.errors import (
     APIConnectionError,
-    APITimeoutError,
     NotFoundError,
     StreamsessError,
     error_from_body,
@@ -71,7 +71,7 @@ class AsyncSessionsClient:
                     await asyncio.sleep(backoff_s(attempt))
                     attempt += 1
                     continue
-                raise _connection_error(exc) from exc
+                raise connection_error(exc) from exc
             if attempt < self.config.max_retries and should_retry(method, None, response.status_code):
                 await asyncio.sleep(backoff_s(attempt))
                 attempt += 1
@@ -91,7 +91,7 @@ class AsyncSessionsClient:
                             return
                         yield json.loads(data)
         except httpx.TransportError as exc:
-            raise _connection_error(exc) from exc
+            raise connection_error(exc) from exc
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -101,12 +101,6 @@ class AsyncSessionsClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-def _connection_error(exc: Exception) -> APIConnectionError:
-    if isinstance(exc, httpx.TimeoutException):
-        return APITimeoutError(f"timed out: {exc}")
-    return APIConnectionError(f"connection failed: {exc}")
 
 
 class AsyncSessions:

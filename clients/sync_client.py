@@ -31,6 +31,7 @@ from clients._common import (
     backoff_s,
     check_response,
     chunk_payload,
+    connection_error,
     create_payload,
     error_from_response,
     reply_from_rest,
@@ -39,7 +40,6 @@ from clients._common import (
 )
 from clients.errors import (
     APIConnectionError,
-    APITimeoutError,
     NotFoundError,
     StreamsessError,
     error_from_body,
@@ -69,7 +69,7 @@ class SessionsClient:
                     time.sleep(backoff_s(attempt))
                     attempt += 1
                     continue
-                raise _connection_error(exc) from exc
+                raise connection_error(exc) from exc
             if attempt < self.config.max_retries and should_retry(method, None, response.status_code):
                 time.sleep(backoff_s(attempt))
                 attempt += 1
@@ -84,7 +84,7 @@ class SessionsClient:
                     raise error_from_response(response)
                 yield from sse_payloads(response.iter_lines())
         except httpx.TransportError as exc:
-            raise _connection_error(exc) from exc
+            raise connection_error(exc) from exc
 
     def close(self) -> None:
         self._http.close()
@@ -94,12 +94,6 @@ class SessionsClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _connection_error(exc: Exception) -> APIConnectionError:
-    if isinstance(exc, httpx.TimeoutException):
-        return APITimeoutError(f"timed out: {exc}")
-    return APIConnectionError(f"connection failed: {exc}")
 
 
 class Sessions:

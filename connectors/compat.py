@@ -51,3 +51,14 @@ def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in {"1", "true", "yes", "on"}
     return bool(value)
+
+
+def install_fix(component: Any, fixed_cls: type, extra_config: dict[str, Any] | None) -> None:
+    """Give a connector's scheduler-side object our fixed subclass, when wanted.
+
+    The class is swapped rather than a second object built: the subclasses only
+    override methods, and building twice would redo work the connector's
+    constructor already did (the offloading manager, the simple connector's CPU
+    block pool)."""
+    if component is not None and streaming_fix_wanted(extra_config):
+        component.__class__ = fixed_cls

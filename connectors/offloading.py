@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from connectors.compat import streaming_fix_wanted
+from connectors.compat import install_fix
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,8 +110,4 @@ class StreamingSafeOffloadingConnector(OffloadingConnector):
     ):
         super().__init__(vllm_config, role, kv_cache_config)
         extra_config: dict[str, Any] = self._kv_transfer_config.kv_connector_extra_config
-        if self.connector_scheduler is not None and streaming_fix_wanted(extra_config):
-            # Swap the class rather than build a second scheduler: the subclass
-            # only overrides methods, and building twice would re-create the
-            # offloading manager the spec already handed out.
-            self.connector_scheduler.__class__ = StreamingSafeOffloadingScheduler
+        install_fix(self.connector_scheduler, StreamingSafeOffloadingScheduler, extra_config)

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector i
 )
 from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
-from connectors.compat import streaming_fix_wanted
+from connectors.compat import install_fix
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,7 +54,4 @@ class StreamingSafeSimpleCPUOffloadConnector(SimpleCPUOffloadConnector):
     ):
         super().__init__(vllm_config, role, kv_cache_config)
         extra_config: dict[str, Any] = self._kv_transfer_config.kv_connector_extra_config
-        if self.scheduler_manager is not None and streaming_fix_wanted(extra_config):
-            # Same reasoning as the offloading connector: override methods only,
-            # keep the CPU block pool the constructor already allocated.
-            self.scheduler_manager.__class__ = StreamingSafeSimpleCPUOffloadScheduler
+        install_fix(self.scheduler_manager, StreamingSafeSimpleCPUOffloadScheduler, extra_config)

@@ -82,3 +82,14 @@ async def wait_until_gone(engine: Any, request_id: str, timeout_s: float = 10.0)
             return True
         await asyncio.sleep(0.05)
     return False
+
+
+async def wait_until_closed(http: Any, session_id: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Poll GET /v1/sessions/{id} until the session is closed; return its last state."""
+    state: dict[str, Any] = {}
+    for _ in range(int(timeout_s / 0.05)):
+        state = (await http.get(f"/v1/sessions/{session_id}")).json()
+        if state.get("status") == "closed":
+            break
+        await asyncio.sleep(0.05)
+    return state

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.conftest import auth
-from tests.helpers import live_request_ids, wait_until_gone
+from tests.helpers import live_request_ids, wait_until_closed, wait_until_gone
 
 pytestmark = pytest.mark.server
 
@@ -145,11 +145,7 @@ async def test_client_disconnect_mid_chunk_aborts_engine_request(http: httpx.Asy
             if line.startswith("data: "):
                 break
         assert victim in live_request_ids(engine)  # generating when the client hangs up
-    for _ in range(100):
-        state = (await http.get(f"/v1/sessions/{victim}")).json()
-        if state["status"] == "closed":
-            break
-        await asyncio.sleep(0.05)
+    state = await wait_until_closed(http, victim)
     assert state["close_reason"] == "client_disconnected"
     assert await wait_until_gone(engine, victim)
     # The other session, and the server, go on.
@@ -166,11 +162,7 @@ async def test_non_streaming_disconnect_aborts_too(server: str, engine: Any) -> 
         with pytest.raises(httpx.ReadTimeout):
             await impatient.post(f"/v1/sessions/{victim}/chunks", json={"input": [9] * 20, "max_tokens": 1000})
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
-        for _ in range(100):
-            state = (await http.get(f"/v1/sessions/{victim}")).json()
-            if state["status"] == "closed":
-                break
-            await asyncio.sleep(0.05)
+        state = await wait_until_closed(http, victim)
         assert state["close_reason"] == "client_disconnected"
     assert await wait_until_gone(engine, victim)
 

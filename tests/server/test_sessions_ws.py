@@ -11,7 +11,7 @@ import pytest
 import websockets
 
 from tests.conftest import auth
-from tests.helpers import live_request_ids, random_tokens, wait_until_gone
+from tests.helpers import live_request_ids, random_tokens, wait_until_closed, wait_until_gone
 
 pytestmark = pytest.mark.server
 
@@ -127,13 +127,7 @@ async def test_websocket_disconnect_mid_chunk_closes_its_session(server: str, en
         await ws.send(json.dumps({"type": "input.append", "input": [4] * 10, "max_tokens": 1000}))
         assert (await recv(ws))["type"] == "response.output.delta"
         assert session_id in live_request_ids(engine)
-    import asyncio
-
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
-        for _ in range(100):
-            state = (await http.get(f"/v1/sessions/{session_id}")).json()
-            if state["status"] == "closed":
-                break
-            await asyncio.sleep(0.05)
+        state = await wait_until_closed(http, session_id)
         assert state["status"] == "closed"
     assert await wait_until_gone(engine, session_id)

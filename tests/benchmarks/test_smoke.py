@@ -1,0 +1,51 @@
+"""Every benchmark runs at a tiny size (--quick), so the scripts keep working.
+
+These check that each script runs end to end and writes complete results; they
+assert no timings (timings are measured and recorded in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.server
+
+
+def run_quick(module: str, out: Path) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Each script prints the path of its JSON result, then a summary.
+    written = Path(next(line for line in result.stdout.splitlines() if line.endswith(".json")))
+    assert written.parent == out and written.with_suffix(".png").stat().st_size > 10_000
+    return dict(json.loads(written.read_text()))
+
+
+def test_resume_quick(tmp_path: Path) -> None:
+    result = run_quick("resume", tmp_path)
+    assert set(result["per_turn"]) == {"in-process", "ours-sse", "ours-ws", "vllm-prefix-on", "vllm-prefix-off"}
+    assert all(len(turns) == 3 for turns in result["per_turn"].values())
+    assert result["summary"]["http_overhead_ttft_ratio_max"] > 0
+
+
+def test_tier_reuse_quick(tmp_path: Path) -> None:
+    result = run_quick("tier_reuse", tmp_path)
+    (row,) = result["rows"]
+    # The measured run really loaded from the CPU tier.
+    assert row["cpu_tier_tokens"] >= 224 and row["tier_load_gbps"] > 0
+    assert result["host_memcpy_gbps"] > 0
+
+
+def test_concurrency_quick(tmp_path: Path) -> None:
+    result = run_quick("concurrency", tmp_path)
+    assert set(result["results"]) == {"ours-sse", "vllm-prefix-on"}
+    for side in result["results"].values():
+        assert set(side) == {"1", "2"} and all(run["generated_tokens"] > 0 for run in side.values())
