@@ -105,7 +105,8 @@ async def run_in_process(setup: EngineSetup, sessions: list[list[list[int]]], ge
             turns: Turns = []
             for chunk in chunks:
                 start = time.perf_counter()
-                inputs.put_nowait(StreamingInput(prompt=tokens_input(chunk), sampling_params=params))
+                # A copy: vLLM extends the first chunk's prompt list in place.
+                inputs.put_nowait(StreamingInput(prompt=tokens_input(list(chunk)), sampling_params=params))
                 first: float | None = None
                 async for output in outputs:
                     if first is None and output.outputs[0].token_ids:
