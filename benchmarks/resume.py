@@ -63,6 +63,11 @@ async def run_ours(base_url: str, transport: str, chunks: list[list[int]], gen: 
     return turns
 
 
+async def reset_device_cache(base_url: str) -> None:
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        (await http.post("/v1/admin/reset_device_cache")).raise_for_status()
+
+
 async def run_vllm_resend(base_url: str, model: str, chunks: list[list[int]], gen: int) -> Turns:
     turns: Turns = []
     history: list[int] = []
@@ -149,6 +154,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with our_server(setup, log_dir) as server:
         for transport, side in (("rest", "ours-sse"), ("websocket", "ours-ws")):
             await run_ours(server.base_url, transport, warmup, args.gen)
+            # Both transports replay the same chunks: drop the device prefix cache
+            # first, or the second would find its first turn cached.
+            await reset_device_cache(server.base_url)
             sides[side] = [await run_ours(server.base_url, transport, chunks, args.gen) for chunks in sessions]
 
     for prefix_caching in (True, False):
