@@ -166,10 +166,13 @@ def quick_engine(args: argparse.Namespace) -> None:
     args.preset, args.kv_cache_gib, args.cpu_tier_gib = "tiny", 0.25, 0.5
 
 
-def finish(name: str, result: dict[str, Any], out: str, plot: Callable[[dict[str, Any], Path], None]) -> Path:
-    """Write the JSON and the PNG, and print the JSON's path (the smoke test reads it)."""
+def finish(name: str, result: dict[str, Any], out: str, plot: Callable[[dict[str, Any]], Any]) -> Path:
+    """Write the JSON and the plot's PNG, and print the JSON's path (the smoke test reads it)."""
     path = write_result(name, result, Path(out))
-    plot(result, path.with_suffix(".png"))
+    figure = plot(result)
+    figure.tight_layout()
+    figure.savefig(path.with_suffix(".png"), dpi=110)
+    pyplot().close(figure)
     print(path)
     return path
 

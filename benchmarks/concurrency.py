@@ -120,7 +120,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -139,9 +139,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axis.grid(True, which="both", alpha=0.3)
         axis.legend()
     figure.suptitle(f"Concurrency ({result['settings']['model_preset']} model)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
 def main() -> None:

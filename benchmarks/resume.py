@@ -186,7 +186,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -204,9 +204,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     )
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
 def main() -> None:

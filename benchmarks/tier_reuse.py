@@ -22,7 +22,6 @@ import os
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
@@ -151,7 +150,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
 
     rows = result["rows"]
@@ -170,9 +169,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axis.set_title(f"Prefix reuse ({result['settings']['model_preset']} model): recompute vs CPU tier vs device cache")
     axis.grid(True, axis="y", which="both", alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
 def main() -> None:
