@@ -109,7 +109,7 @@ async def test_session_count_limit(http: httpx.AsyncClient, server_settings: Any
 async def test_concurrent_append_gets_409(http: httpx.AsyncClient) -> None:
     session_id = await new_session(http)
     url = f"/v1/sessions/{session_id}/chunks"
-    first = asyncio.create_task(http.post(url, json={"input": [3] * 50, "max_tokens": 200}))
+    first = asyncio.create_task(http.post(url, json={"input": [3] * 50, "max_tokens": 1000}))
     for _ in range(200):
         if (await http.get(f"/v1/sessions/{session_id}")).json()["status"] == "generating":
             break
