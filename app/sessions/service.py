@@ -220,8 +220,15 @@ class SessionService:
                     self._observe(event, prepared.transport)
                 yield event
         except SessionFailedError as exc:
+            if session.closed:
+                # Closed by someone else (DELETE, shutdown, expiry) while answering.
+                self._metrics.chunk_errors.labels("session_closed").inc()
+                raise APIError(
+                    409, f"The session was closed ({session.close_reason}) while answering this chunk.",
+                    code="session_closed",
+                ) from exc
             self._metrics.chunk_errors.labels("session_failed").inc()
-            await self._close(session, session.close_reason or "engine_error")
+            await self._close(session, "engine_error")
             raise APIError(500, f"The session failed and was closed: {exc}", code="session_failed") from exc
         finally:
             session.lock.release()

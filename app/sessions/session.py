@@ -189,6 +189,8 @@ class StreamingSession:
                 self._outputs.put_nowait(output)
             self._outputs.put_nowait(None)
         except asyncio.CancelledError:
+            # Closed or aborted: wake a chunk that may be waiting for output.
+            self._outputs.put_nowait(None)
             raise
         except BaseException as exc:  # engine errors reach the chunk's consumer
             logger.warning("session %s: engine request failed: %s", self.id, exc)

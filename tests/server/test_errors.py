@@ -183,3 +183,19 @@ async def test_health_answers_503_when_the_engine_is_dead(
         assert (await http.get("/health")).status_code == 503
         monkeypatch.undo()
         assert (await http.get("/health")).status_code == 200
+
+
+async def test_delete_during_a_chunk_ends_that_chunk(http: httpx.AsyncClient, engine: Any) -> None:
+    """Closing a session while it answers must not leave the chunk's request hanging."""
+    session_id = await new_session(http)
+    chunk = asyncio.create_task(
+        http.post(f"/v1/sessions/{session_id}/chunks", json={"input": [5] * 20, "max_tokens": 1000})
+    )
+    for _ in range(500):
+        if (await http.get(f"/v1/sessions/{session_id}")).json()["status"] == "generating":
+            break
+        await asyncio.sleep(0.01)
+    assert (await http.delete(f"/v1/sessions/{session_id}")).status_code == 200
+    response = await asyncio.wait_for(chunk, 30)
+    assert_openai_error(response, 409, "session_closed")
+    assert await wait_until_gone(engine, session_id)
