@@ -30,7 +30,13 @@ from app.sessions.protocol import (
     SessionDefaults,
     SessionObject,
 )
-from app.sessions.session import ChunkDelta, ChunkResult, SessionFailedError, StreamingSession
+from app.sessions.session import (
+    ENGINE_ERROR,
+    ChunkDelta,
+    ChunkResult,
+    SessionFailedError,
+    StreamingSession,
+)
 from app.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -220,16 +226,16 @@ class SessionService:
                     self._observe(event, prepared.transport)
                 yield event
         except SessionFailedError as exc:
-            if session.closed:
-                # Closed by someone else (DELETE, shutdown, expiry) while answering.
-                self._metrics.chunk_errors.labels("session_closed").inc()
-                raise APIError(
-                    409, f"The session was closed ({session.close_reason}) while answering this chunk.",
-                    code="session_closed",
-                ) from exc
-            self._metrics.chunk_errors.labels("session_failed").inc()
-            await self._close(session, "engine_error")
-            raise APIError(500, f"The session failed and was closed: {exc}", code="session_failed") from exc
+            if session.close_reason == ENGINE_ERROR:
+                self._metrics.chunk_errors.labels("session_failed").inc()
+                await self._close(session, ENGINE_ERROR)
+                raise APIError(500, f"The session failed and was closed: {exc}", code="session_failed") from exc
+            # Closed by someone else (DELETE, shutdown) while answering.
+            self._metrics.chunk_errors.labels("session_closed").inc()
+            raise APIError(
+                409, f"The session was closed ({session.close_reason}) while answering this chunk.",
+                code="session_closed",
+            ) from exc
         finally:
             session.lock.release()
             if session.closed:

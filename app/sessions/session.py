@@ -26,6 +26,8 @@ from app.sessions.protocol import ChunkUsage, PromptTokensDetails, SessionDefaul
 
 logger = logging.getLogger(__name__)
 
+# The close reason of a session whose engine request failed.
+ENGINE_ERROR = "engine_error"
 # How long a graceful close waits for the engine to finish the request before aborting.
 GRACEFUL_CLOSE_S = 10.0
 
@@ -133,9 +135,14 @@ class StreamingSession:
                     yield ChunkDelta(list(completion.token_ids), completion.text)
                 finish_reason = completion.finish_reason
             finished_cleanly = True
+        except SessionFailedError:
+            self.terminate(ENGINE_ERROR)  # keeps the reason if it was closed meanwhile
+            raise
         finally:
             if not finished_cleanly:
-                self.terminate("client_disconnected" if not self.closed else self.close_reason or "aborted")
+                # The consumer stopped early (a client disconnect cancels it): a
+                # session cannot resume from the middle of a chunk.
+                self.terminate("client_disconnected")
 
         usage = self._usage(index, context_before, input_ids, token_ids, num_cached_tokens)
         self.token_ids += list(input_ids) + token_ids[:-1]
@@ -198,7 +205,8 @@ class StreamingSession:
 
     # ------------------------------------------------------------------ closing
     def terminate(self, reason: str) -> None:
-        """Close now: cancelling the pump aborts the engine request and frees its KV."""
+        """Close now: cancelling the pump aborts the engine request and frees its KV.
+        A session closed already keeps its first close reason."""
         if not self.closed:
             self.status = "closed"
             self.close_reason = reason

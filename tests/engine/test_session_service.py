@@ -60,3 +60,36 @@ async def test_stop_closes_every_session(engine: Any) -> None:
     assert all(s.close_reason == "server_shutdown" for s in sessions)
     for session in sessions:
         assert await wait_until_gone(engine, session.id)
+
+
+class EngineThatFails:
+    """The real engine, except that generate() fails: an engine error mid-session."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("engine exploded")
+        yield  # an async generator, like AsyncLLM.generate
+
+
+async def test_engine_failure_fails_the_chunk_and_closes_the_session(engine: Any) -> None:
+    from app.errors import APIError
+
+    service = make_service(EngineThatFails(engine))
+    await service.start()
+    try:
+        session = service.create("owner", SessionCreateRequest())
+        prepared = await service.prepare_chunk(
+            "owner", session.id, [1, 2], SamplingOptions(max_tokens=2), transport="test", wait=False
+        )
+        with pytest.raises(APIError) as failed:
+            await service.run_chunk(prepared)
+        assert failed.value.status == 500 and failed.value.code == "session_failed"
+        assert session.close_reason == "engine_error" and not session.lock.locked()
+        assert service.owned_by("owner") == []
+    finally:
+        await service.stop()
