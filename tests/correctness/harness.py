@@ -180,8 +180,9 @@ class InProcessBackend:
         return bool(await self._engine.reset_prefix_cache())
 
     async def leftover_requests(self) -> list[str]:
-        states = self._engine.output_processor.request_states
-        return sorted(getattr(state, "external_req_id", None) or key for key, state in states.items())
+        from tests.helpers import live_request_ids
+
+        return sorted(live_request_ids(self._engine))
 
     async def preempt_running(self) -> None:
         # vLLM 0.32 admits a request only when all of it fits, so a small device
