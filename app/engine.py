@@ -67,6 +67,7 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
     args: dict[str, Any] = {
         "model": settings.resolved_model(),
         "served_model_name": [settings.resolved_served_model_name()],
+        "dtype": settings.dtype,
         "block_size": settings.block_size,
         "enable_prefix_caching": True,
         "kv_cache_memory_bytes": int(settings.kv_cache_gib * GIB),

@@ -39,6 +39,13 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         default=None, description="Model name in the API. Default: preset name or directory name."
     )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto",
+        description=(
+            "Weights and activations dtype; auto: the model's own (bf16 for the embedded models). "
+            "float32 makes greedy outputs comparable token for token with a recompute."
+        ),
+    )
     model_cache_dir: str | None = Field(
         default=None, description="Where embedded models are built. Default: ~/.cache/streaming-sessions/models."
     )

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -80,7 +81,7 @@ class RunningServer:
     process: subprocess.Popen[bytes]
 
 
-def _wait_healthy(server: RunningServer, timeout_s: float = 600) -> None:
+def wait_healthy(server: RunningServer, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
@@ -93,20 +94,31 @@ def _wait_healthy(server: RunningServer, timeout_s: float = 600) -> None:
 
 
 @contextlib.contextmanager
-def _serve(name: str, command: list[str], env: dict[str, str], port: int, model: str, log: Path) -> Iterator[RunningServer]:
+def serve(name: str, command: list[str], env: dict[str, str], port: int, model: str, log: Path) -> Iterator[RunningServer]:
+    """A server in a fresh process (its own process group), healthy before it is
+    yielded and stopped with everything it started afterwards."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=out)
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True)
         server = RunningServer(name, f"http://127.0.0.1:{port}", model, process)
         try:
-            _wait_healthy(server)
+            wait_healthy(server)
             yield server
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    # Engine processes the server spawned die with their group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def our_server(setup: EngineSetup, log_dir: Path, connector: str = "offloading") -> contextlib.AbstractContextManager[RunningServer]:
@@ -126,7 +138,7 @@ def our_server(setup: EngineSetup, log_dir: Path, connector: str = "offloading")
         STREAMSESS_CONNECTOR=connector,
         STREAMSESS_LOG_LEVEL="warning",
     )
-    return _serve("ours", [sys.executable, "-m", "app.main"], env, port, f"embedded-{setup.preset}", log_dir / "ours.log")
+    return serve("ours", [sys.executable, "-m", "app.main"], env, port, f"embedded-{setup.preset}", log_dir / "ours.log")
 
 
 def vllm_server(setup: EngineSetup, log_dir: Path, prefix_caching: bool) -> contextlib.AbstractContextManager[RunningServer]:
@@ -146,7 +158,7 @@ def vllm_server(setup: EngineSetup, log_dir: Path, prefix_caching: bool) -> cont
         "--disable-log-stats",
     ]
     label = f"vllm-prefix-{'on' if prefix_caching else 'off'}"
-    return _serve(label, command, engine_env(), port, name, log_dir / f"{label}.log")
+    return serve(label, command, engine_env(), port, name, log_dir / f"{label}.log")
 
 
 def benchmark_parser(doc: str | None, kv_cache_gib: float) -> argparse.ArgumentParser:

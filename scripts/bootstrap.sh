@@ -28,9 +28,20 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 
+# The stamp holds the inputs' hash and the extras installed with them. An install
+# with more extras serves a smaller request (./scripts/serve after ./scripts/test).
 stamp="$VENV/.streamsess-install"
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/bootstrap.sh" | sha256sum | cut -d' ' -f1) $EXTRAS"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+inputs="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/bootstrap.sh" | sha256sum | cut -d' ' -f1)"
+installed_ok() {
+  local have; have="$(cat "$stamp" 2>/dev/null)" || return 1
+  [ "${have%% *}" = "$inputs" ] || return 1
+  local extra
+  for extra in ${EXTRAS//,/ }; do
+    [[ ",${have#* }," == *",$extra,"* ]] || return 1
+  done
+}
+want="$inputs $EXTRAS"
+if ! installed_ok; then
   echo "bootstrap: installing .[$EXTRAS] into $VENV (first run takes a few minutes)" >&2
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"

@@ -10,9 +10,13 @@ import pytest_asyncio
 
 from app.settings import Settings
 
-# Small enough for 2 cores, large enough that no test evicts by accident:
-# the tiny model keeps 2 KiB of KV per token.
+# Small enough for 2 cores, large enough that no test evicts by accident.
+# float32: the shared engine's outputs are compared token for token with recomputes,
+# which only float32 makes sound (bf16 checks compare a tier hit with a device hit,
+# on engines of their own: tests/engine/test_tier_vs_device.py). The tiny model
+# then keeps 4 KiB of KV per token.
 TEST_ENGINE_SETTINGS: dict[str, Any] = {
+    "dtype": "float32",
     "kv_cache_gib": 0.25,
     "cpu_tier_gib": 0.5,
     "block_size": 32,
@@ -20,11 +24,26 @@ TEST_ENGINE_SETTINGS: dict[str, Any] = {
     "max_num_seqs": 16,
     "max_sessions": 8,
     "enforce_eager": True,
+    # Lets tests read KV pages and attention kernels inside the worker.
+    "engine_args": {"worker_extension_cls": "tests.kv_inspector.KVInspector"},
 }
 
 
 def make_settings(**overrides: Any) -> Settings:
     return Settings(_env_file=None, **{**TEST_ENGINE_SETTINGS, **overrides})
+
+
+def pytest_report_header() -> str:
+    from connectors.cpu_platform import kernel_flags
+
+    return f"CPU flags that pick vLLM's CPU kernels: {' '.join(kernel_flags()) or 'none'}"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from tests.helpers import KERNELS_RAN
+
+    ran = ", ".join(sorted(KERNELS_RAN)) or "none recorded"
+    terminalreporter.write_line(f"CPU attention kernels the engine checks ran under: {ran}")
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +54,10 @@ def engine_settings() -> Settings:
 @pytest_asyncio.fixture(scope="session")
 async def engine(engine_settings: Settings) -> AsyncIterator[Any]:
     from app.engine import build_engine
+    from tests.helpers import record_attention_kernels
 
     llm = build_engine(engine_settings)
+    await record_attention_kernels(llm)
     yield llm
     llm.shutdown()
 

@@ -3,16 +3,63 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from vllm import SamplingParams
 from vllm.engine.protocol import StreamingInput
 from vllm.sampling_params import RequestOutputKind
 
+from connectors.cpu_platform import ATTENTION_ENV, cpu_has_amx
+
 _ids = itertools.count()
+
+# The CPU attention kernels the bf16 checks run under: vLLM's own choice ("auto":
+# AMX where the CPU has it) and, on an AMX CPU, the kernel vLLM picks without it.
+# fp32 never runs the AMX kernel (vLLM uses it for bf16 only).
+ATTENTION_KERNELS = ["auto", "no-amx"] if cpu_has_amx() else ["auto"]
+# Which kernels the engines of this test run actually ran, for the summary line.
+KERNELS_RAN: set[str] = set()
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Set environment variables while an engine starts: its processes copy them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.asynccontextmanager
+async def started_engine(settings: Any, attention: str = "auto") -> AsyncIterator[Any]:
+    """A real AsyncLLM of its own for one test, shut down after it."""
+    from app.engine import build_engine
+
+    with environment(**{ATTENTION_ENV: attention}):
+        llm = build_engine(settings)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+async def record_attention_kernels(engine: Any) -> list[str]:
+    """The attention kernels the engine's workers run (needs the KV inspector
+    worker extension), remembered for the test run's summary."""
+    kernels = sorted({k for worker in await engine.collective_rpc("streamsess_attention_kernels") for k in worker})
+    KERNELS_RAN.update(kernels)
+    return kernels
 
 
 def greedy(max_tokens: int, **extra: Any) -> SamplingParams:
@@ -24,6 +71,47 @@ def random_tokens(rng: random.Random, count: int, vocab: int = 700) -> list[int]
     return [rng.randrange(1, vocab) for _ in range(count)]
 
 
+class EngineSession:
+    """One streaming-input session straight on AsyncLLM, kept open between chunks,
+    so a test can look at it while it is idle (its KV still on the device)."""
+
+    def __init__(self, engine: Any, max_tokens: int):
+        self.engine = engine
+        self.request_id = f"session-{next(_ids)}"
+        self.params = greedy(max_tokens, output_kind=RequestOutputKind.DELTA)
+        self.context: list[int] = []
+        self.outputs: list[list[int]] = []
+        self._inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
+        self._stream = engine.generate(prompt=self._feed(), sampling_params=self.params, request_id=self.request_id)
+
+    async def _feed(self) -> AsyncIterator[StreamingInput]:
+        while (item := await self._inputs.get()) is not None:
+            yield item
+
+    async def send(self, chunk: list[int]) -> list[int]:
+        """Append a chunk; return its output once the chunk has finished."""
+        self._inputs.put_nowait(StreamingInput(prompt={"prompt_token_ids": list(chunk)}, sampling_params=self.params))
+        output: list[int] = []
+        async for out in self._stream:
+            output.extend(out.outputs[0].token_ids)
+            if out.outputs[0].finish_reason is not None:
+                break
+        self.outputs.append(output)
+        # The engine keeps every output token but the last sampled one.
+        self.context += list(chunk) + output[:-1]
+        return output
+
+    def internal_request_id(self) -> str:
+        """vLLM's own id of this session's request (it suffixes ours)."""
+        states = self.engine.output_processor.request_states
+        return next(key for key, state in states.items() if getattr(state, "external_req_id", key) == self.request_id)
+
+    async def close(self) -> None:
+        self._inputs.put_nowait(None)
+        async for _ in self._stream:
+            pass
+
+
 async def run_streaming_session(
     engine: Any, chunks: list[list[int]], max_tokens: int
 ) -> tuple[list[int], list[list[int]]]:
@@ -32,27 +120,11 @@ async def run_streaming_session(
     Returns the context the engine holds at the end (each chunk's input and its
     output minus the last sampled token, which vLLM discards on resume) and each
     chunk's output tokens."""
-    inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
-    params = greedy(max_tokens, output_kind=RequestOutputKind.DELTA)
+    session = EngineSession(engine, max_tokens)
     for chunk in chunks:
-        inputs.put_nowait(StreamingInput(prompt={"prompt_token_ids": list(chunk)}, sampling_params=params))
-    inputs.put_nowait(None)
-
-    async def feed() -> AsyncIterator[StreamingInput]:
-        while (item := await inputs.get()) is not None:
-            yield item
-
-    outputs: list[list[int]] = [[]]
-    async for out in engine.generate(prompt=feed(), sampling_params=params, request_id=f"session-{next(_ids)}"):
-        outputs[-1].extend(out.outputs[0].token_ids)
-        if out.outputs[0].finish_reason is not None:
-            outputs.append([])
-    outputs = [o for o in outputs if o]
-    assert len(outputs) == len(chunks), (len(outputs), len(chunks))
-    context: list[int] = []
-    for chunk, output in zip(chunks, outputs):
-        context += chunk + output[:-1]
-    return context, outputs
+        await session.send(chunk)
+    await session.close()
+    return session.context, session.outputs
 
 
 async def generate_once(engine: Any, prompt_ids: list[int], max_tokens: int, recompute: bool = False) -> Any:

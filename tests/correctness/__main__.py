@@ -1,6 +1,7 @@
 """Run the correctness harness at a chosen size and seed, and print a summary.
 
-    python -m tests.correctness --sessions 500 --seed 1            # in process, every config
+    python -m tests.correctness --sessions 500 --seed 1            # in process, every config, fp32
+    python -m tests.correctness --sessions 500 --seed 1 --oracle device   # bf16: tier hit vs device hit
     python -m tests.correctness --sessions 50 --config bpc2-async --disable-fix   # negative control
     python -m tests.correctness --sessions 20 --url http://127.0.0.1:8000 --api-key KEY
 
@@ -16,6 +17,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from connectors.cpu_platform import kernel_flags
 from tests.correctness.harness import (
     HARNESS_CONFIGS,
     SESSION_TOKENS,
@@ -45,15 +47,19 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     names = list(HARNESS_CONFIGS) if args.config == "all" else [args.config]
     per_config = max(1, args.sessions // len(names))
     for index, name in enumerate(names):
-        settings = harness_settings(name, disable_streaming_session_fix=args.disable_fix)
+        settings = harness_settings(name, args.oracle, disable_streaming_session_fix=args.disable_fix)
         workload = workload_for(settings, args.seed + index, per_config)
         if args.disable_fix:
             # Unfixed vLLM 0.32 also dies on a forced preempt-and-reload; the
             # negative control is about the seed bug alone.
             workload = replace(workload, preempt_every_s=None)
-        async with InProcessHarness(settings) as backend:
+        harness = InProcessHarness(settings, args.attention)
+        async with harness as backend:
             report = await run_workload(backend, workload)
-        summary = {"config": name, "fix": not args.disable_fix, **report.summary()}
+        summary = {
+            "config": name, "fix": not args.disable_fix, "dtype": settings.dtype,
+            "attention": args.attention, "attention_kernels": harness.kernels, **report.summary(),
+        }
         results.append(summary)
         print(json.dumps({k: v for k, v in summary.items() if k != "first_mismatches"}), flush=True)
     return results
@@ -66,6 +72,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", default="all", choices=["all", *HARNESS_CONFIGS])
     parser.add_argument("--disable-fix", action="store_true", help="negative control: vLLM's unfixed connector")
+    parser.add_argument("--oracle", default="recompute", choices=["recompute", "device"],
+                        help="recompute: float32, against a recompute; device: bf16, tier hit against device hit")
+    parser.add_argument("--attention", default="auto", choices=["auto", "no-amx"],
+                        help="CPU attention kernel: vLLM's choice, or the one it picks without AMX")
     parser.add_argument("--url", help="run against this server instead of in process")
     parser.add_argument("--api-key")
     parser.add_argument("--model", default="embedded-tiny", help="model name for /v1/completions (HTTP mode)")
@@ -76,17 +86,21 @@ def main() -> int:
     results = asyncio.run(run(args))
     totals = {
         key: sum(r[key] for r in results)
-        for key in ("sessions", "chunks", "prefix_requests", "prefix_requests_with_tier_hits", "tier_tokens", "mismatches")
+        for key in ("sessions", "chunks", "chunks_checked", "prefix_requests", "prefix_requests_compared",
+                    "prefix_requests_with_tier_hits", "tier_tokens", "mismatches")
     }
     totals["seconds"] = round(sum(r["seconds"] for r in results), 1)
-    print(json.dumps({"seed": args.seed, "totals": totals}, indent=2))
+    print(json.dumps({"seed": args.seed, "oracle": args.oracle, "totals": totals}, indent=2))
     for result in results:
         for mismatch in result["first_mismatches"]:
             print(f"mismatch in {result['config']} (seed {result['seed']}): {mismatch}", file=sys.stderr)
     if args.json_out:
         with open(args.json_out, "w") as handle:
-            json.dump({"seed": args.seed, "totals": totals, "configs": results}, handle, indent=2)
-    failed = totals["mismatches"] > 0 or any(r["prefix_requests_with_tier_hits"] == 0 for r in results)
+            json.dump({"seed": args.seed, "oracle": args.oracle, "cpu_flags": kernel_flags(),
+                       "totals": totals, "configs": results}, handle, indent=2)
+    failed = totals["mismatches"] > 0 or any(
+        r["prefix_requests_with_tier_hits"] == 0 or r["prefix_requests_compared"] == 0 for r in results
+    )
     return 1 if failed else 0
 
 

@@ -13,6 +13,19 @@ only later cache hits went wrong. So the harness checks both:
 
 All decoding is greedy. A recompute is a request that can hit no cache
 (``skip_reading_prefix_cache`` in process, a fresh ``cache_salt`` over HTTP).
+Comparisons with a recompute are sound only in float32: in bf16 a session's KV,
+computed chunk by chunk, differs in its low bits from a one-pass prefill, and
+greedy decoding on random weights turns that into other tokens.
+
+So the harness has two oracles (``Workload.oracle``):
+
+- ``recompute`` (run the engine in float32): both checks above.
+- ``device`` (bf16): a tier hit must equal a device hit on the same KV. After each
+  wave, every probe prefix (ending mid-block; see test_tier_vs_device.py for the
+  block-boundary case) is served once from the device prefix cache, then, after a
+  device-cache reset, from the CPU tier; only probes that each path served in full
+  are compared. No recomputes and no forced preemptions run in this mode: both
+  would put KV of another computation under the session's block hashes.
 The harness runs against the engine in process (through our ``SessionService``) or
 against a server over HTTP (through our client), behind one ``Backend`` interface.
 """
@@ -56,6 +69,9 @@ class Workload:
     preempt_every_s: float | None = None
     # Sessions per wave; the device cache is reset and probed after each wave.
     wave_size: int = 8
+    # "recompute" (float32 engines) or "device" (bf16: tier hit against device hit).
+    oracle: str = "recompute"
+    block_size: int = 32
 
 
 def make_workload(
@@ -72,6 +88,7 @@ def make_workload(
     interleaved_probe_rate: float = 0.5,
     probes_after_close: int = 2,
     preempt_every_s: float | None = None,
+    oracle: str = "recompute",
 ) -> Workload:
     """Sessions with 1..max_chunks chunks of 1 token to several blocks; half the
     chunks make the context end exactly on, or one token off, a block or an
@@ -96,8 +113,11 @@ def make_workload(
             length += size + max_tokens - 1
         if chunks:
             sessions.append(SessionPlan(chunks))
+    if oracle == "device":
+        interleaved_probe_rate, preempt_every_s = 0.0, None
     return Workload(
-        seed, sessions, concurrency, interleaved_probe_rate, probes_after_close, preempt_every_s, 2 * concurrency
+        seed, sessions, concurrency, interleaved_probe_rate, probes_after_close, preempt_every_s, 2 * concurrency,
+        oracle, block_size,
     )
 
 
@@ -108,6 +128,7 @@ def make_workload(
 class Generation:
     token_ids: list[int]
     cpu_tier_tokens: int
+    cached_tokens: int  # device and CPU tier
 
 
 class Backend(Protocol):
@@ -174,7 +195,9 @@ class InProcessBackend:
             final = output
         assert final is not None
         sources = self._recorder.pop(request_id)
-        return Generation(list(final.outputs[0].token_ids), sources.cpu_tier_tokens if sources else 0)
+        return Generation(
+            list(final.outputs[0].token_ids), sources.cpu_tier_tokens if sources else 0, final.num_cached_tokens or 0
+        )
 
     async def reset_device_cache(self) -> bool:
         return bool(await self._engine.reset_prefix_cache())
@@ -240,7 +263,11 @@ class HttpBackend:
         response.raise_for_status()
         payload = response.json()
         details = payload["usage"]["prompt_tokens_details"] or {}
-        return Generation(list(payload["choices"][0]["token_ids"]), int(details.get("cpu_tier_tokens") or 0))
+        return Generation(
+            list(payload["choices"][0]["token_ids"]),
+            int(details.get("cpu_tier_tokens") or 0),
+            int(details.get("cached_tokens") or 0),
+        )
 
     async def reset_device_cache(self) -> bool:
         return (await self._http.post("/v1/admin/reset_device_cache")).status_code == 200
@@ -283,9 +310,14 @@ class Mismatch:
 @dataclass
 class Report:
     seed: int
+    oracle: str = "recompute"
     sessions: int = 0
     chunks: int = 0
+    # Chunk answers compared with a recompute (recompute oracle only).
+    chunks_checked: int = 0
     prefix_requests: int = 0
+    # Device oracle: probes served in full by both paths, and so compared.
+    prefix_requests_compared: int = 0
     prefix_requests_with_tier_hits: int = 0
     tier_tokens: int = 0
     device_resets: int = 0
@@ -302,7 +334,8 @@ class Report:
 
 
 async def run_workload(backend: Backend, workload: Workload) -> Report:
-    report = Report(seed=workload.seed)
+    report = Report(seed=workload.seed, oracle=workload.oracle)
+    against_recompute = workload.oracle == "recompute"
     rng = random.Random(workload.seed + 1)
     limit = asyncio.Semaphore(workload.concurrency)
     contexts: dict[int, list[int]] = {}
@@ -315,6 +348,7 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
         served = await backend.generate(context[:length], max_tokens, recompute=False)
         expected = await backend.generate(context[:length], max_tokens, recompute=True)
         report.prefix_requests += 1
+        report.prefix_requests_compared += 1
         if served.cpu_tier_tokens:
             report.prefix_requests_with_tier_hits += 1
             report.tier_tokens += served.cpu_tier_tokens
@@ -323,6 +357,36 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
                 Mismatch("prefix", session_index, chunk_index, length, expected.token_ids, served.token_ids)
             )
 
+    async def probe_tier_against_device(indices: list[int]) -> None:
+        block = workload.block_size
+        probes = []
+        for index in indices:
+            context = contexts[index]
+            for _ in range(workload.probes_after_close):
+                length = rng.randint(1, len(context))
+                if length % block == 0:
+                    length -= 1  # mid-block: see the module docstring
+                if length > block:
+                    probes.append((index, length, rng.randint(1, 8)))
+        # Device hits first, while the wave's blocks are in the device prefix cache.
+        device = [await backend.generate(contexts[i][:n], m, recompute=False) for i, n, m in probes]
+        for (index, length, max_tokens), on_device in zip(probes, device):
+            full = length // block * block
+            if await backend.reset_device_cache():
+                report.device_resets += 1
+            from_tier = await backend.generate(contexts[index][:length], max_tokens, recompute=False)
+            report.prefix_requests += 1
+            if from_tier.cpu_tier_tokens:
+                report.prefix_requests_with_tier_hits += 1
+                report.tier_tokens += from_tier.cpu_tier_tokens
+            if on_device.cached_tokens != full or from_tier.cpu_tier_tokens != full:
+                continue  # one path lost blocks (evicted): the two are not the same KV
+            report.prefix_requests_compared += 1
+            if from_tier.token_ids != on_device.token_ids:
+                report.mismatches.append(
+                    Mismatch("prefix", index, -1, length, on_device.token_ids, from_tier.token_ids)
+                )
+
     async def run_session(index: int, plan: SessionPlan) -> None:
         async with limit:
             session_id = await backend.open_session()
@@ -330,13 +394,15 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
             try:
                 for chunk_index, chunk in enumerate(plan.chunks):
                     got = await backend.session_chunk(session_id, chunk.token_ids, chunk.max_tokens)
-                    expected = await backend.generate(context + chunk.token_ids, chunk.max_tokens, recompute=True)
                     report.chunks += 1
-                    if got != expected.token_ids:
-                        report.mismatches.append(
-                            Mismatch("chunk", index, chunk_index, len(context) + len(chunk.token_ids),
-                                     expected.token_ids, got)
-                        )
+                    if against_recompute:
+                        expected = await backend.generate(context + chunk.token_ids, chunk.max_tokens, recompute=True)
+                        report.chunks_checked += 1
+                        if got != expected.token_ids:
+                            report.mismatches.append(
+                                Mismatch("chunk", index, chunk_index, len(context) + len(chunk.token_ids),
+                                         expected.token_ids, got)
+                            )
                     # The engine keeps every output token but the last sampled one.
                     context += chunk.token_ids + got[:-1]
                     if rng.random() < workload.interleaved_probe_rate:
@@ -367,6 +433,9 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
                 preemptor.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await preemptor
+        if not against_recompute:
+            await probe_tier_against_device([index for index, _ in wave])
+            continue
         if await backend.reset_device_cache():
             report.device_resets += 1
         for index, _ in wave:
@@ -385,9 +454,8 @@ SESSION_TOKENS = 512
 CONCURRENCY = 4
 PREEMPT_EVERY_S = 0.3
 
-# Float32 weights: the comparisons are token-exact, and fp32 keeps greedy near-ties
-# between a chunked and a one-shot prefill far rarer than bf16 does. The tiny
-# model then holds 4 KiB of KV per token.
+# The recompute oracle runs the engine in float32 (see the module docstring); the
+# tiny model then holds 4 KiB of KV per token (2 KiB in bf16, for the device oracle).
 # Device cache: 2,560 tokens = room for the 4 sessions' contexts (up to 512 tokens
 # each, held while they wait for their next chunk) plus one more request, so there
 # is always progress but cached blocks are evicted all the time. vLLM 0.32 admits
@@ -406,7 +474,7 @@ BASE_CONFIG: dict[str, Any] = {
     "session_idle_timeout_s": 3600.0,
     # Small prefill steps: long prompts run over several steps, so the forced
     # preemptions often land mid-prefill.
-    "engine_args": {"dtype": "float32", "max_num_batched_tokens": 64},
+    "engine_args": {"max_num_batched_tokens": 64, "worker_extension_cls": "tests.kv_inspector.KVInspector"},
 }
 
 HARNESS_CONFIGS: dict[str, dict[str, Any]] = {
@@ -417,14 +485,22 @@ HARNESS_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def harness_settings(name: str, **overrides: Any) -> Any:
+# The dtype each oracle is sound in.
+ORACLE_DTYPES = {"recompute": "float32", "device": "bfloat16"}
+
+
+def harness_settings(name: str, oracle: str = "recompute", **overrides: Any) -> Any:
     from app.settings import Settings
 
-    values = {**BASE_CONFIG, **HARNESS_CONFIGS[name], "served_model_name": f"harness-{name}", **overrides}
+    values = {
+        **BASE_CONFIG, **HARNESS_CONFIGS[name], "dtype": ORACLE_DTYPES[oracle],
+        "served_model_name": f"harness-{name}", **overrides,
+    }
     return Settings(_env_file=None, **values)
 
 
 def workload_for(settings: Any, seed: int, num_sessions: int) -> Workload:
+    oracle = next(o for o, dtype in ORACLE_DTYPES.items() if dtype == settings.dtype)
     return make_workload(
         seed,
         num_sessions,
@@ -433,21 +509,27 @@ def workload_for(settings: Any, seed: int, num_sessions: int) -> Workload:
         max_session_tokens=SESSION_TOKENS,
         concurrency=CONCURRENCY,
         preempt_every_s=PREEMPT_EVERY_S,
+        oracle=oracle,
     )
 
 
 class InProcessHarness:
     """An engine, a session service and the in-process backend, started and stopped together."""
 
-    def __init__(self, settings: Any):
+    def __init__(self, settings: Any, attention: str = "auto"):
         self.settings = settings
+        self.attention = attention  # STREAMSESS_CPU_ATTENTION (connectors/cpu_platform.py)
 
     async def __aenter__(self) -> InProcessBackend:
         from app.engine import build_engine
         from app.metrics import session_metrics
         from app.sessions.service import SessionService
+        from connectors.cpu_platform import ATTENTION_ENV
+        from tests.helpers import environment, record_attention_kernels
 
-        self.engine = build_engine(self.settings)
+        with environment(**{ATTENTION_ENV: self.attention}):
+            self.engine = build_engine(self.settings)
+        self.kernels = await record_attention_kernels(self.engine)
         recorder = ProvenanceRecorder()
         recorder.attach(self.engine)
         self.service = SessionService(

@@ -2,6 +2,11 @@
 
 Every config gets its own engine (device and tier sizes, blocks per chunk and the
 scheduling mode are engine settings), started and shut down around its test.
+
+Oracles: the configs run in float32 against a recompute (sound only in fp32);
+one config runs again in bf16 with the tier-against-device oracle, under every CPU
+attention kernel this machine has. Each oracle has a negative control that must
+catch the seed bug.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from tests.correctness.harness import (
     run_workload,
     workload_for,
 )
+from tests.helpers import ATTENTION_KERNELS
 
 pytestmark = pytest.mark.engine
 
@@ -31,6 +37,7 @@ async def test_harness_offloading_connector(config: str) -> None:
         report = await run_workload(backend, workload_for(settings, SEED, SESSIONS_PER_CONFIG))
     summary = report.summary()
     assert report.sessions == SESSIONS_PER_CONFIG, summary
+    assert report.chunks_checked == report.chunks > 0, summary
     assert report.mismatches == [], summary
     # A run that never reads the CPU tier proves nothing about it.
     assert report.prefix_requests_with_tier_hits > 0, summary
@@ -56,3 +63,19 @@ async def test_negative_control_harness_catches_the_seed_bug() -> None:
         report = await run_workload(backend, workload)
     assert report.prefix_requests_with_tier_hits > 0
     assert any(m.kind == "prefix" for m in report.mismatches), report.summary()
+
+
+@pytest.mark.parametrize("fix", [True, False], ids=["fixed", "negative-control-unfixed"])
+@pytest.mark.parametrize("attention", ATTENTION_KERNELS)
+async def test_harness_bf16_tier_against_device(attention: str, fix: bool) -> None:
+    settings = harness_settings("bpc1-sync", oracle="device", disable_streaming_session_fix=not fix)
+    async with InProcessHarness(settings, attention) as backend:
+        report = await run_workload(backend, workload_for(settings, SEED, SESSIONS_PER_CONFIG))
+    summary = report.summary()
+    # Enough probes that both paths served in full, or the run proves nothing.
+    assert report.prefix_requests_compared >= SESSIONS_PER_CONFIG // 2, summary
+    if fix:
+        assert report.mismatches == [], summary
+        assert report.leftover_requests == [], summary
+    else:
+        assert any(m.kind == "prefix" for m in report.mismatches), summary

@@ -3,6 +3,11 @@
 A three-chunk streaming session fills the CPU tier. After a reset of the device
 prefix cache (the tier is kept), a greedy request on a prefix of the session's
 context is served from the tier and must equal a full recompute token for token.
+
+Oracle: a recompute, so the engines run in float32 (the shared test engine's dtype,
+tests/conftest.py). In bf16 the session's chunk-by-chunk KV differs in its low bits
+from a one-pass prefill and greedy tokens can differ with no bug at all; the bf16
+check compares a tier hit with a device hit instead (test_tier_vs_device.py).
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ async def test_session_prefix_served_from_cpu_tier_equals_recompute(engine: Any,
 
 @pytest_asyncio.fixture(scope="module")
 async def unfixed_engine() -> AsyncIterator[Any]:
-    """A second engine running vLLM's unfixed connector code, for the negative
-    control only; it is shut down as soon as this module's tests end."""
+    """A second engine running vLLM's unfixed connector code (float32, like the
+    shared one), for the negative control only; shut down when this module ends."""
     from app.engine import build_engine
 
     llm = build_engine(make_settings(disable_streaming_session_fix=True))

