@@ -14,7 +14,7 @@ from connectors import (
     SIMPLE_CONNECTOR_MODULE,
     SIMPLE_CONNECTOR_NAME,
 )
-from connectors.compat import DISABLE_FIX_KEY
+from connectors.compat import DISABLE_FIX_KEY, DISABLE_TAIL_STORE_KEY
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -34,6 +34,7 @@ def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": int(settings.cpu_tier_gib * GIB),
         DISABLE_FIX_KEY: settings.disable_streaming_session_fix,
+        DISABLE_TAIL_STORE_KEY: settings.disable_session_tail_store,
     }
     if settings.connector == "offloading":
         extra.update(

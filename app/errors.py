@@ -27,6 +27,7 @@ class APIError(Exception):
         code: str,
         type: str | None = None,
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -34,6 +35,7 @@ class APIError(Exception):
         self.code = code
         self.type = type or _default_type(status)
         self.param = param
+        self.headers = headers  # e.g. Retry-After on 429 and 503
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)
@@ -60,7 +62,7 @@ def error_body(message: str, type: str, code: str | None, param: str | None = No
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status, headers={**(error.headers or {}), **(headers or {})})
 
 
 # --- common errors ------------------------------------------------------------

@@ -10,6 +10,34 @@ class SessionMetrics:
         self.sessions_open = Gauge(
             "streamsess_sessions_open", "Streaming sessions open now.", registry=registry
         )
+        self.sessions_parked = Gauge(
+            "streamsess_sessions_parked", "Open sessions parked: no engine request, KV in the CPU tier.",
+            registry=registry,
+        )
+        self.sessions_with_engine_request = Gauge(
+            "streamsess_sessions_active", "Open sessions with a live engine request (KV on the device).",
+            registry=registry,
+        )
+        self.session_parks = Counter(
+            "streamsess_session_parks",
+            "Sessions parked, by reason: idle, admission (a chunk needed room), capacity (another "
+            "request needed room), requested.",
+            ["reason"],
+            registry=registry,
+        )
+        self.session_resumes = Counter(
+            "streamsess_session_resumes",
+            "Parked sessions resumed, by where most of their prefix came from: cpu_tier, device, recompute.",
+            ["source"],
+            registry=registry,
+        )
+        self.resume_ttft = Histogram(
+            "streamsess_resume_time_to_first_token_seconds",
+            "Time to first token of a parked session's next chunk, by the source of its prefix.",
+            ["source"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
         self.sessions_total = Counter(
             "streamsess_sessions_created", "Streaming sessions created.", registry=registry
         )

@@ -75,6 +75,11 @@ class Settings(BaseSettings):
     disable_streaming_session_fix: bool = Field(
         default=False, description="Run vLLM's unfixed connector code. Only for negative controls."
     )
+    disable_session_tail_store: bool = Field(
+        default=False,
+        description="Keep vLLM's prompt-only clamp on an ended session's last outputs, so a parked "
+        "session's tail is not in the CPU tier. Only for negative controls.",
+    )
 
     # --- server --------------------------------------------------------------
     host: str = "127.0.0.1"
@@ -93,11 +98,26 @@ class Settings(BaseSettings):
     )
 
     # --- sessions ------------------------------------------------------------
-    max_sessions: int = Field(default=32, gt=0, description="Open sessions at once, across all keys.")
+    max_sessions: int = Field(
+        default=4096, gt=0,
+        description="Open sessions at once (active and parked), across all keys. Parked sessions hold "
+        "no engine slot and no device KV, only their transcript (and their KV in the CPU tier).",
+    )
     max_chunk_tokens: int = Field(default=2048, gt=0, description="Largest input chunk in tokens.")
     max_chunk_output_tokens: int = Field(default=1024, gt=0, description="Largest max_tokens per chunk.")
     session_idle_timeout_s: float = Field(
-        default=600.0, gt=0, description="An idle session is closed after this long, freeing its device KV."
+        default=3600.0, gt=0, description="A session idle this long (active or parked) is closed."
+    )
+    session_park_after_s: float = Field(
+        default=30.0, gt=0,
+        description="A session idle this long is parked: its engine request ends, its KV goes to the "
+        "CPU tier, and its next chunk resumes it. Sessions also park at once, least recently used "
+        "first, when a request would not fit on the device beside them.",
+    )
+    admission_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="How long a chunk waits for device room (slots, KV) after parking every idle "
+        "session, before it fails with 503 server_busy and Retry-After.",
     )
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
 

@@ -17,6 +17,9 @@ from typing import Any
 # kv_connector_extra_config key: set true to run the upstream (unfixed) code path.
 # It exists for the negative controls that prove our tests catch the seed bug.
 DISABLE_FIX_KEY = "disable_streaming_session_fix"
+# kv_connector_extra_config key: set true to keep vLLM's prompt-only clamp on an
+# ended session's last outputs (negative control of the session tail store).
+DISABLE_TAIL_STORE_KEY = "disable_session_tail_store"
 
 
 def _probe_scheduler_output() -> Any:
@@ -47,18 +50,30 @@ def streaming_fix_wanted(extra_config: dict[str, Any] | None) -> bool:
     return not upstream_has_streaming_fix()
 
 
+def session_tail_store_wanted(extra_config: dict[str, Any] | None) -> bool:
+    """Whether an ended streaming session's last outputs go to the tier too. No
+    vLLM release does this (0.33 neither), so it does not depend on detection."""
+    return not (extra_config and _as_bool(extra_config.get(DISABLE_TAIL_STORE_KEY, False)))
+
+
 def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in {"1", "true", "yes", "on"}
     return bool(value)
 
 
-def install_fix(component: Any, fixed_cls: type, extra_config: dict[str, Any] | None) -> None:
-    """Give a connector's scheduler-side object our fixed subclass, when wanted.
+def install_fix(
+    component: Any, fixed_cls: type, extra_config: dict[str, Any] | None, *, also_when: bool = False
+) -> None:
+    """Give a connector's scheduler-side object our fixed subclass, when wanted:
+    for the streaming fix, or when the subclass carries more (``also_when``). The
+    instance's ``streaming_fix`` says whether the streaming fix runs.
 
     The class is swapped rather than a second object built: the subclasses only
     override methods, and building twice would redo work the connector's
     constructor already did (the offloading manager, the simple connector's CPU
     block pool)."""
-    if component is not None and streaming_fix_wanted(extra_config):
+    streaming_fix = streaming_fix_wanted(extra_config)
+    if component is not None and (streaming_fix or also_when):
         component.__class__ = fixed_cls
+        component.streaming_fix = streaming_fix

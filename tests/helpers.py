@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import os
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from vllm import SamplingParams
@@ -148,12 +148,17 @@ def live_request_ids(engine: Any) -> set[str]:
     }
 
 
-async def wait_until_gone(engine: Any, request_id: str, timeout_s: float = 10.0) -> bool:
-    for _ in range(int(timeout_s / 0.05)):
-        if request_id not in live_request_ids(engine):
+async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passes; return whether it held."""
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
             return True
-        await asyncio.sleep(0.05)
-    return False
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+async def wait_until_gone(engine: Any, request_id: str, timeout_s: float = 10.0) -> bool:
+    return await until(lambda: request_id not in live_request_ids(engine), timeout_s)
 
 
 async def wait_until_closed(http: Any, session_id: str, timeout_s: float = 10.0) -> dict[str, Any]:

@@ -69,7 +69,9 @@ class ChunkUsage(BaseModel):
 
 # -- REST --------------------------------------------------------------------------------
 
-SessionStatus = Literal["active", "generating", "closed"]
+# active: open, its KV on the device (or no chunk yet); generating: answering a chunk;
+# parked: no engine request, its KV in the CPU tier (resumed by its next chunk).
+SessionStatus = Literal["active", "generating", "parked", "closed"]
 
 
 class SessionCreateRequest(BaseModel):

@@ -36,6 +36,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, str]] = {
     401: {"description": "Missing or invalid API key"},
     404: {"description": "Unknown session"},
     409: {"description": "Session closed, or a chunk already in flight"},
+    503: {"description": "No room on the device for this chunk now (server_busy, with Retry-After)"},
 }
 
 T = TypeVar("T")
@@ -73,6 +74,15 @@ async def get_transcript(session_id: str, service: ServiceDep, owner: OwnerDep) 
     return TranscriptResponse(
         session_id=session.id, token_ids=list(session.token_ids), text=text, num_tokens=len(session.token_ids)
     )
+
+
+@router.post("/{session_id}/park", response_model=SessionObject, responses=ERROR_RESPONSES)
+async def park_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> SessionObject:
+    """Park an idle session now: its engine request ends and frees its device slot and
+    KV, which the CPU tier keeps; its next chunk resumes it. The server also parks idle
+    sessions by itself (after ``session_park_after_s``, or when the device is full).
+    A session that is answering a chunk, or holds no engine request, is left as it is."""
+    return service.describe(await service.park(owner, session_id))
 
 
 @router.delete("/{session_id}", response_model=SessionDeleted, responses=ERROR_RESPONSES)

@@ -1,28 +1,39 @@
-"""SessionService: create, append, stream, close and expire sessions. No FastAPI here.
+"""SessionService: create, append, stream, park, close and expire sessions. No FastAPI here.
 
 Every limit lives here, so REST and websocket enforce the same ones, and every
 refusal is an ``APIError`` in the OpenAI shape.
+
+Sessions are bounded by the CPU tier, not by device memory: an idle session is
+*parked* (its engine request ended, its KV stored in the CPU tier, its transcript
+kept) when it has been idle for ``session_park_after_s``, and at once, least
+recently used first, when a chunk or any other request would not fit on the
+device beside the sessions that hold it (see ``admission``). A chunk that still
+does not fit waits at most ``admission_timeout_s`` for room, then gets 503
+``server_busy`` with ``Retry-After``; the session is left as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import RequestOutputKind
 
 from app.errors import APIError, session_not_found
 from app.metrics import SessionMetrics
 from app.provenance import ProvenanceRecorder
+from app.sessions.admission import DeviceCapacity
 from app.sessions.protocol import (
     SAMPLING_FIELDS,
     SamplingOptions,
@@ -46,6 +57,9 @@ SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 # Closed sessions are remembered this many at a time, so a late append gets
 # "closed (expired)" rather than "unknown".
 CLOSED_SESSIONS_KEPT = 1024
+# How often the service checks that what the device holds fits it (requests
+# other than session chunks do not pass through admission).
+CAPACITY_CHECK_S = 0.2
 
 
 @dataclass
@@ -78,32 +92,152 @@ class SessionService:
         self._max_context = min(settings.max_model_len, engine.model_config.max_model_len)
         self._sessions: dict[str, StreamingSession] = {}
         self._closed: OrderedDict[str, StreamingSession] = OrderedDict()
-        self._reaper: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.capacity = DeviceCapacity.of(engine)
+        # Admission decisions (check, park, reserve) run one at a time.
+        self._admission = asyncio.Lock()
+        # Set whenever device capacity is freed: a chunk waiting for room re-checks.
+        self._capacity_freed = asyncio.Event()
+        self._barrier_ids = itertools.count()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self._reaper = asyncio.create_task(self._reap_idle(), name="session-reaper")
+        self._tasks = [
+            asyncio.create_task(self._reap_idle(), name="session-reaper"),
+            asyncio.create_task(self._keep_device_within_capacity(), name="session-capacity"),
+        ]
 
     async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+                await task
         await asyncio.gather(
             *(self._close(s, "server_shutdown") for s in list(self._sessions.values())),
             return_exceptions=True,
         )
 
     async def _reap_idle(self) -> None:
-        timeout = self._settings.session_idle_timeout_s
-        interval = min(5.0, max(timeout / 4, 0.05))
+        close_after = self._settings.session_idle_timeout_s
+        park_after = self._settings.session_park_after_s
+        interval = min(5.0, max(min(close_after, park_after) / 4, 0.05))
         while True:
             await asyncio.sleep(interval)
             now = time.time()
             for session in list(self._sessions.values()):
-                if session.status == "active" and not session.lock.locked() and now - session.last_activity > timeout:
-                    logger.info("session %s idle for %.0fs: closing", session.id, now - session.last_activity)
+                idle_for = now - session.last_activity
+                if session.status in ("active", "parked") and not session.lock.locked() and idle_for > close_after:
+                    logger.info("session %s idle for %.0fs: closing", session.id, idle_for)
                     await self._close(session, "expired")
+            idle = [s for s in self._sessions.values() if s.idle and now - s.last_activity > park_after]
+            if idle:
+                await self._park(idle, "idle")
+
+    async def _keep_device_within_capacity(self) -> None:
+        """Park idle sessions while the device is over capacity: requests that are
+        not session chunks (vLLM's OpenAI endpoints) would otherwise wait forever
+        behind idle sessions."""
+        while True:
+            await asyncio.sleep(CAPACITY_CHECK_S)
+            async with self._admission:
+                await self._park_until(
+                    lambda: not self.capacity.over(self.capacity.load(self._engine, self._sessions.values())),
+                    "capacity",
+                )
+
+    # ------------------------------------------------------------------ parking
+    def _least_recently_used_idle(self, exclude: StreamingSession | None = None) -> StreamingSession | None:
+        idle = [s for s in self._sessions.values() if s.idle and s is not exclude]
+        return min(idle, key=lambda s: s.last_activity, default=None)
+
+    async def _park_until(
+        self, fits: Callable[[], bool], reason: str, exclude: StreamingSession | None = None
+    ) -> bool:
+        """Park idle sessions, least recently used first, until ``fits()``; False
+        when none is left to park and it still does not fit."""
+        while not fits():
+            victim = self._least_recently_used_idle(exclude)
+            if victim is None or not await self._park([victim], reason):
+                return False
+        return True
+
+    async def park(self, owner: str, session_id: str) -> StreamingSession:
+        """Park one session now (an operator's or a test's call)."""
+        session = self.get(owner, session_id)
+        await self._park([session], "requested")
+        return session
+
+    async def _park(self, sessions: list[StreamingSession], reason: str) -> bool:
+        """Park the idle ones of ``sessions``; True when any parked. Each stays
+        locked until the CPU tier holds its whole context (see _tier_barrier),
+        so its next chunk resumes from the tier, not from a race."""
+        taken = [s for s in sessions if s.idle and not s.lock.locked()]
+        for session in taken:
+            await session.lock.acquire()
+            session.parking = True
+        try:
+            parked = [s for s, ok in zip(taken, await asyncio.gather(*(s.park() for s in taken))) if ok]
+            if parked:
+                await self._tier_barrier()
+        finally:
+            for session in taken:
+                session.parking = False
+                session.lock.release()
+        for session in parked:
+            logger.info("session %s parked (%s) with %d tokens", session.id, reason, len(session.token_ids))
+            self._metrics.session_parks.labels(reason).inc()
+        if parked:
+            self._update_gauges()
+            self._capacity_freed.set()
+        return bool(parked)
+
+    async def _tier_barrier(self) -> None:
+        """Return after one more engine step. A request that ended is stored in the
+        step after its end (vLLM builds a finished request's last store jobs then);
+        our host tier copies inside that step, so a 1-token request that has been
+        answered comes after every store of the parked sessions."""
+        request_id = f"streamsess-park-barrier-{next(self._barrier_ids)}"
+        params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True)
+        async for _ in self._engine.generate(
+            prompt=tokens_input([0]), sampling_params=params, request_id=request_id
+        ):
+            pass
+        if self._recorder is not None:
+            self._recorder.pop(request_id)
+
+    async def _admit(self, session: StreamingSession, input_ids: list[int], params: SamplingParams) -> None:
+        """Make room on the device for this chunk, parking idle sessions as needed,
+        and reserve it. Waits at most ``admission_timeout_s`` for room."""
+        tokens = len(session.token_ids) + len(input_ids) + (params.max_tokens or 0)
+        deadline = time.monotonic() + self._settings.admission_timeout_s
+        while True:
+            async with self._admission:
+                self._capacity_freed.clear()
+                if await self._park_until(
+                    lambda: self.capacity.fits(self.capacity.load(self._engine, self._sessions.values(), session), tokens),
+                    "admission",
+                    exclude=session,
+                ):
+                    session.device_tokens = tokens  # reserved until the chunk ends
+                    return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._metrics.chunk_errors.labels("server_busy").inc()
+                retry_after = max(1, round(self._settings.admission_timeout_s))
+                raise APIError(
+                    503,
+                    "The engine has no room for this chunk now: every slot or KV block is held by "
+                    "requests in flight. The session is unchanged; retry later.",
+                    code="server_busy", headers={"Retry-After": str(retry_after)},
+                )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._capacity_freed.wait(), remaining)
+
+    def _update_gauges(self) -> None:
+        sessions = self._sessions.values()
+        self._metrics.sessions_open.set(len(self._sessions))
+        self._metrics.sessions_parked.set(sum(s.status == "parked" for s in sessions))
+        self._metrics.sessions_with_engine_request.set(sum(s.has_engine_request for s in sessions))
 
     # ------------------------------------------------------------------ lookup
     def create(self, owner: str, request: SessionCreateRequest, session_id: str | None = None) -> StreamingSession:
@@ -135,7 +269,7 @@ class SessionService:
         )
         self._sessions[session.id] = session
         self._metrics.sessions_total.inc()
-        self._metrics.sessions_open.set(len(self._sessions))
+        self._update_gauges()
         return session
 
     def get(self, owner: str, session_id: str, *, include_closed: bool = False) -> StreamingSession:
@@ -199,7 +333,8 @@ class SessionService:
         input_ids = self._encode(chunk_input)
         params = self._sampling_params(session, options)
         self._check_chunk(session, input_ids, params)
-        if not wait and session.lock.locked():
+        # A session being parked is not busy: its chunk waits the few milliseconds.
+        if not wait and session.lock.locked() and not session.parking:
             self._metrics.chunk_errors.labels("chunk_in_flight").inc()
             raise APIError(
                 409,
@@ -221,6 +356,7 @@ class SessionService:
         """Run a prepared chunk and release its session's lock at the end."""
         session = prepared.session
         try:
+            await self._admit(session, prepared.input_ids, prepared.params)
             async for event in session.generate(prepared.input_ids, prepared.params):
                 if isinstance(event, ChunkResult):
                     self._observe(event, prepared.transport)
@@ -237,9 +373,13 @@ class SessionService:
                 code="session_closed",
             ) from exc
         finally:
+            if not session.has_engine_request:
+                session.device_tokens = 0  # admitted, but failed before it ran
             session.lock.release()
             if session.closed:
                 self._forget(session)
+            self._update_gauges()
+            self._capacity_freed.set()
 
     async def run_chunk(self, prepared: PreparedChunk) -> ChunkResult:
         """Run a prepared chunk to its end."""
@@ -257,6 +397,10 @@ class SessionService:
         if result.time_to_first_token is not None:
             metrics.chunk_ttft.observe(result.time_to_first_token)
         details = result.usage.prompt_tokens_details
+        if result.resumed_from is not None:
+            metrics.session_resumes.labels(result.resumed_from).inc()
+            if result.time_to_first_token is not None:
+                metrics.resume_ttft.labels(result.resumed_from).observe(result.time_to_first_token)
         metrics.prompt_tokens.labels("device").inc(details.device_tokens)
         metrics.prompt_tokens.labels("cpu_tier").inc(details.cpu_tier_tokens)
         metrics.prompt_tokens.labels("computed").inc(details.computed_tokens)
@@ -280,7 +424,8 @@ class SessionService:
     def _forget(self, session: StreamingSession) -> None:
         if self._sessions.pop(session.id, None) is not None:
             self._metrics.sessions_closed.labels(session.close_reason or "closed").inc()
-            self._metrics.sessions_open.set(len(self._sessions))
+            self._update_gauges()
+            self._capacity_freed.set()
             self._closed[session.id] = session
             while len(self._closed) > CLOSED_SESSIONS_KEPT:
                 self._closed.popitem(last=False)

@@ -1,9 +1,17 @@
-"""One streaming-input session: a single vLLM request that lives across chunks.
+"""One streaming-input session: its transcript, and the vLLM request that serves it.
 
-The session feeds ``AsyncLLM.generate`` from a queue of ``StreamingInput`` chunks,
-so the engine keeps the session's KV on the device between chunks and answers each
-chunk without recomputing what came before. A background task ("the pump") owns
-the engine request; cancelling it aborts the request and frees its KV.
+The transcript (``token_ids``: every chunk's input and output, as the engine holds
+them) is the session; an engine request is a cache of it. While *active*, the
+session feeds one ``AsyncLLM.generate`` from a queue of ``StreamingInput`` chunks,
+so the engine keeps its KV on the device between chunks and answers each chunk
+without recomputing what came before. A background task ("the pump") owns that
+request; cancelling it aborts the request and frees its KV.
+
+A *parked* session has no engine request: ``park`` ends it gracefully, so the
+connector stores the whole context in the CPU tier (see connectors/offloading.py,
+the session tail store). Its next chunk starts a new request whose first input is
+the transcript plus the chunk; the prefix then comes from the device prefix cache
+or the CPU tier, and the usage of that chunk says which.
 
 No FastAPI here: transports (REST, websocket) drive sessions through the service.
 """
@@ -32,6 +40,13 @@ ENGINE_ERROR = "engine_error"
 GRACEFUL_CLOSE_S = 10.0
 
 
+def resume_source(sources: PrefillSources) -> str:
+    """Where most of a resumed request's prefix came from: cpu_tier, device or recompute."""
+    if sources.cpu_tier_tokens and sources.cpu_tier_tokens >= sources.device_tokens:
+        return "cpu_tier"
+    return "device" if sources.device_tokens else "recompute"
+
+
 class SessionFailedError(RuntimeError):
     """The engine request behind a session ended or failed mid-chunk."""
 
@@ -50,6 +65,8 @@ class ChunkResult:
     finish_reason: str | None
     usage: ChunkUsage
     time_to_first_token: float | None
+    # For the first chunk after a park: where its prefix came from.
+    resumed_from: str | None = None
 
 
 class StreamingSession:
@@ -74,6 +91,9 @@ class StreamingSession:
         self.last_activity = time.time()
         self.status: SessionStatus = "active"
         self.close_reason: str | None = None
+        # Tokens this session's engine request holds on the device, or will once the
+        # chunk being admitted runs; 0 without a request. The admission estimate.
+        self.device_tokens = 0
         # The context the engine holds: every chunk's input and its output except
         # the last sampled token, which vLLM discards when the session resumes.
         self.token_ids: list[int] = []
@@ -85,10 +105,21 @@ class StreamingSession:
         self._inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
         self._outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._pump: asyncio.Task[None] | None = None
+        # True while the service parks this session (it holds the lock meanwhile).
+        self.parking = False
 
     @property
     def closed(self) -> bool:
         return self.status == "closed"
+
+    @property
+    def has_engine_request(self) -> bool:
+        return self._pump is not None and not self._pump.done()
+
+    @property
+    def idle(self) -> bool:
+        """Open, holding an engine request, answering nothing: parkable."""
+        return self.has_engine_request and self.status == "active" and not self.lock.locked()
 
     @property
     def request_id(self) -> str:
@@ -108,9 +139,18 @@ class StreamingSession:
         context_before = len(self.token_ids)
         started = time.monotonic()
         self.status = "generating"
-        self._inputs.put_nowait(StreamingInput(prompt=tokens_input(list(input_ids)), sampling_params=params))
-        if self._pump is None:
+        resumed = self._pump is None and context_before > 0
+        new_request = self._pump is None
+        if new_request:
+            # A new engine request: its first input is the whole transcript plus the
+            # chunk (exact token ids, never re-tokenized text).
+            self._inputs = asyncio.Queue()
+            self._outputs = asyncio.Queue()
+            first = list(self.token_ids) + list(input_ids)
+            self._inputs.put_nowait(StreamingInput(prompt=tokens_input(first), sampling_params=params))
             self._pump = asyncio.create_task(self._run_engine(params), name=f"session-{self.id}")
+        else:
+            self._inputs.put_nowait(StreamingInput(prompt=tokens_input(list(input_ids)), sampling_params=params))
 
         token_ids: list[int] = []
         text_parts: list[str] = []
@@ -144,10 +184,20 @@ class StreamingSession:
                 # session cannot resume from the middle of a chunk.
                 self.terminate("client_disconnected")
 
-        usage = self._usage(index, context_before, input_ids, token_ids, num_cached_tokens)
+        recorded = self._recorder.pop(self.request_id) if self._recorder else None
+        if new_request:
+            # An ordinary prefill: its hits come from the device prefix cache or the
+            # CPU tier, as the scheduler measured them.
+            sources = recorded or PrefillSources(device_tokens=num_cached_tokens, cpu_tier_tokens=0)
+        else:
+            # A chunk of a live request attends over the session's context on device.
+            sources = PrefillSources(device_tokens=context_before, cpu_tier_tokens=0)
+        usage = self._usage(context_before, input_ids, token_ids, sources)
         self.token_ids += list(input_ids) + token_ids[:-1]
         self.num_chunks += 1
         self.status = "active"
+        # The request now holds the context plus the last sampled token.
+        self.device_tokens = len(self.token_ids) + 1
         self.last_activity = time.time()
         yield ChunkResult(
             index=index,
@@ -156,20 +206,12 @@ class StreamingSession:
             finish_reason=finish_reason,
             usage=usage,
             time_to_first_token=None if first_token_at is None else first_token_at - started,
+            resumed_from=resume_source(sources) if resumed else None,
         )
 
-    def _usage(
-        self, index: int, context_before: int, input_ids: list[int], output_ids: list[int], num_cached: int
-    ) -> ChunkUsage:
+    @staticmethod
+    def _usage(context_before: int, input_ids: list[int], output_ids: list[int], sources: PrefillSources) -> ChunkUsage:
         prompt_tokens = context_before + len(input_ids)
-        if index == 0:
-            # The first chunk is an ordinary prefill: its hits come from the device
-            # prefix cache or the CPU tier, as the scheduler measured them.
-            recorded = self._recorder.pop(self.request_id) if self._recorder else None
-            sources = recorded or PrefillSources(device_tokens=num_cached, cpu_tier_tokens=0)
-        else:
-            # A resumed chunk attends over the session's own context, still on device.
-            sources = PrefillSources(device_tokens=context_before, cpu_tier_tokens=0)
         cached = sources.device_tokens + sources.cpu_tier_tokens
         return ChunkUsage(
             prompt_tokens=prompt_tokens,
@@ -202,6 +244,28 @@ class StreamingSession:
         except BaseException as exc:  # engine errors reach the chunk's consumer
             logger.warning("session %s: engine request failed: %s", self.id, exc)
             self._outputs.put_nowait(exc)
+        finally:
+            self.device_tokens = 0
+
+    # ------------------------------------------------------------------ parking
+    async def park(self) -> bool:
+        """End the engine request gracefully, keeping the transcript; the caller
+        holds ``self.lock``. An idle request that ends this way is stored whole in
+        the CPU tier by our connector. Returns False, and changes nothing, unless
+        the session was idle with a live request."""
+        pump = self._pump
+        if pump is None or pump.done() or self.status != "active":
+            return False
+        self._inputs.put_nowait(None)
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(pump), GRACEFUL_CLOSE_S)
+        if not pump.done():
+            pump.cancel()  # the engine did not end it in time: abort
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+        self._pump = None
+        self.status = "parked"
+        return True
 
     # ------------------------------------------------------------------ closing
     def terminate(self, reason: str) -> None:

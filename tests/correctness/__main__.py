@@ -48,7 +48,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     per_config = max(1, args.sessions // len(names))
     for index, name in enumerate(names):
         settings = harness_settings(name, args.oracle, disable_streaming_session_fix=args.disable_fix)
-        workload = workload_for(settings, args.seed + index, per_config)
+        workload = workload_for(settings, args.seed + index, per_config, park_rate=args.park_rate)
         if args.disable_fix:
             # Unfixed vLLM 0.32 also dies on a forced preempt-and-reload; the
             # negative control is about the seed bug alone.
@@ -74,6 +74,8 @@ def main() -> int:
     parser.add_argument("--disable-fix", action="store_true", help="negative control: vLLM's unfixed connector")
     parser.add_argument("--oracle", default="recompute", choices=["recompute", "device"],
                         help="recompute: float32, against a recompute; device: bf16, tier hit against device hit")
+    parser.add_argument("--park-rate", type=float, default=0.0,
+                        help="probability of parking a session after each chunk (1: always)")
     parser.add_argument("--attention", default="auto", choices=["auto", "no-amx"],
                         help="CPU attention kernel: vLLM's choice, or the one it picks without AMX")
     parser.add_argument("--url", help="run against this server instead of in process")
@@ -86,7 +88,7 @@ def main() -> int:
     results = asyncio.run(run(args))
     totals = {
         key: sum(r[key] for r in results)
-        for key in ("sessions", "chunks", "chunks_checked", "prefix_requests", "prefix_requests_compared",
+        for key in ("sessions", "chunks", "chunks_checked", "parks", "prefix_requests", "prefix_requests_compared",
                     "prefix_requests_with_tier_hits", "tier_tokens", "mismatches")
     }
     totals["seconds"] = round(sum(r["seconds"] for r in results), 1)
@@ -96,7 +98,7 @@ def main() -> int:
             print(f"mismatch in {result['config']} (seed {result['seed']}): {mismatch}", file=sys.stderr)
     if args.json_out:
         with open(args.json_out, "w") as handle:
-            json.dump({"seed": args.seed, "oracle": args.oracle, "cpu_flags": kernel_flags(),
+            json.dump({"seed": args.seed, "oracle": args.oracle, "park_rate": args.park_rate, "cpu_flags": kernel_flags(),
                        "totals": totals, "configs": results}, handle, indent=2)
     failed = totals["mismatches"] > 0 or any(
         r["prefix_requests_with_tier_hits"] == 0 or r["prefix_requests_compared"] == 0 for r in results

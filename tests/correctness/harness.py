@@ -26,7 +26,10 @@ So the harness has two oracles (``Workload.oracle``):
   device-cache reset, from the CPU tier; only probes that each path served in full
   are compared. No recomputes and no forced preemptions run in this mode: both
   would put KV of another computation under the session's block hashes.
-The harness runs against the engine in process (through our ``SessionService``) or
+Sessions can be parked between chunks (``Workload.park_rate``): the next chunk then
+resumes from the transcript, its prefix from the device prefix cache or the CPU
+tier, and must still equal the recompute (in fp32: the answer of a session never
+parked). The harness runs against the engine in process (through our ``SessionService``) or
 against a server over HTTP (through our client), behind one ``Backend`` interface.
 """
 
@@ -72,6 +75,9 @@ class Workload:
     # "recompute" (float32 engines) or "device" (bf16: tier hit against device hit).
     oracle: str = "recompute"
     block_size: int = 32
+    # Probability of parking a session after each of its chunks (1.0: always), so
+    # the next chunk resumes from the device prefix cache or the CPU tier.
+    park_rate: float = 0.0
 
 
 def make_workload(
@@ -89,6 +95,7 @@ def make_workload(
     probes_after_close: int = 2,
     preempt_every_s: float | None = None,
     oracle: str = "recompute",
+    park_rate: float = 0.0,
 ) -> Workload:
     """Sessions with 1..max_chunks chunks of 1 token to several blocks; half the
     chunks make the context end exactly on, or one token off, a block or an
@@ -117,7 +124,7 @@ def make_workload(
         interleaved_probe_rate, preempt_every_s = 0.0, None
     return Workload(
         seed, sessions, concurrency, interleaved_probe_rate, probes_after_close, preempt_every_s, 2 * concurrency,
-        oracle, block_size,
+        oracle, block_size, park_rate,
     )
 
 
@@ -137,6 +144,8 @@ class Backend(Protocol):
     async def session_chunk(self, session_id: str, token_ids: list[int], max_tokens: int) -> list[int]: ...
 
     async def close_session(self, session_id: str) -> None: ...
+
+    async def park_session(self, session_id: str) -> None: ...
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, recompute: bool) -> Generation: ...
 
@@ -178,6 +187,9 @@ class InProcessBackend:
 
     async def close_session(self, session_id: str) -> None:
         await self._service.close("harness", session_id)
+
+    async def park_session(self, session_id: str) -> None:
+        await self._service.park("harness", session_id)
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, recompute: bool) -> Generation:
         from vllm import SamplingParams
@@ -252,6 +264,10 @@ class HttpBackend:
     async def close_session(self, session_id: str) -> None:
         await self._sessions.pop(session_id).close()
 
+    async def park_session(self, session_id: str) -> None:
+        response = await self._http.post(f"/v1/sessions/{session_id}/park")
+        response.raise_for_status()
+
     async def generate(self, prompt_ids: list[int], max_tokens: int, recompute: bool) -> Generation:
         body: dict[str, Any] = {
             "model": self._model, "prompt": prompt_ids, "max_tokens": max_tokens,
@@ -313,6 +329,7 @@ class Report:
     oracle: str = "recompute"
     sessions: int = 0
     chunks: int = 0
+    parks: int = 0
     # Chunk answers compared with a recompute (recompute oracle only).
     chunks_checked: int = 0
     prefix_requests: int = 0
@@ -407,6 +424,9 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
                     context += chunk.token_ids + got[:-1]
                     if rng.random() < workload.interleaved_probe_rate:
                         await probe(index, chunk_index, context)
+                    if chunk_index + 1 < len(plan.chunks) and rng.random() < workload.park_rate:
+                        await backend.park_session(session_id)
+                        report.parks += 1
             finally:
                 await backend.close_session(session_id)
             contexts[index] = context
@@ -499,7 +519,7 @@ def harness_settings(name: str, oracle: str = "recompute", **overrides: Any) -> 
     return Settings(_env_file=None, **values)
 
 
-def workload_for(settings: Any, seed: int, num_sessions: int) -> Workload:
+def workload_for(settings: Any, seed: int, num_sessions: int, park_rate: float = 0.0) -> Workload:
     oracle = next(o for o, dtype in ORACLE_DTYPES.items() if dtype == settings.dtype)
     return make_workload(
         seed,
@@ -510,6 +530,7 @@ def workload_for(settings: Any, seed: int, num_sessions: int) -> Workload:
         concurrency=CONCURRENCY,
         preempt_every_s=PREEMPT_EVERY_S,
         oracle=oracle,
+        park_rate=park_rate,
     )
 
 

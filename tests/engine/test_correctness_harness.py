@@ -45,6 +45,22 @@ async def test_harness_offloading_connector(config: str) -> None:
     assert report.leftover_requests == [], summary
 
 
+@pytest.mark.parametrize(
+    ("config", "park_rate"), [("bpc1-sync", 1.0), ("bpc2-async", 0.5)], ids=["park-always", "park-at-random"]
+)
+async def test_harness_with_parked_sessions(config: str, park_rate: float) -> None:
+    """Sessions parked between chunks resume from their transcript: every chunk still
+    equals its recompute (fp32), which is what the session never parked answers."""
+    settings = harness_settings(config)
+    async with InProcessHarness(settings) as backend:
+        report = await run_workload(backend, workload_for(settings, SEED + 1, SESSIONS_PER_CONFIG, park_rate))
+    summary = report.summary()
+    assert report.parks > 0 and report.chunks_checked == report.chunks > report.sessions, summary
+    assert report.mismatches == [], summary
+    assert report.prefix_requests_with_tier_hits > 0, summary
+    assert report.leftover_requests == [], summary
+
+
 @pytest.mark.skip(
     reason="SimpleCPUOffloadConnector's worker is CUDA-only: this CPU-only machine cannot run it. "
     "Its scheduler-side fix is covered on vLLM's real Scheduler in tests/unit."

@@ -141,3 +141,33 @@ async def test_openapi_describes_every_session_route(server: str) -> None:
     assert "post" in paths["/v1/admin/reset_device_cache"]
     for name in ("ChunkRequest", "ChunkResponse", "SessionObject", "ChunkUsage", "PromptTokensDetails"):
         assert name in schema["components"]["schemas"]
+
+
+async def test_park_and_resume_over_http(server: str) -> None:
+    """POST /park ends the session's engine request; after a device-cache reset its
+    next chunk resumes from the CPU tier, as its usage says."""
+    rng = random.Random(13)
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        session_id = await open_session(http, ignore_eos=True)
+        for max_tokens in (8, 40):
+            response = await http.post(
+                f"/v1/sessions/{session_id}/chunks", json={"input": random_tokens(rng, 100), "max_tokens": max_tokens}
+            )
+            assert response.status_code == 200, response.text
+        parked = await http.post(f"/v1/sessions/{session_id}/park")
+        assert parked.status_code == 200 and parked.json()["status"] == "parked", parked.text
+        assert (await http.get(f"/v1/sessions/{session_id}")).json()["status"] == "parked"
+        transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()["token_ids"]
+        assert (await http.post("/v1/admin/reset_device_cache")).status_code == 200
+
+        resumed = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": [5, 6, 7], "max_tokens": 4})
+        assert resumed.status_code == 200, resumed.text
+        body = resumed.json()
+        assert body["index"] == 2 and body["usage"]["prompt_tokens"] == len(transcript) + 3
+        assert body["usage"]["prompt_tokens_details"]["cpu_tier_tokens"] >= len(transcript) - 32
+        state = (await http.get(f"/v1/sessions/{session_id}")).json()
+        assert state["status"] == "active" and state["num_tokens"] == len(transcript) + 3 + 3
+        metrics = (await http.get("/metrics")).text
+        assert 'streamsess_session_resumes_total{source="cpu_tier"}' in metrics
+        assert "streamsess_sessions_parked" in metrics
+        await http.delete(f"/v1/sessions/{session_id}")

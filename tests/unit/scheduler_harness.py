@@ -68,7 +68,7 @@ from connectors import (
     SIMPLE_CONNECTOR_MODULE,
     SIMPLE_CONNECTOR_NAME,
 )
-from connectors.compat import DISABLE_FIX_KEY
+from connectors.compat import DISABLE_FIX_KEY, DISABLE_TAIL_STORE_KEY
 
 EOS_TOKEN_ID = 0
 ConnectorKind = Literal["offloading", "simple"]
@@ -139,17 +139,19 @@ class SchedulerHarness:
         disable_fix: bool = False,
         block_size: int = 4,
         num_gpu_blocks: int = 100,
+        offload_prompt_only: bool = False,
+        disable_tail_store: bool = False,
     ):
         init_none_hash(sha256)
         self.connector_kind = connector
         self.async_scheduling = async_scheduling
         self.block_size = block_size
-        extra: dict[str, Any] = {DISABLE_FIX_KEY: disable_fix}
+        extra: dict[str, Any] = {DISABLE_FIX_KEY: disable_fix, DISABLE_TAIL_STORE_KEY: disable_tail_store}
         if connector == "offloading":
             extra.update(
                 spec_name="RecordingOffloadingSpec",
                 spec_module_path=__name__,
-                offload_prompt_only=False,
+                offload_prompt_only=offload_prompt_only,
             )
             name, module = OFFLOADING_CONNECTOR_NAME, OFFLOADING_CONNECTOR_MODULE
         else:
@@ -227,6 +229,15 @@ class SchedulerHarness:
         )
         self.scheduler.add_request(request)
 
+    def end_session(self, req_id: str) -> None:
+        """End a streaming session the way AsyncLLM does when its input stream
+        closes: a non-resumable request with the session's id."""
+        params = SamplingParams(max_tokens=1)
+        params.update_from_generation_config({}, EOS_TOKEN_ID)
+        self.scheduler.add_request(
+            Request(request_id=req_id, prompt_token_ids=[0], sampling_params=params, pooling_params=None)
+        )
+
     # ------------------------------------------------------------------ engine loop
     def run(self, decoded_tokens: list[int], max_steps: int | None = None) -> list[int]:
         """Run steps, sampling ``decoded_tokens`` one per step, until the chunk ends
@@ -271,7 +282,8 @@ class SchedulerHarness:
         stored: list[int] = []
         if isinstance(metadata, OffloadingConnectorMetadata):
             for job_id, job in metadata.store_jobs.items():
-                stored += [offsets[int(b)] for b in job.src_spec.block_ids]
+                # A finished request's blocks are freed already: offset -1.
+                stored += [offsets.get(int(b), -1) for b in job.src_spec.block_ids]
                 self._pending_offloading_jobs.append(job_id)
             # Loads complete at once, as on our host tier.
             self._pending_offloading_jobs.extend(metadata.load_jobs)
