@@ -8,7 +8,7 @@ import hmac
 from fastapi import APIRouter, Request
 
 from app.auth import bearer_token
-from app.deps import EngineDep
+from app.deps import EngineDep, ServiceDep
 from app.errors import APIError
 from app.sessions.protocol import ResetCacheResponse
 
@@ -25,13 +25,15 @@ def _require_admin(request: Request) -> None:
 
 
 @router.post("/reset_device_cache", response_model=ResetCacheResponse)
-async def reset_device_cache(request: Request, engine: EngineDep) -> ResetCacheResponse:
+async def reset_device_cache(request: Request, engine: EngineDep, service: ServiceDep) -> ResetCacheResponse:
     """Drop the device prefix cache; the CPU tier keeps everything it holds.
 
     vLLM refuses while any request holds device blocks (an open session does),
     and so does this route, with 409.
     """
     _require_admin(request)
+    # Sessions parked a moment ago are whole in the tier before their device copy goes.
+    await service.tier_barrier()
     if not await engine.reset_prefix_cache(reset_running_requests=False, reset_connector=False):
         raise APIError(
             409,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
+from app.sessions.admission import SchedulerObserver
 from app.settings import GIB, Settings
 from connectors import (
     HOST_TIER_SPEC_MODULE,
@@ -85,6 +87,15 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
     return AsyncEngineArgs(**args)
 
 
+# Each engine's scheduler observer (the admission backstop), by engine.
+_observers: weakref.WeakKeyDictionary[Any, SchedulerObserver] = weakref.WeakKeyDictionary()
+
+
+def scheduler_observer(engine: Any) -> SchedulerObserver | None:
+    """The observer ``build_engine`` gave this engine (None for engines built elsewhere)."""
+    return _observers.get(engine)
+
+
 def build_engine(settings: Settings) -> AsyncLLM:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -98,4 +109,9 @@ def build_engine(settings: Settings) -> AsyncLLM:
         settings.cpu_tier_gib,
         settings.block_size,
     )
-    return AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
+    observer = SchedulerObserver()
+    engine = AsyncLLM.from_engine_args(
+        engine_args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=[observer.logger_factory]
+    )
+    _observers[engine] = observer
+    return engine

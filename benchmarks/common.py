@@ -121,7 +121,10 @@ def _stop_group(process: subprocess.Popen[bytes]) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def our_server(setup: EngineSetup, log_dir: Path, connector: str = "offloading") -> contextlib.AbstractContextManager[RunningServer]:
+def our_server(
+    setup: EngineSetup, log_dir: Path, connector: str = "offloading", **settings: str
+) -> contextlib.AbstractContextManager[RunningServer]:
+    """Our server on ``setup``; ``settings`` are more STREAMSESS_* values (name=value)."""
     port = free_port()
     env = engine_env()
     env.update(
@@ -133,11 +136,12 @@ def our_server(setup: EngineSetup, log_dir: Path, connector: str = "offloading")
         STREAMSESS_BLOCK_SIZE=str(setup.block_size),
         STREAMSESS_MAX_MODEL_LEN=str(setup.max_model_len),
         STREAMSESS_MAX_NUM_SEQS=str(setup.max_num_seqs),
-        STREAMSESS_MAX_SESSIONS=str(setup.max_num_seqs - 4),
+        STREAMSESS_MAX_SESSIONS="4096",
         STREAMSESS_ENFORCE_EAGER=str(setup.enforce_eager).lower(),
         STREAMSESS_CONNECTOR=connector,
         STREAMSESS_LOG_LEVEL="warning",
     )
+    env.update({f"STREAMSESS_{name.upper()}": value for name, value in settings.items()})
     return serve("ours", [sys.executable, "-m", "app.main"], env, port, f"embedded-{setup.preset}", log_dir / "ours.log")
 
 

@@ -47,7 +47,8 @@ class DeviceCapacity:
         config = engine.vllm_config
         return cls(
             slots=int(config.scheduler_config.max_num_seqs),
-            blocks=int(config.cache_config.num_gpu_blocks or 0),
+            # vLLM's block pool keeps one block aside (its null block).
+            blocks=max(int(config.cache_config.num_gpu_blocks or 0) - 1, 0),
             block_size=int(config.cache_config.block_size),
         )
 
@@ -76,3 +77,46 @@ class DeviceCapacity:
 
     def over(self, load: DeviceLoad) -> bool:
         return load.slots > self.slots or load.blocks > self.blocks
+
+
+class SchedulerObserver:
+    """The engine scheduler's own view, as its stat loggers see it each step.
+
+    The estimate above can be wrong (a request may hold more than we count); this
+    is the ground truth the service checks as a backstop: requests waiting to be
+    scheduled while none runs means the device is held by requests that are not
+    running, idle sessions among them, and nothing will free it by itself.
+    """
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.updates = 0
+
+    def logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        """A vLLM ``StatLoggerFactory`` (pass it in ``AsyncLLM``'s ``stat_loggers``)."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        observer = self
+
+        class _SchedulerStatsLogger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is not None:
+                    observer.num_running = int(scheduler_stats.num_running_reqs)
+                    observer.num_waiting = int(scheduler_stats.num_waiting_reqs)
+                    observer.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                    observer.updates += 1
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _SchedulerStatsLogger(vllm_config, engine_index)
+
+    @property
+    def stalled(self) -> bool:
+        """Requests wait to be scheduled and none runs."""
+        return self.num_waiting > 0 and self.num_running == 0

@@ -30,6 +30,7 @@ from vllm import SamplingParams
 from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import RequestOutputKind
 
+from app.engine import scheduler_observer
 from app.errors import APIError, session_not_found
 from app.metrics import SessionMetrics
 from app.provenance import ProvenanceRecorder
@@ -94,6 +95,7 @@ class SessionService:
         self._closed: OrderedDict[str, StreamingSession] = OrderedDict()
         self._tasks: list[asyncio.Task[None]] = []
         self.capacity = DeviceCapacity.of(engine)
+        self._observer = scheduler_observer(engine)
         # Admission decisions (check, park, reserve) run one at a time.
         self._admission = asyncio.Lock()
         # Set whenever device capacity is freed: a chunk waiting for room re-checks.
@@ -136,14 +138,22 @@ class SessionService:
     async def _keep_device_within_capacity(self) -> None:
         """Park idle sessions while the device is over capacity: requests that are
         not session chunks (vLLM's OpenAI endpoints) would otherwise wait forever
-        behind idle sessions."""
+        behind idle sessions. Backstop for the estimate: when vLLM's scheduler
+        reports requests waiting and none running at two checks in a row, whatever
+        the estimate says, the least recently used idle session is parked."""
+        stalled_checks = 0
         while True:
             await asyncio.sleep(CAPACITY_CHECK_S)
+            observer = self._observer
+            stalled_checks = stalled_checks + 1 if observer is not None and observer.stalled else 0
             async with self._admission:
                 await self._park_until(
                     lambda: not self.capacity.over(self.capacity.load(self._engine, self._sessions.values())),
                     "capacity",
                 )
+                if stalled_checks >= 2 and (victim := self._least_recently_used_idle()) is not None:
+                    await self._park([victim], "stalled")
+                    stalled_checks = 0
 
     # ------------------------------------------------------------------ parking
     def _least_recently_used_idle(self, exclude: StreamingSession | None = None) -> StreamingSession | None:
@@ -162,23 +172,23 @@ class SessionService:
         return True
 
     async def park(self, owner: str, session_id: str) -> StreamingSession:
-        """Park one session now (an operator's or a test's call)."""
+        """Park one session now (a client's, an operator's or a test's call), and
+        return once the CPU tier holds its whole context (see tier_barrier)."""
         session = self.get(owner, session_id)
-        await self._park([session], "requested")
+        if await self._park([session], "requested"):
+            await self.tier_barrier()
         return session
 
     async def _park(self, sessions: list[StreamingSession], reason: str) -> bool:
-        """Park the idle ones of ``sessions``; True when any parked. Each stays
-        locked until the CPU tier holds its whole context (see _tier_barrier),
-        so its next chunk resumes from the tier, not from a race."""
+        """Park the idle ones of ``sessions``; True when any parked. The engine
+        stores their last blocks in its next step, by itself; nothing here waits
+        for that (the parks that make room must not wait for room)."""
         taken = [s for s in sessions if s.idle and not s.lock.locked()]
         for session in taken:
             await session.lock.acquire()
             session.parking = True
         try:
             parked = [s for s, ok in zip(taken, await asyncio.gather(*(s.park() for s in taken))) if ok]
-            if parked:
-                await self._tier_barrier()
         finally:
             for session in taken:
                 session.parking = False
@@ -191,11 +201,12 @@ class SessionService:
             self._capacity_freed.set()
         return bool(parked)
 
-    async def _tier_barrier(self) -> None:
-        """Return after one more engine step. A request that ended is stored in the
-        step after its end (vLLM builds a finished request's last store jobs then);
-        our host tier copies inside that step, so a 1-token request that has been
-        answered comes after every store of the parked sessions."""
+    async def tier_barrier(self) -> None:
+        """Return after one more engine step, so that every session parked before
+        the call is whole in the CPU tier. vLLM builds an ended request's last
+        store jobs in the step after its end, and our host tier copies inside that
+        step: a 1-token request that has been answered comes after them. Call it
+        before dropping the device cache (the admin reset does)."""
         request_id = f"streamsess-park-barrier-{next(self._barrier_ids)}"
         params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True)
         async for _ in self._engine.generate(

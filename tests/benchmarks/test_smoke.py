@@ -49,3 +49,11 @@ def test_concurrency_quick(tmp_path: Path) -> None:
     assert set(result["results"]) == {"ours-sse", "vllm-prefix-on"}
     for side in result["results"].values():
         assert set(side) == {"1", "2"} and all(run["generated_tokens"] > 0 for run in side.values())
+
+
+def test_capacity_quick(tmp_path: Path) -> None:
+    result = run_quick("capacity", tmp_path)
+    assert result["errors"] == {}
+    assert result["chunks_answered"] == 2 * 40 + 4
+    parks = {k: v for k, v in result["metrics_at_end"].items() if k.startswith("streamsess_session_parks_total")}
+    assert sum(parks.values()) > 0, result["metrics_at_end"]

@@ -22,6 +22,7 @@ import pytest_asyncio
 from app.errors import APIError
 from app.metrics import session_metrics
 from app.provenance import ProvenanceRecorder
+from app.sessions.admission import DeviceCapacity
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
 from app.sessions.service import SessionService
 from app.sessions.session import ChunkResult, StreamingSession
@@ -228,5 +229,30 @@ async def test_a_chunk_with_no_room_fails_fast_and_leaves_its_session(small_engi
         await long_chunk
         retried = await send(service, small, random_tokens(rng, 40), 80)
         assert retried.index == 1
+    finally:
+        await service.stop()
+
+
+async def test_backstop_parks_when_vllm_stalls_whatever_the_estimate(small_engine: Any) -> None:
+    """The estimate blinded (it sees room for a million requests): idle sessions hold
+    every engine slot, and a new session's chunk waits in vLLM's queue with nothing
+    running. vLLM's own scheduler stats show the stall; the service parks the least
+    recently used idle session, and the chunk answers."""
+    service = make_service(small_engine, **SMALL_DEVICE)
+    service.capacity = DeviceCapacity(slots=10**6, blocks=10**6, block_size=BLOCK)
+    await service.start()
+    metrics = session_metrics()
+    stalled_before = counter(metrics.session_parks, "stalled")
+    rng = random.Random(8)
+    try:
+        sessions = [open_session(service) for _ in range(SMALL_DEVICE["max_num_seqs"])]
+        for session in sessions:
+            await send(service, session, random_tokens(rng, 40), 2)
+        late = open_session(service)
+        result = await asyncio.wait_for(send(service, late, random_tokens(rng, 40), 2), 60)
+        assert len(result.token_ids) == 2
+        # A park counts once the CPU tier holds the session (after its barrier step).
+        assert await until(lambda: counter(metrics.session_parks, "stalled") > stalled_before)
+        assert sessions[0].status == "parked"  # the least recently used
     finally:
         await service.stop()
