@@ -145,8 +145,12 @@ def our_server(
     return serve("ours", [sys.executable, "-m", "app.main"], env, port, f"embedded-{setup.preset}", log_dir / "ours.log")
 
 
-def vllm_server(setup: EngineSetup, log_dir: Path, prefix_caching: bool) -> contextlib.AbstractContextManager[RunningServer]:
-    """vLLM's own OpenAI server, as a user would run it, with the same engine settings."""
+def vllm_server(
+    setup: EngineSetup, log_dir: Path, prefix_caching: bool, extra_args: list[str] | None = None,
+    label: str | None = None,
+) -> contextlib.AbstractContextManager[RunningServer]:
+    """vLLM's own OpenAI server, as a user would run it, with the same engine settings
+    (``extra_args``: more of its flags, e.g. a --kv-transfer-config)."""
     port = free_port()
     name = f"embedded-{setup.preset}"
     command = [
@@ -160,8 +164,9 @@ def vllm_server(setup: EngineSetup, log_dir: Path, prefix_caching: bool) -> cont
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--enforce-eager" if setup.enforce_eager else "--no-enforce-eager",
         "--disable-log-stats",
+        *(extra_args or []),
     ]
-    label = f"vllm-prefix-{'on' if prefix_caching else 'off'}"
+    label = label or f"vllm-prefix-{'on' if prefix_caching else 'off'}"
     return serve(label, command, engine_env(), port, name, log_dir / f"{label}.log")
 
 

@@ -57,3 +57,10 @@ def test_capacity_quick(tmp_path: Path) -> None:
     assert result["chunks_answered"] == 2 * 40 + 4
     parks = {k: v for k, v in result["metrics_at_end"].items() if k.startswith("streamsess_session_parks_total")}
     assert sum(parks.values()) > 0, result["metrics_at_end"]
+
+
+def test_park_resume_quick(tmp_path: Path) -> None:
+    result = run_quick("park_resume", tmp_path)
+    (row,) = result["rows"]
+    # The measured resume really loaded the parked session from the CPU tier.
+    assert row["cpu_tier_tokens"] >= 224 and row["tier_vs_never_parked"] > 0

@@ -171,15 +171,15 @@ async def test_many_sessions_on_a_small_device_all_answer(small_engine: Any) -> 
     resumes_before = sum(counter(metrics.session_resumes, s) for s in ("cpu_tier", "device", "recompute"))
     rng = random.Random(5)
     try:
-        sessions = [open_session(service) for _ in range(120)]
+        sessions = [open_session(service) for _ in range(60)]
         for _ in range(2):
             for session in sessions:
                 result = await send(service, session, random_tokens(rng, 48), 4)
                 assert len(result.token_ids) == 4
         assert all(s.num_chunks == 2 for s in sessions)
-        assert counter(metrics.session_parks, "admission") - parks_before >= 100
+        assert counter(metrics.session_parks, "admission") - parks_before >= 40
         resumes = sum(counter(metrics.session_resumes, s) for s in ("cpu_tier", "device", "recompute"))
-        assert resumes - resumes_before >= 100
+        assert resumes - resumes_before >= 40
         assert sum(s.has_engine_request for s in sessions) <= SMALL_DEVICE["max_num_seqs"]
     finally:
         await service.stop()
