@@ -67,8 +67,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     final_tokens = 2 * (args.chunk + args.gen)
     blocks_per_session = -(-final_tokens // 32)
-    kv_gib = args.device_sessions * blocks_per_session * 32 * KV_BYTES_PER_TOKEN / (1 << 30)
-    setup = EngineSetup(preset="tiny", kv_cache_gib=kv_gib, cpu_tier_gib=args.cpu_tier_gib, max_model_len=2048)
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    kv_gib = args.device_sessions * blocks_per_session * 32 * KV_BYTES_PER_TOKEN * dtype_bytes / 2 / (1 << 30)
+    setup = EngineSetup(preset="tiny", kv_cache_gib=kv_gib, cpu_tier_gib=args.cpu_tier_gib, max_model_len=2048,
+                        dtype=args.dtype)
     errors: Counter[str] = Counter()
     latencies: dict[str, list[float]] = {"turn 1": [], "turn 2": [], "full device": []}
     log_dir = Path(args.out) / "logs"

@@ -43,6 +43,9 @@ class EngineSetup:
     max_model_len: int = 4096
     max_num_seqs: int = 64
     enforce_eager: bool = True
+    # bf16 is the embedded models' own dtype; float32 runs far faster on CPUs
+    # without native bf16 (AVX2 only), where bf16 matmuls are emulated.
+    dtype: str = "bfloat16"
 
     def model_dir(self) -> str:
         from app.models.builder import ensure_model
@@ -57,8 +60,28 @@ class EngineSetup:
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
             "enforce_eager": self.enforce_eager,
+            "dtype": self.dtype,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": RESERVED_CPUS,
         }
+
+
+def in_process_engine(setup: EngineSetup, served_model_name: str, **settings: Any) -> tuple[Any, Any, Any]:
+    """(engine, provenance recorder, settings) for a benchmark that drives AsyncLLM in
+    process, with ``setup``'s engine settings and the same thread count as the servers."""
+    from app.engine import build_engine
+    from app.provenance import ProvenanceRecorder
+    from app.settings import Settings
+
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = RESERVED_CPUS
+    engine_settings = Settings(
+        _env_file=None, model_preset=setup.preset, kv_cache_gib=setup.kv_cache_gib,
+        cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size, max_model_len=setup.max_model_len,
+        enforce_eager=setup.enforce_eager, dtype=setup.dtype, served_model_name=served_model_name, **settings,
+    )
+    engine = build_engine(engine_settings)
+    recorder = ProvenanceRecorder()
+    recorder.attach(engine)
+    return engine, recorder, engine_settings
 
 
 def engine_env() -> dict[str, str]:
@@ -138,6 +161,7 @@ def our_server(
         STREAMSESS_MAX_NUM_SEQS=str(setup.max_num_seqs),
         STREAMSESS_MAX_SESSIONS="4096",
         STREAMSESS_ENFORCE_EAGER=str(setup.enforce_eager).lower(),
+        STREAMSESS_DTYPE=setup.dtype,
         STREAMSESS_CONNECTOR=connector,
         STREAMSESS_LOG_LEVEL="warning",
     )
@@ -163,6 +187,7 @@ def vllm_server(
         "--max-num-seqs", str(setup.max_num_seqs),
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--enforce-eager" if setup.enforce_eager else "--no-enforce-eager",
+        "--dtype", setup.dtype,
         "--disable-log-stats",
         *(extra_args or []),
     ]
@@ -177,6 +202,8 @@ def benchmark_parser(doc: str | None, kv_cache_gib: float) -> argparse.ArgumentP
     parser.add_argument("--preset", default="bench", help="embedded model preset")
     parser.add_argument("--kv-cache-gib", type=float, default=kv_cache_gib)
     parser.add_argument("--cpu-tier-gib", type=float, default=4.0)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="model dtype on every side (float32 on CPUs without native bf16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG results go")
     return parser

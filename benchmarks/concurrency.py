@@ -80,7 +80,7 @@ async def measure(run_one: Any, workloads: list[list[list[int]]]) -> dict[str, f
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib)
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
     rng = random.Random(args.seed)
     workloads = {
         n: [[random_tokens(rng, args.chunk) for _ in range(args.turns)] for _ in range(n)] for n in args.sessions

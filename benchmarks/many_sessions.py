@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,14 @@ from benchmarks.common import (
     benchmark_parser,
     finish,
     our_server,
-    percentile,
     pyplot,
     quick_engine,
     random_tokens,
     vllm_server,
 )
-from benchmarks.concurrency import ours_session, vllm_session
+from benchmarks.concurrency import measure, ours_session, vllm_session
 
-KV_BYTES_PER_TOKEN = {"bench": 12 * 1024, "tiny": 2 * 1024}  # bf16
+KV_BYTES_PER_TOKEN = {"bench": 12 * 1024, "tiny": 2 * 1024}  # bf16; twice as much in float32
 
 
 def our_tier_config(setup: EngineSetup) -> str:
@@ -52,19 +50,11 @@ def our_tier_config(setup: EngineSetup) -> str:
     return json.dumps(kv_transfer_config(settings))
 
 
-async def run_side(run_one: Any, workloads: list[list[list[int]]]) -> dict[str, float]:
-    ttfts: list[float] = []
-    start = time.perf_counter()
-    generated = sum(await asyncio.gather(*(run_one(chunks, ttfts) for chunks in workloads)))
-    wall = time.perf_counter() - start
-    return {"tokens_per_s": generated / wall, "ttft_p50_s": percentile(ttfts, 50),
-            "ttft_p99_s": percentile(ttfts, 99), "wall_s": wall, "generated_tokens": generated}
-
-
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     total_context = args.sessions * args.turns * (args.chunk + args.gen)
-    kv_gib = total_context / args.context_per_device * KV_BYTES_PER_TOKEN[args.preset] / GIB
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=kv_gib, cpu_tier_gib=args.cpu_tier_gib,
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    kv_gib = total_context / args.context_per_device * KV_BYTES_PER_TOKEN[args.preset] * dtype_bytes / 2 / GIB
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=kv_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype,
                         max_model_len=args.turns * (args.chunk + args.gen) + 256)
     rng = random.Random(args.seed)
     workloads = [[random_tokens(rng, args.chunk) for _ in range(args.turns)] for _ in range(args.sessions)]
@@ -72,10 +62,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, dict[str, float]] = {}
 
     with our_server(setup, log_dir) as server:
-        results["ours"] = await run_side(lambda c, t: ours_session(server.base_url, c, args.gen, t), workloads)
+        results["ours"] = await measure(lambda c, t: ours_session(server.base_url, c, args.gen, t), workloads)
     for label, extra in (("vllm", []), ("vllm+tier", ["--kv-transfer-config", our_tier_config(setup)])):
         with vllm_server(setup, log_dir, prefix_caching=True, extra_args=extra, label=label) as server:
-            results[label] = await run_side(
+            results[label] = await measure(
                 lambda c, t, url=server.base_url, model=server.model: vllm_session(url, model, c, args.gen, t),
                 workloads,
             )

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import time
 from typing import Any
 
 from benchmarks.common import (
-    RESERVED_CPUS,
     EngineSetup,
     benchmark_parser,
     finish,
+    in_process_engine,
     pyplot,
     quick_engine,
     random_tokens,
@@ -44,23 +43,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
-    from app.engine import build_engine
     from app.metrics import session_metrics
-    from app.provenance import ProvenanceRecorder
     from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
     from app.sessions.service import SessionService
-    from app.settings import Settings
 
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = RESERVED_CPUS
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib)
-    settings = Settings(
-        _env_file=None, model_preset=setup.preset, kv_cache_gib=setup.kv_cache_gib,
-        cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size, max_model_len=setup.max_model_len,
-        enforce_eager=setup.enforce_eager, served_model_name="park-bench", session_park_after_s=3600,
-    )
-    engine = build_engine(settings)
-    recorder = ProvenanceRecorder()
-    recorder.attach(engine)
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
+    engine, recorder, settings = in_process_engine(setup, "park-bench", session_park_after_s=3600)
     service = SessionService(
         engine=engine, settings=settings, model_name="park-bench", tokenizer=engine.get_tokenizer(),
         metrics=session_metrics(), recorder=recorder,

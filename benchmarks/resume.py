@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import time
@@ -29,10 +28,10 @@ import httpx
 
 from benchmarks.common import (
     API_KEY,
-    RESERVED_CPUS,
     EngineSetup,
     benchmark_parser,
     finish,
+    in_process_engine,
     our_server,
     pyplot,
     quick_engine,
@@ -86,16 +85,7 @@ async def run_in_process(setup: EngineSetup, sessions: list[list[list[int]]], ge
     from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
-    from app.engine import build_engine
-    from app.settings import Settings
-
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = RESERVED_CPUS
-    settings = Settings(
-        _env_file=None, model_preset=setup.preset, kv_cache_gib=setup.kv_cache_gib,
-        cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size, max_model_len=setup.max_model_len,
-        max_num_seqs=setup.max_num_seqs, enforce_eager=setup.enforce_eager,
-    )
-    engine = build_engine(settings)
+    engine, _, _ = in_process_engine(setup, f"embedded-{setup.preset}", max_num_seqs=setup.max_num_seqs)
     params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     results: list[Turns] = []
     try:
@@ -140,7 +130,7 @@ def median_turns(runs: list[Turns]) -> list[dict[str, float]]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib)
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
     rng = random.Random(args.seed)
     # One warm-up session (2 turns) and REPEATS measured sessions, the same on every side.
     warmup = [random_tokens(rng, args.chunk) for _ in range(2)]

@@ -29,6 +29,7 @@ from benchmarks.common import (
     EngineSetup,
     benchmark_parser,
     finish,
+    in_process_engine,
     pyplot,
     quick_engine,
     random_tokens,
@@ -87,20 +88,8 @@ async def first_token(engine: Any, recorder: Any, prompt: list[int], recompute: 
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from app.engine import build_engine
-    from app.provenance import ProvenanceRecorder
-    from app.settings import Settings
-
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = RESERVED_CPUS
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib)
-    settings = Settings(
-        _env_file=None, model_preset=setup.preset, kv_cache_gib=setup.kv_cache_gib,
-        cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size, max_model_len=setup.max_model_len,
-        enforce_eager=setup.enforce_eager, served_model_name="tier-bench",
-    )
-    engine = build_engine(settings)
-    recorder = ProvenanceRecorder()
-    recorder.attach(engine)
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
+    engine, recorder, _ = in_process_engine(setup, "tier-bench")
     rng = random.Random(args.seed)
     rows = []
     try:

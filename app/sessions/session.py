@@ -139,8 +139,8 @@ class StreamingSession:
         context_before = len(self.token_ids)
         started = time.monotonic()
         self.status = "generating"
-        resumed = self._pump is None and context_before > 0
         new_request = self._pump is None
+        resumed = new_request and context_before > 0  # the first chunk after a park
         if new_request:
             # A new engine request: its first input is the whole transcript plus the
             # chunk (exact token ids, never re-tokenized text).
