@@ -20,10 +20,8 @@ from fastapi import FastAPI
 from app.api import api_router
 from app.auth import APIKeyMiddleware
 from app.errors import install_error_handlers
-from app.metrics import session_metrics
 from app.middleware import BodySizeLimitMiddleware, ReplicaHeaderMiddleware
 from app.openai_usage import UsageProvenanceMiddleware
-from app.provenance import ProvenanceRecorder
 from app.sessions.service import SessionService
 from app.settings import Settings, load_settings
 
@@ -66,19 +64,10 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
 
         owns_engine = engine is None
         llm = engine if engine is not None else build_engine(settings)
-        recorder = ProvenanceRecorder()
-        recorder.attach(llm)
         await init_app_state(llm, app.state, args, SUPPORTED_TASKS)
-        service = SessionService(
-            engine=llm,
-            settings=settings,
-            model_name=settings.resolved_served_model_name(),
-            tokenizer=llm.get_tokenizer(),
-            metrics=session_metrics(),
-            recorder=recorder,
-        )
+        service = SessionService.on_engine(llm, settings)
         app.state.settings = settings
-        app.state.provenance = recorder
+        app.state.provenance = service.recorder
         app.state.session_service = service
         await service.start()
         try:

@@ -43,16 +43,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
-    from app.metrics import session_metrics
     from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
     from app.sessions.service import SessionService
 
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
-    engine, recorder, settings = in_process_engine(setup, "park-bench", session_park_after_s=3600)
-    service = SessionService(
-        engine=engine, settings=settings, model_name="park-bench", tokenizer=engine.get_tokenizer(),
-        metrics=session_metrics(), recorder=recorder,
-    )
+    engine, _, settings = in_process_engine(setup, "park-bench", session_park_after_s=3600)
+    service = SessionService.on_engine(engine, settings)
     await service.start()
     rng = random.Random(args.seed)
     defaults = SessionDefaults(temperature=0.0, ignore_eos=True)

@@ -32,7 +32,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from app.engine import scheduler_observer
 from app.errors import APIError, session_not_found
-from app.metrics import SessionMetrics
+from app.metrics import SessionMetrics, session_metrics
 from app.provenance import ProvenanceRecorder
 from app.sessions.admission import DeviceCapacity
 from app.sessions.protocol import (
@@ -101,6 +101,26 @@ class SessionService:
         # Set whenever device capacity is freed: a chunk waiting for room re-checks.
         self._capacity_freed = asyncio.Event()
         self._barrier_ids = itertools.count()
+
+    @classmethod
+    def on_engine(cls, engine: Any, settings: Settings) -> SessionService:
+        """The service as the server builds it: the served model's name, the engine's
+        tokenizer, the process-wide metrics, and a provenance recorder attached to
+        the engine (``service.recorder``)."""
+        recorder = ProvenanceRecorder()
+        recorder.attach(engine)
+        return cls(
+            engine=engine,
+            settings=settings,
+            model_name=settings.resolved_served_model_name(),
+            tokenizer=engine.get_tokenizer(),
+            metrics=session_metrics(),
+            recorder=recorder,
+        )
+
+    @property
+    def recorder(self) -> ProvenanceRecorder | None:
+        return self._recorder
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

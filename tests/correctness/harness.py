@@ -543,7 +543,6 @@ class InProcessHarness:
 
     async def __aenter__(self) -> InProcessBackend:
         from app.engine import build_engine
-        from app.metrics import session_metrics
         from app.sessions.service import SessionService
         from connectors.cpu_platform import ATTENTION_ENV
         from tests.helpers import environment, record_attention_kernels
@@ -551,18 +550,10 @@ class InProcessHarness:
         with environment(**{ATTENTION_ENV: self.attention}):
             self.engine = build_engine(self.settings)
         self.kernels = await record_attention_kernels(self.engine)
-        recorder = ProvenanceRecorder()
-        recorder.attach(self.engine)
-        self.service = SessionService(
-            engine=self.engine,
-            settings=self.settings,
-            model_name=self.settings.resolved_served_model_name(),
-            tokenizer=self.engine.get_tokenizer(),
-            metrics=session_metrics(),
-            recorder=recorder,
-        )
+        self.service = SessionService.on_engine(self.engine, self.settings)
         await self.service.start()
-        return InProcessBackend(self.engine, self.service, recorder)
+        assert self.service.recorder is not None
+        return InProcessBackend(self.engine, self.service, self.service.recorder)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.service.stop()

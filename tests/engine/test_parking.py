@@ -21,7 +21,6 @@ import pytest_asyncio
 
 from app.errors import APIError
 from app.metrics import session_metrics
-from app.provenance import ProvenanceRecorder
 from app.sessions.admission import DeviceCapacity
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
 from app.sessions.service import SessionService
@@ -36,16 +35,7 @@ OWNER = "owner"
 
 
 def make_service(engine: Any, **overrides: Any) -> SessionService:
-    recorder = ProvenanceRecorder()
-    recorder.attach(engine)
-    return SessionService(
-        engine=engine,
-        settings=make_settings(**overrides),
-        model_name=engine.model_config.served_model_name,
-        tokenizer=engine.get_tokenizer(),
-        metrics=session_metrics(),
-        recorder=recorder,
-    )
+    return SessionService.on_engine(engine, make_settings(**overrides))
 
 
 def open_session(service: SessionService) -> StreamingSession:

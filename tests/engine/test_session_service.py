@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from app.metrics import session_metrics
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.service import SessionService
 from tests.conftest import make_settings
@@ -17,13 +16,7 @@ pytestmark = pytest.mark.engine
 
 
 def make_service(engine: Any, **overrides: Any) -> SessionService:
-    return SessionService(
-        engine=engine,
-        settings=make_settings(**overrides),
-        model_name="embedded-tiny",
-        tokenizer=engine.get_tokenizer(),
-        metrics=session_metrics(),
-    )
+    return SessionService.on_engine(engine, make_settings(**overrides))
 
 
 async def test_idle_session_expires_and_frees_its_request(engine: Any) -> None:
