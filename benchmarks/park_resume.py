@@ -47,8 +47,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from app.sessions.service import SessionService
 
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
-    engine, _, settings = in_process_engine(setup, "park-bench", session_park_after_s=3600)
-    service = SessionService.on_engine(engine, settings)
+    engine, recorder, settings = in_process_engine(setup, "park-bench", session_park_after_s=3600)
+    service = SessionService.on_engine(engine, settings, recorder)
     await service.start()
     rng = random.Random(args.seed)
     defaults = SessionDefaults(temperature=0.0, ignore_eos=True)

@@ -103,12 +103,15 @@ class SessionService:
         self._barrier_ids = itertools.count()
 
     @classmethod
-    def on_engine(cls, engine: Any, settings: Settings) -> SessionService:
+    def on_engine(
+        cls, engine: Any, settings: Settings, recorder: ProvenanceRecorder | None = None
+    ) -> SessionService:
         """The service as the server builds it: the served model's name, the engine's
         tokenizer, the process-wide metrics, and a provenance recorder attached to
-        the engine (``service.recorder``)."""
-        recorder = ProvenanceRecorder()
-        recorder.attach(engine)
+        the engine (``service.recorder``; pass one already attached to reuse it)."""
+        if recorder is None:
+            recorder = ProvenanceRecorder()
+            recorder.attach(engine)
         return cls(
             engine=engine,
             settings=settings,
