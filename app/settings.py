@@ -121,6 +121,30 @@ class Settings(BaseSettings):
     )
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
 
+    # --- session store -------------------------------------------------------
+    store_url: str | None = Field(
+        default=None,
+        description="Where sessions are kept across restarts: sqlite:///path or "
+        "postgresql://user:password@host/db (one database for several replicas), or none "
+        "(memory only: a restart loses every session). Default: SQLite in state_dir.",
+    )
+    state_dir: str | None = Field(
+        default=None, description="The server's state (the SQLite store). Default: ~/.cache/streaming-sessions/state."
+    )
+    replica_id: str | None = Field(
+        default=None,
+        description="This server's name in the store's chunk leases: unique among replicas sharing a "
+        "database, the same across restarts of one. Default: host name and port.",
+    )
+    session_lease_s: float = Field(
+        default=30.0, gt=0,
+        description="A chunk's lease in the store lasts this long and is renewed while the chunk runs; "
+        "a lost replica's lease expires after it, and another replica may extend the session.",
+    )
+    closed_session_retention_s: float = Field(
+        default=86400.0, ge=0, description="Closed sessions (and their transcripts) are deleted from the store after this."
+    )
+
     @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
@@ -161,6 +185,16 @@ class Settings(BaseSettings):
 
         cache_dir = Path(self.model_cache_dir) if self.model_cache_dir else None
         return str(ensure_model(self.model_preset, cache_dir))
+
+    def resolved_state_dir(self) -> str:
+        from pathlib import Path
+
+        return self.state_dir or str(Path.home() / ".cache" / "streaming-sessions" / "state")
+
+    def resolved_replica_id(self) -> str:
+        import socket
+
+        return self.replica_id or f"{socket.gethostname()}:{self.port}"
 
     def resolved_served_model_name(self) -> str:
         if self.served_model_name:

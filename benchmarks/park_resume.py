@@ -70,7 +70,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             ):
                 pass
             return time.perf_counter() - start, 0
-        session = service.create(OWNER, SessionCreateRequest(defaults=defaults))
+        session = await service.create(OWNER, SessionCreateRequest(defaults=defaults))
         try:
             await chunk(session.id, first)
             if side != "never-parked":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -9,6 +11,10 @@ import pytest
 import pytest_asyncio
 
 from app.settings import Settings
+
+# Every server and service of a test run keeps its sessions in a fresh SQLite store
+# (the default store), never in the user's own state directory.
+os.environ.setdefault("STREAMSESS_STATE_DIR", tempfile.mkdtemp(prefix="streamsess-test-state-"))
 
 # Small enough for 2 cores, large enough that no test evicts by accident.
 # float32: the shared engine's outputs are compared token for token with recomputes,

@@ -113,7 +113,7 @@ class SessionConnection:
                     self._appends.put_nowait(event)
             elif isinstance(event, SessionUpdateEvent):
                 try:
-                    session = self.service.update_defaults(self.owner, self.session.id, event.session)
+                    session = await self.service.update_defaults(self.owner, self.session.id, event.session)
                 except APIError as exc:
                     await self.send_error(exc, event.event_id)
                 else:

@@ -50,27 +50,27 @@ async def create_session(
     x_session_id: Annotated[str | None, Header(description="Choose the session id (for session-affine proxies).")] = None,
 ) -> SessionObject:
     """Open a streaming-input session. Optional body: per-session sampling defaults and metadata."""
-    session = service.create(owner, body or SessionCreateRequest(), session_id=x_session_id)
+    session = await service.create(owner, body or SessionCreateRequest(), session_id=x_session_id)
     return service.describe(session)
 
 
 @router.get("", response_model=SessionList, responses=ERROR_RESPONSES)
 async def list_sessions(service: ServiceDep, owner: OwnerDep) -> SessionList:
     """The caller's open sessions."""
-    return SessionList(data=[service.describe(s) for s in service.owned_by(owner)])
+    return SessionList(data=await service.list_sessions(owner))
 
 
 @router.get("/{session_id}", response_model=SessionObject, responses=ERROR_RESPONSES)
 async def get_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> SessionObject:
     """A session's state: status, token and chunk counts, times."""
-    return service.describe(service.get(owner, session_id, include_closed=True))
+    return service.describe(await service.get(owner, session_id, include_closed=True))
 
 
 @router.get("/{session_id}/transcript", response_model=TranscriptResponse, responses=ERROR_RESPONSES)
 async def get_transcript(session_id: str, service: ServiceDep, owner: OwnerDep) -> TranscriptResponse:
     """The context the engine holds for the session, as token ids and text. A request
     that starts with these token ids reuses the session's KV (device or CPU tier)."""
-    session, text = service.transcript(owner, session_id)
+    session, text = await service.transcript(owner, session_id)
     return TranscriptResponse(
         session_id=session.id, token_ids=list(session.token_ids), text=text, num_tokens=len(session.token_ids)
     )

@@ -10,6 +10,13 @@ recently used first, when a chunk or any other request would not fit on the
 device beside the sessions that hold it (see ``admission``). A chunk that still
 does not fit waits at most ``admission_timeout_s`` for room, then gets 503
 ``server_busy`` with ``Retry-After``; the session is left as it was.
+
+Sessions are durable when a store is configured (``app.store``): a session's row
+and transcript are written as it changes, a chunk's tokens are committed before its
+answer completes, and a session this server does not hold in memory (after a
+restart, or one another replica served) is loaded from the store, parked. Replicas
+sharing a database take a lease per chunk, so one session is extended by one
+replica at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +57,14 @@ from app.sessions.session import (
     StreamingSession,
 )
 from app.settings import Settings
+from app.store import (
+    LeaseRefused,
+    NullStore,
+    SessionExistsError,
+    SessionRecord,
+    SessionStore,
+    StoreUnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +86,8 @@ class PreparedChunk:
     input_ids: list[int]
     params: SamplingParams
     transport: str
+    # Renews the chunk's lease in the store while it runs (durable stores only).
+    lease_renewal: asyncio.Task[None] | None = None
 
 
 class SessionService:
@@ -82,6 +99,7 @@ class SessionService:
         tokenizer: Any,
         metrics: SessionMetrics,
         recorder: ProvenanceRecorder | None = None,
+        store: SessionStore | None = None,
     ):
         self._engine = engine
         self._settings = settings
@@ -89,6 +107,8 @@ class SessionService:
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._recorder = recorder
+        self._store = store if store is not None else NullStore()
+        self._replica = settings.resolved_replica_id()
         self._vocab_size = engine.model_config.get_vocab_size()
         self._max_context = min(settings.max_model_len, engine.model_config.max_model_len)
         self._sessions: dict[str, StreamingSession] = {}
@@ -104,11 +124,15 @@ class SessionService:
 
     @classmethod
     def on_engine(
-        cls, engine: Any, settings: Settings, recorder: ProvenanceRecorder | None = None
+        cls, engine: Any, settings: Settings, recorder: ProvenanceRecorder | None = None,
+        store: SessionStore | None = None,
     ) -> SessionService:
         """The service as the server builds it: the served model's name, the engine's
-        tokenizer, the process-wide metrics, and a provenance recorder attached to
-        the engine (``service.recorder``; pass one already attached to reuse it)."""
+        tokenizer, the process-wide metrics, the store of the settings (or ``store``),
+        and a provenance recorder attached to the engine (``service.recorder``; pass
+        one already attached to reuse it)."""
+        from app.store import open_store
+
         if recorder is None:
             recorder = ProvenanceRecorder()
             recorder.attach(engine)
@@ -119,6 +143,7 @@ class SessionService:
             tokenizer=engine.get_tokenizer(),
             metrics=session_metrics(),
             recorder=recorder,
+            store=store if store is not None else open_store(settings),
         )
 
     @property
@@ -126,7 +151,12 @@ class SessionService:
         return self._recorder
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def store(self) -> SessionStore:
+        return self._store
+
     async def start(self) -> None:
+        await self._store.start()
         self._tasks = [
             asyncio.create_task(self._reap_idle(), name="session-reaper"),
             asyncio.create_task(self._keep_device_within_capacity(), name="session-capacity"),
@@ -137,10 +167,12 @@ class SessionService:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # A durable session outlives the server: it is only parked in the store's eyes.
         await asyncio.gather(
-            *(self._close(s, "server_shutdown") for s in list(self._sessions.values())),
+            *(self._close(s, "server_shutdown", persist=not self._store.durable) for s in list(self._sessions.values())),
             return_exceptions=True,
         )
+        await self._store.close()
 
     async def _reap_idle(self) -> None:
         close_after = self._settings.session_idle_timeout_s
@@ -157,6 +189,9 @@ class SessionService:
             idle = [s for s in self._sessions.values() if s.idle and now - s.last_activity > park_after]
             if idle:
                 await self._park(idle, "idle")
+            # Sessions no replica holds (their server is gone) expire in the store.
+            with contextlib.suppress(StoreUnavailableError):
+                await self._store.expire(now - close_after, now - self._settings.closed_session_retention_s)
 
     async def _keep_device_within_capacity(self) -> None:
         """Park idle sessions while the device is over capacity: requests that are
@@ -197,7 +232,7 @@ class SessionService:
     async def park(self, owner: str, session_id: str) -> StreamingSession:
         """Park one session now (a client's, an operator's or a test's call), and
         return once the CPU tier holds its whole context (see tier_barrier)."""
-        session = self.get(owner, session_id)
+        session = await self.get(owner, session_id)
         if await self._park([session], "requested"):
             await self.tier_barrier()
         return session
@@ -274,7 +309,9 @@ class SessionService:
         self._metrics.sessions_with_engine_request.set(sum(s.has_engine_request for s in sessions))
 
     # ------------------------------------------------------------------ lookup
-    def create(self, owner: str, request: SessionCreateRequest, session_id: str | None = None) -> StreamingSession:
+    async def create(
+        self, owner: str, request: SessionCreateRequest, session_id: str | None = None
+    ) -> StreamingSession:
         """Open a session. ``session_id`` lets the client choose the id (the
         ``X-Session-ID`` header), so a proxy can route creation and every later
         request of the session to the same replica by hashing it."""
@@ -301,51 +338,108 @@ class SessionService:
             max_tokens=self._max_context,
             recorder=self._recorder,
         )
+        try:
+            async with self._store_errors():
+                await self._store.create(session.record())
+        except SessionExistsError:
+            raise self._session_exists(session.id) from None
         self._sessions[session.id] = session
         self._metrics.sessions_total.inc()
         self._update_gauges()
         return session
 
-    def get(self, owner: str, session_id: str, *, include_closed: bool = False) -> StreamingSession:
+    async def get(self, owner: str, session_id: str, *, include_closed: bool = False) -> StreamingSession:
         session = self._sessions.get(session_id)
-        if session is None and include_closed:
-            session = self._closed.get(session_id)
+        if session is None:
+            session = self._closed.get(session_id) or await self._load(session_id)
+            if session is not None and session.closed and not include_closed:
+                session = None
         # Another key's session is "not found": its existence is not ours to reveal.
         if session is None or session.owner != owner:
             raise session_not_found(session_id)
         return session
 
-    def owned_by(self, owner: str) -> list[StreamingSession]:
-        return [s for s in self._sessions.values() if s.owner == owner]
-
-    def describe(self, session: StreamingSession) -> SessionObject:
-        timeout = self._settings.session_idle_timeout_s
-        return SessionObject(
-            id=session.id,
-            model=session.model,
-            created=session.created,
-            status=session.status,
-            close_reason=session.close_reason,
-            defaults=session.defaults,
-            metadata=session.metadata,
-            num_chunks=session.num_chunks,
-            num_tokens=len(session.token_ids),
-            max_tokens=session.max_tokens,
-            last_activity_at=session.last_activity,
-            expires_at=None if session.closed else session.last_activity + timeout,
+    async def _load(self, session_id: str) -> StreamingSession | None:
+        """A session from the store, parked (or closed), now held here too."""
+        if not self._store.durable or not SESSION_ID_PATTERN.fullmatch(session_id):
+            return None
+        async with self._store_errors():
+            loaded = await self._store.load(session_id)
+        if loaded is None:
+            return None
+        if (held := self._sessions.get(session_id) or self._closed.get(session_id)) is not None:
+            return held  # loaded meanwhile by a concurrent request
+        record, transcript = loaded
+        session = StreamingSession.from_record(
+            record, transcript, engine=self._engine, max_tokens=self._max_context, recorder=self._recorder
         )
-
-    def update_defaults(self, owner: str, session_id: str, defaults: SessionDefaults) -> StreamingSession:
-        session = self._open_session(owner, session_id)
-        self._check_sampling(defaults, "session")
-        merged = session.defaults.model_dump(exclude_none=True) | defaults.model_dump(exclude_none=True)
-        session.defaults = SessionDefaults(**merged)
-        session.last_activity = time.time()
+        if session.closed:
+            self._remember_closed(session)
+        else:
+            self._sessions[session.id] = session
+            self._update_gauges()
         return session
 
-    def transcript(self, owner: str, session_id: str) -> tuple[StreamingSession, str]:
-        session = self.get(owner, session_id, include_closed=True)
+    async def list_sessions(self, owner: str) -> list[SessionObject]:
+        """The owner's open sessions: from the store when there is one, so every
+        replica lists every replica's sessions."""
+        if not self._store.durable:
+            return [self.describe(s) for s in self._sessions.values() if s.owner == owner]
+        async with self._store_errors():
+            records = await self._store.list_open(owner)
+        held = self._sessions
+        return [self.describe(held[r.id]) if r.id in held else self._describe_record(r) for r in records]
+
+    def describe(self, session: StreamingSession) -> SessionObject:
+        described = self._describe_record(session.record())
+        described.status = session.status
+        return described
+
+    def _describe_record(self, record: SessionRecord) -> SessionObject:
+        closed = record.status == "closed"
+        return SessionObject(
+            id=record.id,
+            model=record.model,
+            created=int(record.created),
+            # A session held by no server here has no engine request: parked.
+            status="closed" if closed else "parked",
+            close_reason=record.close_reason,
+            defaults=SessionDefaults(**record.defaults),
+            metadata=record.metadata,
+            num_chunks=record.num_chunks,
+            num_tokens=record.num_tokens,
+            max_tokens=self._max_context,
+            last_activity_at=record.last_activity,
+            expires_at=None if closed else record.last_activity + self._settings.session_idle_timeout_s,
+        )
+
+    async def update_defaults(self, owner: str, session_id: str, defaults: SessionDefaults) -> StreamingSession:
+        session = await self._open_session(owner, session_id)
+        self._check_sampling(defaults, "session")
+        merged = session.defaults.model_dump(exclude_none=True) | defaults.model_dump(exclude_none=True)
+        now = time.time()
+        async with self._store_errors():
+            await self._store.update(session.id, defaults=merged, last_activity=now)
+        session.defaults = SessionDefaults(**merged)
+        session.last_activity = now
+        return session
+
+    async def transcript(self, owner: str, session_id: str) -> tuple[StreamingSession, str]:
+        session = await self.get(owner, session_id, include_closed=True)
         return session, self._tokenizer.decode(session.token_ids)
+
+    @contextlib.asynccontextmanager
+    async def _store_errors(self) -> AsyncIterator[None]:
+        """The store's failures as the client sees them: 503, nothing changed."""
+        try:
+            yield
+        except StoreUnavailableError as exc:
+            logger.warning("session store unavailable: %s", exc)
+            self._metrics.chunk_errors.labels("store_unavailable").inc()
+            raise APIError(
+                503, "The session store is unavailable; nothing was changed. Retry later.",
+                code="store_unavailable", headers={"Retry-After": "1"},
+            ) from exc
 
     # ------------------------------------------------------------------ chunks
     async def prepare_chunk(
@@ -358,41 +452,48 @@ class SessionService:
         transport: str,
         wait: bool,
     ) -> PreparedChunk:
-        """Validate a chunk and take the session's lock.
+        """Validate a chunk, take the session's lock and lease, and admit it onto
+        the device. Every refusal comes from here, before a response has begun.
 
         ``wait=False`` (REST) refuses a second chunk in flight with 409;
         ``wait=True`` (websocket) queues behind it, in order.
         """
-        session = self._open_session(owner, session_id)
+        session = await self._open_session(owner, session_id)
         input_ids = self._encode(chunk_input)
         params = self._sampling_params(session, options)
         self._check_chunk(session, input_ids, params)
         # A session being parked is not busy: its chunk waits the few milliseconds.
         if not wait and session.lock.locked() and not session.parking:
-            self._metrics.chunk_errors.labels("chunk_in_flight").inc()
-            raise APIError(
-                409,
-                "This session is already answering a chunk; send the next one when it is done.",
-                code="chunk_in_flight",
-            )
+            raise self._chunk_in_flight()
         await session.lock.acquire()
+        leased = False
         try:
             # Re-check after waiting: the session may have closed or grown meanwhile.
             if session.closed:
                 raise self._closed_error(session)
+            leased = await self._take_lease(session)
+            params = self._sampling_params(session, options)  # defaults may have changed elsewhere
             self._check_chunk(session, input_ids, params)
+            await self._admit(session, input_ids, params)
         except BaseException:
+            if leased:
+                await self._release_lease(session)
             session.lock.release()
             raise
-        return PreparedChunk(session, input_ids, params, transport)
+        renewal = asyncio.create_task(self._renew_lease(session)) if leased else None
+        return PreparedChunk(session, input_ids, params, transport, renewal)
 
     async def stream_chunk(self, prepared: PreparedChunk) -> AsyncGenerator[ChunkDelta | ChunkResult, None]:
-        """Run a prepared chunk and release its session's lock at the end."""
+        """Run a prepared chunk, commit it to the store before its result is
+        yielded, and release the session's lock (and lease) at the end."""
         session = prepared.session
+        context_before = len(session.token_ids)
+        committed = False
         try:
-            await self._admit(session, prepared.input_ids, prepared.params)
             async for event in session.generate(prepared.input_ids, prepared.params):
                 if isinstance(event, ChunkResult):
+                    await self._commit(session, event, context_before)
+                    committed = True
                     self._observe(event, prepared.transport)
                 yield event
         except SessionFailedError as exc:
@@ -407,10 +508,15 @@ class SessionService:
                 code="session_closed",
             ) from exc
         finally:
+            if prepared.lease_renewal is not None:
+                prepared.lease_renewal.cancel()
+                if not committed:
+                    await self._release_lease(session)
             if not session.has_engine_request:
                 session.device_tokens = 0  # admitted, but failed before it ran
             session.lock.release()
             if session.closed:
+                await self._persist_close(session)
                 self._forget(session)
             self._update_gauges()
             self._capacity_freed.set()
@@ -424,6 +530,80 @@ class SessionService:
                     result = event
         assert result is not None
         return result
+
+    # ------------------------------------------------------------------ store
+    async def _take_lease(self, session: StreamingSession) -> bool:
+        """Take the session's chunk lease in the store (False: no store). If another
+        replica extended the session since this one last saw it, the transcript is
+        reloaded and any engine request here, now stale, is dropped."""
+        if not self._store.durable:
+            return False
+        async with self._store_errors():
+            granted = await self._store.acquire_lease(session.id, self._replica, self._settings.session_lease_s)
+        if granted is LeaseRefused.HELD:
+            raise self._chunk_in_flight()
+        if isinstance(granted, LeaseRefused):
+            # Closed or deleted by another replica (or expired in the store).
+            session.terminate("closed_elsewhere" if granted is LeaseRefused.CLOSED else "deleted")
+            self._forget(session)
+            raise self._closed_error(session)
+        if granted.num_chunks != session.num_chunks:
+            try:
+                async with self._store_errors():
+                    loaded = await self._store.load(session.id)
+            except APIError:
+                await self._release_lease(session)
+                raise
+            assert loaded is not None
+            record, transcript = loaded
+            logger.info("session %s: extended elsewhere (%d -> %d chunks), reloaded", session.id,
+                        session.num_chunks, record.num_chunks)
+            await session.restart_from(transcript, record.num_chunks)
+            session.defaults = SessionDefaults(**record.defaults)
+            session.last_activity = record.last_activity
+        return True
+
+    async def _renew_lease(self, session: StreamingSession) -> None:
+        interval = self._settings.session_lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(StoreUnavailableError):
+                await self._store.renew_lease(session.id, self._replica, self._settings.session_lease_s)
+
+    async def _release_lease(self, session: StreamingSession) -> None:
+        # Best effort: an unreleased lease expires by itself.
+        with contextlib.suppress(StoreUnavailableError):
+            await self._store.release_lease(session.id, self._replica)
+
+    async def _commit(self, session: StreamingSession, result: ChunkResult, context_before: int) -> None:
+        """Write the chunk's tokens to the store. If the store does not take them,
+        the chunk is undone (its engine request aborted, the transcript as before)
+        and the client gets an error instead of the chunk's end."""
+        if not self._store.durable:
+            return
+        try:
+            committed: bool | None = await self._store.commit_chunk(
+                session.id, self._replica, result.index, session.token_ids[context_before:], session.last_activity
+            )
+        except StoreUnavailableError as exc:
+            logger.warning("session %s: chunk %d not committed: %s", session.id, result.index, exc)
+            committed = None
+        if committed:
+            return
+        await session.restart_from(session.token_ids[:context_before], result.index)
+        if committed is None:
+            self._metrics.chunk_errors.labels("store_unavailable").inc()
+            raise APIError(
+                503, "The session store is unavailable: this chunk was not kept, and the session is as "
+                "it was before it. Retry later.", code="store_unavailable", headers={"Retry-After": "1"},
+            )
+        raise self._chunk_in_flight()  # the lease expired and another replica took the session
+
+    async def _persist_close(self, session: StreamingSession) -> None:
+        with contextlib.suppress(StoreUnavailableError):
+            await self._store.update(
+                session.id, status="closed", close_reason=session.close_reason, last_activity=time.time()
+            )
 
     def _observe(self, result: ChunkResult, transport: str) -> None:
         metrics = self._metrics
@@ -441,8 +621,11 @@ class SessionService:
 
     # ------------------------------------------------------------------ closing
     async def close(self, owner: str, session_id: str, reason: str = "deleted") -> StreamingSession:
-        session = self.get(owner, session_id)
-        await self._close(session, reason)
+        session = await self.get(owner, session_id)
+        # The store first: if it is down, the session stays open everywhere.
+        async with self._store_errors():
+            await self._store.update(session.id, status="closed", close_reason=reason, last_activity=time.time())
+        await self._close(session, reason, persist=False)
         return session
 
     async def abort(self, session: StreamingSession, reason: str) -> None:
@@ -450,8 +633,10 @@ class SessionService:
         session.terminate(reason)
         await self._close(session, reason)
 
-    async def _close(self, session: StreamingSession, reason: str) -> None:
+    async def _close(self, session: StreamingSession, reason: str, persist: bool = True) -> None:
         await session.close(reason)
+        if persist:
+            await self._persist_close(session)
         if not session.lock.locked():
             self._forget(session)
 
@@ -460,9 +645,12 @@ class SessionService:
             self._metrics.sessions_closed.labels(session.close_reason or "closed").inc()
             self._update_gauges()
             self._capacity_freed.set()
-            self._closed[session.id] = session
-            while len(self._closed) > CLOSED_SESSIONS_KEPT:
-                self._closed.popitem(last=False)
+            self._remember_closed(session)
+
+    def _remember_closed(self, session: StreamingSession) -> None:
+        self._closed[session.id] = session
+        while len(self._closed) > CLOSED_SESSIONS_KEPT:
+            self._closed.popitem(last=False)
 
     # ------------------------------------------------------------------ checks
     def _check_session_id(self, session_id: str) -> None:
@@ -472,11 +660,22 @@ class SessionService:
                 code="invalid_session_id", param="X-Session-ID",
             )
         if session_id in self._sessions or session_id in self._closed:
-            raise APIError(409, f"A session with id {session_id!r} exists already.", code="session_exists",
-                           param="X-Session-ID")
+            raise self._session_exists(session_id)
 
-    def _open_session(self, owner: str, session_id: str) -> StreamingSession:
-        session = self.get(owner, session_id, include_closed=True)
+    @staticmethod
+    def _session_exists(session_id: str) -> APIError:
+        return APIError(409, f"A session with id {session_id!r} exists already.", code="session_exists",
+                        param="X-Session-ID")
+
+    def _chunk_in_flight(self) -> APIError:
+        self._metrics.chunk_errors.labels("chunk_in_flight").inc()
+        return APIError(
+            409, "This session is already answering a chunk; send the next one when it is done.",
+            code="chunk_in_flight",
+        )
+
+    async def _open_session(self, owner: str, session_id: str) -> StreamingSession:
+        session = await self.get(owner, session_id, include_closed=True)
         if session.closed:
             raise self._closed_error(session)
         return session

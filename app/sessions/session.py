@@ -31,6 +31,7 @@ from vllm.inputs.engine import tokens_input
 
 from app.provenance import PrefillSources, ProvenanceRecorder
 from app.sessions.protocol import ChunkUsage, PromptTokensDetails, SessionDefaults, SessionStatus
+from app.store import SessionRecord
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,34 @@ class StreamingSession:
         self._pump: asyncio.Task[None] | None = None
         # True while the service parks this session (it holds the lock meanwhile).
         self.parking = False
+
+    @classmethod
+    def from_record(
+        cls, record: SessionRecord, transcript: list[int], engine: Any, max_tokens: int,
+        recorder: ProvenanceRecorder | None = None,
+    ) -> StreamingSession:
+        """A session as the store keeps it: parked (no engine request), or closed."""
+        session = cls(
+            session_id=record.id, owner=record.owner, model=record.model, engine=engine,
+            defaults=SessionDefaults(**record.defaults), metadata=dict(record.metadata),
+            max_tokens=max_tokens, recorder=recorder,
+        )
+        session.created = int(record.created)
+        session.last_activity = record.last_activity
+        session.token_ids = list(transcript)
+        session.num_chunks = record.num_chunks
+        session.status = "closed" if record.status == "closed" else "parked"
+        session.close_reason = record.close_reason
+        return session
+
+    def record(self) -> SessionRecord:
+        return SessionRecord(
+            id=self.id, owner=self.owner, model=self.model,
+            defaults=self.defaults.model_dump(exclude_none=True), metadata=dict(self.metadata),
+            status="closed" if self.closed else "active", close_reason=self.close_reason,
+            num_chunks=self.num_chunks, num_tokens=len(self.token_ids), created=float(self.created),
+            last_activity=self.last_activity,
+        )
 
     @property
     def closed(self) -> bool:
@@ -266,6 +295,21 @@ class StreamingSession:
         self._pump = None
         self.status = "parked"
         return True
+
+    async def restart_from(self, token_ids: list[int], num_chunks: int) -> None:
+        """Drop the engine request (aborting it) and hold ``token_ids`` as the
+        transcript, parked: the next chunk resumes from it. For a chunk the store
+        did not take (it is undone), and for a session another replica extended."""
+        pump, self._pump = self._pump, None
+        if pump is not None and not pump.done():
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+        self.device_tokens = 0
+        self.token_ids = list(token_ids)
+        self.num_chunks = num_chunks
+        if not self.closed:
+            self.status = "parked"
 
     # ------------------------------------------------------------------ closing
     def terminate(self, reason: str) -> None:

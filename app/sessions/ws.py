@@ -17,7 +17,7 @@ async def new_session_ws(websocket: WebSocket, service: ServiceDep, owner: Owner
     """Open a new session for this connection; it closes when the connection does."""
     await websocket.accept()
     try:
-        session = service.create(owner, SessionCreateRequest(), session_id=websocket.headers.get("x-session-id"))
+        session = await service.create(owner, SessionCreateRequest(), session_id=websocket.headers.get("x-session-id"))
     except APIError as exc:
         await _refuse(websocket, exc)
         return
@@ -29,7 +29,7 @@ async def attach_session_ws(websocket: WebSocket, session_id: str, service: Serv
     """Attach to an existing session; it stays open when the connection ends."""
     await websocket.accept()
     try:
-        session = service.get(owner, session_id, include_closed=True)
+        session = await service.get(owner, session_id, include_closed=True)
         if session.closed:
             raise APIError(409, f"Session {session_id} is closed ({session.close_reason}).", code="session_closed")
     except APIError as exc:

@@ -175,7 +175,7 @@ class InProcessBackend:
         from app.sessions.protocol import SessionCreateRequest, SessionDefaults
 
         defaults = SessionDefaults(temperature=0.0, ignore_eos=True)
-        return str(self._service.create("harness", SessionCreateRequest(defaults=defaults)).id)
+        return (await self._service.create("harness", SessionCreateRequest(defaults=defaults))).id
 
     async def session_chunk(self, session_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
         from app.sessions.protocol import SamplingOptions

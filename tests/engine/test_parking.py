@@ -38,9 +38,9 @@ def make_service(engine: Any, **overrides: Any) -> SessionService:
     return SessionService.on_engine(engine, make_settings(**overrides))
 
 
-def open_session(service: SessionService) -> StreamingSession:
+async def open_session(service: SessionService) -> StreamingSession:
     defaults = SessionDefaults(temperature=0.0, ignore_eos=True)
-    return service.create(OWNER, SessionCreateRequest(defaults=defaults))
+    return await service.create(OWNER, SessionCreateRequest(defaults=defaults))
 
 
 async def send(service: SessionService, session: StreamingSession, ids: list[int], max_tokens: int) -> ChunkResult:
@@ -72,7 +72,7 @@ async def park_reset_resume(service: SessionService, engine: Any, seed: int) -> 
     """Two chunks, park, reset the device cache, third chunk. Returns every chunk's
     result and the transcript length before the resume."""
     rng = random.Random(seed)
-    session = open_session(service)
+    session = await open_session(service)
     results = [await send(service, session, random_tokens(rng, n), m) for n, m in CHUNKS[:2]]
     await service.park(OWNER, session.id)
     assert session.status == "parked" and session.id not in live_request_ids(engine)
@@ -99,7 +99,7 @@ async def test_parked_session_resumes_from_the_cpu_tier(service: SessionService,
 
     # fp32 oracles: the same chunks on a session never parked, and a recompute.
     rng = random.Random(3)
-    never_parked = open_session(service)
+    never_parked = await open_session(service)
     context: list[int] = []
     for (n, m), got in zip(CHUNKS, results):
         chunk = random_tokens(rng, n)
@@ -126,7 +126,7 @@ async def test_negative_control_without_the_tail_store_the_resume_misses_the_tie
 
 
 async def test_parking_keeps_closed_and_failed_rules(service: SessionService) -> None:
-    session = open_session(service)
+    session = await open_session(service)
     assert not await service._park([session], "test")  # no engine request yet: nothing to park
     await send(service, session, [5, 6, 7], 2)
     await service.close(OWNER, session.id)
@@ -161,7 +161,7 @@ async def test_many_sessions_on_a_small_device_all_answer(small_engine: Any) -> 
     resumes_before = sum(counter(metrics.session_resumes, s) for s in ("cpu_tier", "device", "recompute"))
     rng = random.Random(5)
     try:
-        sessions = [open_session(service) for _ in range(60)]
+        sessions = [await open_session(service) for _ in range(60)]
         for _ in range(2):
             for session in sessions:
                 result = await send(service, session, random_tokens(rng, 48), 4)
@@ -183,7 +183,7 @@ async def test_a_full_device_never_hangs_a_completion(small_engine: Any) -> None
     await service.start()
     rng = random.Random(6)
     try:
-        sessions = [open_session(service) for _ in range(SMALL_DEVICE["max_num_seqs"])]
+        sessions = [await open_session(service) for _ in range(SMALL_DEVICE["max_num_seqs"])]
         for session in sessions:
             await send(service, session, random_tokens(rng, 200), 4)
         assert all(s.has_engine_request for s in sessions)
@@ -202,7 +202,7 @@ async def test_a_chunk_with_no_room_fails_fast_and_leaves_its_session(small_engi
     await service.start()
     rng = random.Random(7)
     try:
-        big, small = open_session(service), open_session(service)
+        big, small = await open_session(service), await open_session(service)
         await send(service, small, random_tokens(rng, 40), 2)
         await service.park(OWNER, small.id)
         before = (small.status, list(small.token_ids), small.num_chunks)
@@ -235,10 +235,10 @@ async def test_backstop_parks_when_vllm_stalls_whatever_the_estimate(small_engin
     stalled_before = counter(metrics.session_parks, "stalled")
     rng = random.Random(8)
     try:
-        sessions = [open_session(service) for _ in range(SMALL_DEVICE["max_num_seqs"])]
+        sessions = [await open_session(service) for _ in range(SMALL_DEVICE["max_num_seqs"])]
         for session in sessions:
             await send(service, session, random_tokens(rng, 40), 2)
-        late = open_session(service)
+        late = await open_session(service)
         result = await asyncio.wait_for(send(service, late, random_tokens(rng, 40), 2), 60)
         assert len(result.token_ids) == 2
         # A park counts once the CPU tier holds the session (after its barrier step).

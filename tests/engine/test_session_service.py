@@ -23,7 +23,7 @@ async def test_idle_session_expires_and_frees_its_request(engine: Any) -> None:
     service = make_service(engine, session_idle_timeout_s=0.3)
     await service.start()
     try:
-        session = service.create("owner", SessionCreateRequest())
+        session = await service.create("owner", SessionCreateRequest())
         prepared = await service.prepare_chunk(
             "owner", session.id, [1, 2, 3], SamplingOptions(max_tokens=2), transport="test", wait=False
         )
@@ -35,7 +35,7 @@ async def test_idle_session_expires_and_frees_its_request(engine: Any) -> None:
             await asyncio.sleep(0.05)
         assert session.close_reason == "expired"
         assert await wait_until_gone(engine, session.id)
-        assert service.owned_by("owner") == []
+        assert await service.list_sessions("owner") == []
     finally:
         await service.stop()
 
@@ -43,7 +43,7 @@ async def test_idle_session_expires_and_frees_its_request(engine: Any) -> None:
 async def test_stop_closes_every_session(engine: Any) -> None:
     service = make_service(engine)
     await service.start()
-    sessions = [service.create("owner", SessionCreateRequest()) for _ in range(3)]
+    sessions = [await service.create("owner", SessionCreateRequest()) for _ in range(3)]
     for session in sessions:
         prepared = await service.prepare_chunk(
             "owner", session.id, "hello", SamplingOptions(max_tokens=1), transport="test", wait=False
@@ -75,7 +75,7 @@ async def test_engine_failure_fails_the_chunk_and_closes_the_session(engine: Any
     service = make_service(EngineThatFails(engine))
     await service.start()
     try:
-        session = service.create("owner", SessionCreateRequest())
+        session = await service.create("owner", SessionCreateRequest())
         prepared = await service.prepare_chunk(
             "owner", session.id, [1, 2], SamplingOptions(max_tokens=2), transport="test", wait=False
         )
@@ -83,6 +83,6 @@ async def test_engine_failure_fails_the_chunk_and_closes_the_session(engine: Any
             await service.run_chunk(prepared)
         assert failed.value.status == 500 and failed.value.code == "session_failed"
         assert session.close_reason == "engine_error" and not session.lock.locked()
-        assert service.owned_by("owner") == []
+        assert await service.list_sessions("owner") == []
     finally:
         await service.stop()

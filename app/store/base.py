@@ -1,0 +1,146 @@
+"""The session store's interface, its record, and the store that keeps nothing.
+
+A session's durable state is one ``SessionRecord`` (its row) plus its transcript,
+kept as one token-id run per chunk, appended as chunks complete. A *lease* says
+which replica may extend a session: at most one chunk is in flight per session
+across every replica sharing a database, and a lease that its holder stopped
+renewing (a lost replica) expires, so another replica can go on.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store could not be read or written (database down, disk full). Nothing
+    was half-written: each operation is one transaction."""
+
+
+class SessionExistsError(ValueError):
+    """A session with this id is in the store already."""
+
+
+class LeaseRefused(enum.Enum):
+    """Why a chunk lease was not granted."""
+
+    NOT_FOUND = "not_found"
+    CLOSED = "closed"
+    HELD = "held"  # another replica is answering a chunk of this session
+
+
+@dataclass
+class SessionRecord:
+    """A session's row: everything but the transcript."""
+
+    id: str
+    owner: str
+    model: str
+    defaults: dict[str, Any]
+    metadata: dict[str, str]
+    status: str  # active | parked | closed (generating is never stored)
+    close_reason: str | None
+    num_chunks: int
+    num_tokens: int
+    created: float
+    last_activity: float
+
+
+class SessionStore(abc.ABC):
+    """Every method is one transaction; failures raise ``StoreUnavailableError``."""
+
+    durable: bool = True
+
+    async def start(self) -> None:  # noqa: B027 (optional: a store may need no connection)
+        """Connect and bring the schema to the newest version."""
+
+    async def close(self) -> None:  # noqa: B027
+        """Release connections."""
+
+    @abc.abstractmethod
+    async def create(self, record: SessionRecord) -> None:
+        """Insert a new session; ``SessionExistsError`` if the id is taken."""
+
+    @abc.abstractmethod
+    async def load(self, session_id: str) -> tuple[SessionRecord, list[int]] | None:
+        """The session and its transcript, or None."""
+
+    @abc.abstractmethod
+    async def get(self, session_id: str) -> SessionRecord | None:
+        """The session's row alone."""
+
+    @abc.abstractmethod
+    async def list_open(self, owner: str) -> list[SessionRecord]:
+        """The owner's sessions that are not closed, oldest first."""
+
+    @abc.abstractmethod
+    async def update(self, session_id: str, **fields: Any) -> None:
+        """Set ``defaults``, ``status``, ``close_reason`` or ``last_activity``."""
+
+    @abc.abstractmethod
+    async def acquire_lease(self, session_id: str, holder: str, ttl_s: float) -> SessionRecord | LeaseRefused:
+        """Take the session's chunk lease for ``holder`` (re-entrant for the same
+        holder; an expired lease of another holder is taken over)."""
+
+    @abc.abstractmethod
+    async def renew_lease(self, session_id: str, holder: str, ttl_s: float) -> bool:
+        """Extend a held lease; False if ``holder`` no longer holds it."""
+
+    @abc.abstractmethod
+    async def release_lease(self, session_id: str, holder: str) -> None:
+        """Give the lease up without a chunk (a failed or refused chunk)."""
+
+    @abc.abstractmethod
+    async def commit_chunk(
+        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float
+    ) -> bool:
+        """Append chunk ``index``'s tokens to the transcript and release the lease,
+        in one transaction; False (and nothing written) if ``holder`` lost the
+        lease or the session already has a chunk ``index``."""
+
+    @abc.abstractmethod
+    async def expire(self, idle_before: float, purge_closed_before: float) -> int:
+        """Close open sessions idle since before ``idle_before`` and delete sessions
+        closed before ``purge_closed_before``; returns how many were closed."""
+
+
+class NullStore(SessionStore):
+    """Keeps nothing: sessions live in the server's memory only (``store_url=none``).
+    Not durable, so the service takes no leases: its own lock orders chunks."""
+
+    durable = False
+
+    async def create(self, record: SessionRecord) -> None:
+        return None
+
+    async def load(self, session_id: str) -> tuple[SessionRecord, list[int]] | None:
+        return None
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        return None
+
+    async def list_open(self, owner: str) -> list[SessionRecord]:
+        return []
+
+    async def update(self, session_id: str, **fields: Any) -> None:
+        return None
+
+    async def acquire_lease(self, session_id: str, holder: str, ttl_s: float) -> SessionRecord | LeaseRefused:
+        return LeaseRefused.NOT_FOUND
+
+    async def renew_lease(self, session_id: str, holder: str, ttl_s: float) -> bool:
+        return True
+
+    async def release_lease(self, session_id: str, holder: str) -> None:
+        return None
+
+    async def commit_chunk(
+        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float
+    ) -> bool:
+        return True
+
+    async def expire(self, idle_before: float, purge_closed_before: float) -> int:
+        return 0

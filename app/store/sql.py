@@ -1,0 +1,283 @@
+"""The session store on SQL: SQLite (the default) or PostgreSQL, through SQLAlchemy.
+
+One code path for both (SQLAlchemy Core over aiosqlite or asyncpg); the schema is
+Alembic's (``migrations/``), brought to its newest version at start, under an
+advisory lock on PostgreSQL so replicas starting together do not race.
+
+Durability: SQLite runs in WAL mode with ``synchronous=FULL``, so a committed chunk
+survives a killed process and a power loss; PostgreSQL commits as it is configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import time
+from array import array
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from app.store.base import (
+    LeaseRefused,
+    SessionExistsError,
+    SessionRecord,
+    SessionStore,
+    StoreUnavailableError,
+)
+
+logger = logging.getLogger(__name__)
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+# Any constant: the key of the PostgreSQL advisory lock held while migrating.
+MIGRATION_LOCK_KEY = 0x5E55_1045
+# How long a statement may take before the store counts as unavailable.
+STATEMENT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
+
+metadata = sa.MetaData()
+sessions = sa.Table(
+    "sessions", metadata,
+    sa.Column("id", sa.String(128), primary_key=True),
+    sa.Column("owner", sa.String(64), nullable=False),
+    sa.Column("model", sa.String(256), nullable=False),
+    sa.Column("defaults", sa.Text, nullable=False),
+    sa.Column("metadata", sa.Text, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("close_reason", sa.String(64)),
+    sa.Column("num_chunks", sa.Integer, nullable=False),
+    sa.Column("num_tokens", sa.Integer, nullable=False),
+    sa.Column("created", sa.Float, nullable=False),
+    sa.Column("last_activity", sa.Float, nullable=False),
+    sa.Column("lease_holder", sa.String(256)),
+    sa.Column("lease_expires", sa.Float),
+)
+session_chunks = sa.Table(
+    "session_chunks", metadata,
+    sa.Column("session_id", sa.String(128), sa.ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("idx", sa.Integer, primary_key=True),
+    sa.Column("token_ids", sa.LargeBinary, nullable=False),
+)
+RECORD_COLUMNS = [c for c in sessions.c if not c.name.startswith("lease_")]
+
+
+def pack_tokens(token_ids: list[int]) -> bytes:
+    """Little-endian int32, whatever the host's byte order."""
+    packed = array("i", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    packed = array("i")
+    packed.frombytes(data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def async_url(url: str) -> str:
+    """SQLAlchemy's async driver for a plain database URL."""
+    for plain, driver in (("sqlite://", "sqlite+aiosqlite://"), ("postgresql://", "postgresql+asyncpg://"),
+                          ("postgres://", "postgresql+asyncpg://")):
+        if url.startswith(plain):
+            return driver + url[len(plain):]
+    return url
+
+
+def _record(row: Any) -> SessionRecord:
+    return SessionRecord(
+        id=row.id, owner=row.owner, model=row.model, defaults=json.loads(row.defaults),
+        metadata=json.loads(row.metadata), status=row.status, close_reason=row.close_reason,
+        num_chunks=row.num_chunks, num_tokens=row.num_tokens, created=row.created,
+        last_activity=row.last_activity,
+    )
+
+
+def _upgrade_to_head(connection: sa.Connection) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")
+
+
+class SQLSessionStore(SessionStore):
+    def __init__(self, url: str):
+        self.url = async_url(url)
+        self._engine: AsyncEngine | None = None
+
+    @property
+    def dialect(self) -> str:
+        return sa.make_url(self.url).get_backend_name()
+
+    async def start(self) -> None:
+        if self.dialect == "sqlite":
+            database = sa.make_url(self.url).database
+            if database and database != ":memory:":
+                Path(database).parent.mkdir(parents=True, exist_ok=True)
+            engine = create_async_engine(self.url, connect_args={"timeout": STATEMENT_TIMEOUT_S})
+            sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        else:
+            engine = create_async_engine(
+                self.url, pool_pre_ping=True, pool_size=5, max_overflow=5, pool_timeout=CONNECT_TIMEOUT_S,
+                connect_args={"timeout": CONNECT_TIMEOUT_S, "command_timeout": STATEMENT_TIMEOUT_S},
+            )
+        self._engine = engine
+        async with self._transaction() as conn:
+            if self.dialect == "postgresql":
+                await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+            await conn.run_sync(_upgrade_to_head)
+        logger.info("session store: %s", sa.make_url(self.url).render_as_string(hide_password=True))
+
+    async def close(self) -> None:
+        if self._engine is not None:
+            await self._engine.dispose()
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[AsyncConnection]:
+        """One transaction; any failure of the database or its disk becomes
+        StoreUnavailableError, after the transaction rolled back."""
+        assert self._engine is not None, "start() the store first"
+        try:
+            async with self._engine.begin() as conn:
+                yield conn
+        except IntegrityError:
+            raise
+        except (TimeoutError, SQLAlchemyError, OSError) as exc:
+            raise StoreUnavailableError(f"the session store failed: {exc}") from exc
+
+    # ------------------------------------------------------------------ rows
+    async def create(self, record: SessionRecord) -> None:
+        try:
+            async with self._transaction() as conn:
+                await conn.execute(sessions.insert().values(
+                    id=record.id, owner=record.owner, model=record.model,
+                    defaults=json.dumps(record.defaults), metadata=json.dumps(record.metadata),
+                    status=record.status, close_reason=record.close_reason, num_chunks=record.num_chunks,
+                    num_tokens=record.num_tokens, created=record.created, last_activity=record.last_activity,
+                ))
+        except IntegrityError as exc:
+            raise SessionExistsError(record.id) from exc
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        async with self._transaction() as conn:
+            row = (await conn.execute(sa.select(*RECORD_COLUMNS).where(sessions.c.id == session_id))).first()
+        return None if row is None else _record(row)
+
+    async def load(self, session_id: str) -> tuple[SessionRecord, list[int]] | None:
+        async with self._transaction() as conn:
+            row = (await conn.execute(sa.select(*RECORD_COLUMNS).where(sessions.c.id == session_id))).first()
+            if row is None:
+                return None
+            chunks = await conn.execute(
+                sa.select(session_chunks.c.token_ids)
+                .where(session_chunks.c.session_id == session_id)
+                .order_by(session_chunks.c.idx)
+            )
+            transcript = [t for (data,) in chunks for t in unpack_tokens(data)]
+        return _record(row), transcript
+
+    async def list_open(self, owner: str) -> list[SessionRecord]:
+        query = (sa.select(*RECORD_COLUMNS)
+                 .where(sessions.c.owner == owner, sessions.c.status != "closed")
+                 .order_by(sessions.c.created, sessions.c.id))
+        async with self._transaction() as conn:
+            return [_record(row) for row in await conn.execute(query)]
+
+    async def update(self, session_id: str, **fields: Any) -> None:
+        allowed = {"defaults", "status", "close_reason", "last_activity"}
+        if unknown := set(fields) - allowed:
+            raise ValueError(f"cannot update {sorted(unknown)}")
+        if "defaults" in fields:
+            fields["defaults"] = json.dumps(fields["defaults"])
+        async with self._transaction() as conn:
+            await conn.execute(sessions.update().where(sessions.c.id == session_id).values(**fields))
+
+    # ------------------------------------------------------------------ leases
+    async def acquire_lease(self, session_id: str, holder: str, ttl_s: float) -> SessionRecord | LeaseRefused:
+        now = time.time()
+        c = sessions.c
+        takeable = sa.or_(c.lease_holder.is_(None), c.lease_holder == holder, c.lease_expires < now)
+        query = (sessions.update()
+                 .where(c.id == session_id, c.status != "closed", takeable)
+                 .values(lease_holder=holder, lease_expires=now + ttl_s)
+                 .returning(*RECORD_COLUMNS))
+        async with self._transaction() as conn:
+            row = (await conn.execute(query)).first()
+            if row is not None:
+                return _record(row)
+            status = (await conn.execute(sa.select(c.status).where(c.id == session_id))).scalar()
+        if status is None:
+            return LeaseRefused.NOT_FOUND
+        return LeaseRefused.CLOSED if status == "closed" else LeaseRefused.HELD
+
+    async def renew_lease(self, session_id: str, holder: str, ttl_s: float) -> bool:
+        c = sessions.c
+        async with self._transaction() as conn:
+            result = await conn.execute(
+                sessions.update().where(c.id == session_id, c.lease_holder == holder)
+                .values(lease_expires=time.time() + ttl_s)
+            )
+        return result.rowcount == 1
+
+    async def release_lease(self, session_id: str, holder: str) -> None:
+        c = sessions.c
+        async with self._transaction() as conn:
+            await conn.execute(
+                sessions.update().where(c.id == session_id, c.lease_holder == holder)
+                .values(lease_holder=None, lease_expires=None)
+            )
+
+    async def commit_chunk(
+        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float
+    ) -> bool:
+        c = sessions.c
+        try:
+            async with self._transaction() as conn:
+                result = await conn.execute(
+                    sessions.update()
+                    .where(c.id == session_id, c.lease_holder == holder, c.num_chunks == index)
+                    .values(num_chunks=index + 1, num_tokens=c.num_tokens + len(token_ids),
+                            last_activity=last_activity, status="active", lease_holder=None, lease_expires=None)
+                )
+                if result.rowcount != 1:
+                    return False
+                await conn.execute(session_chunks.insert().values(
+                    session_id=session_id, idx=index, token_ids=pack_tokens(token_ids)))
+        except IntegrityError:
+            return False  # chunk ``index`` exists: written by another replica
+        return True
+
+    async def expire(self, idle_before: float, purge_closed_before: float) -> int:
+        c = sessions.c
+        now = time.time()
+        async with self._transaction() as conn:
+            closed = await conn.execute(
+                sessions.update()
+                .where(c.status != "closed", c.last_activity < idle_before,
+                       sa.or_(c.lease_holder.is_(None), c.lease_expires < now))
+                .values(status="closed", close_reason="expired", last_activity=now,
+                        lease_holder=None, lease_expires=None)
+            )
+            stale = sa.select(c.id).where(c.status == "closed", c.last_activity < purge_closed_before)
+            await conn.execute(session_chunks.delete().where(session_chunks.c.session_id.in_(stale)))
+            await conn.execute(sessions.delete().where(c.status == "closed", c.last_activity < purge_closed_before))
+        return closed.rowcount
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _connection_record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # WAL: readers do not block the writer; FULL: a commit is on disk before it returns.
+    for pragma in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON", "busy_timeout=10000"):
+        cursor.execute(f"PRAGMA {pragma}")
+    cursor.close()

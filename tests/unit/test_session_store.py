@@ -1,0 +1,159 @@
+"""The session store's contract, on SQLite and on a real PostgreSQL server.
+
+No engine: these check what the service relies on. Rows and transcripts survive a
+new store object on the same database (a restart); a chunk lease admits one
+holder at a time and expires when not renewed (a lost replica); a commit is whole
+or absent; a store that cannot write raises StoreUnavailableError and keeps what
+it had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from app.store import LeaseRefused, SessionExistsError, SessionRecord, StoreUnavailableError
+from app.store.sql import SQLSessionStore
+from tests.postgres import PostgresServer, needs_postgres, postgres_server
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=needs_postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state' / 'sessions.db'}"
+    server: PostgresServer = request.getfixturevalue("postgres")
+    return server.url
+
+
+@pytest_asyncio.fixture
+async def store(store_url: str) -> AsyncIterator[SQLSessionStore]:
+    opened = SQLSessionStore(store_url)
+    await opened.start()
+    yield opened
+    await opened.close()
+
+
+def record(session_id: str, owner: str = "alice") -> SessionRecord:
+    now = time.time()
+    return SessionRecord(
+        id=session_id, owner=owner, model="m", defaults={"temperature": 0.0}, metadata={"k": "v"},
+        status="active", close_reason=None, num_chunks=0, num_tokens=0, created=now, last_activity=now,
+    )
+
+
+def unique(name: str) -> str:
+    return f"{name}-{time.monotonic_ns()}"  # the PostgreSQL database is shared by the module
+
+
+async def test_a_session_and_its_transcript_outlive_the_store_object(store: SQLSessionStore, store_url: str) -> None:
+    session_id = unique("durable")
+    await store.create(record(session_id))
+    with pytest.raises(SessionExistsError):
+        await store.create(record(session_id))
+    for index, tokens in enumerate(([1, 2, 3], [2**31 - 1, 0], [7])):
+        assert isinstance(await store.acquire_lease(session_id, "replica-a", 30), SessionRecord)
+        assert await store.commit_chunk(session_id, "replica-a", index, tokens, time.time())
+    await store.update(session_id, defaults={"temperature": 0.5, "max_tokens": 3})
+    await store.close()
+
+    reopened = SQLSessionStore(store_url)  # a restart: migrations find the schema current
+    await reopened.start()
+    try:
+        loaded = await reopened.load(session_id)
+        assert loaded is not None
+        row, transcript = loaded
+        assert transcript == [1, 2, 3, 2**31 - 1, 0, 7]
+        assert (row.num_chunks, row.num_tokens, row.defaults) == (3, 6, {"temperature": 0.5, "max_tokens": 3})
+        assert row.metadata == {"k": "v"} and row.status == "active"
+        assert [r.id for r in await reopened.list_open("alice") if r.id == session_id] == [session_id]
+        assert not [r for r in await reopened.list_open("bob") if r.id == session_id]
+        await reopened.update(session_id, status="closed", close_reason="deleted")
+        assert not [r for r in await reopened.list_open("alice") if r.id == session_id]
+        assert await reopened.acquire_lease(session_id, "replica-a", 30) is LeaseRefused.CLOSED
+        assert await reopened.acquire_lease(unique("missing"), "replica-a", 30) is LeaseRefused.NOT_FOUND
+    finally:
+        await reopened.close()
+
+
+async def test_one_lease_holder_at_a_time_and_a_lost_holders_lease_expires(store: SQLSessionStore) -> None:
+    session_id = unique("leased")
+    await store.create(record(session_id))
+    assert isinstance(await store.acquire_lease(session_id, "replica-a", 0.5), SessionRecord)
+    assert await store.acquire_lease(session_id, "replica-b", 30) is LeaseRefused.HELD
+    # Re-entrant for its holder (a restarted replica keeps its name).
+    assert isinstance(await store.acquire_lease(session_id, "replica-a", 0.5), SessionRecord)
+    assert await store.renew_lease(session_id, "replica-a", 0.5)
+    assert not await store.renew_lease(session_id, "replica-b", 30)
+    await asyncio.sleep(0.7)  # replica-a is gone: its lease runs out
+    taken = await store.acquire_lease(session_id, "replica-b", 30)
+    assert isinstance(taken, SessionRecord) and taken.num_chunks == 0
+    # The old holder's late commit is refused, and writes nothing.
+    assert not await store.commit_chunk(session_id, "replica-a", 0, [1, 2], time.time())
+    assert await store.commit_chunk(session_id, "replica-b", 0, [3], time.time())
+    loaded = await store.load(session_id)
+    assert loaded is not None and loaded[1] == [3] and loaded[0].num_chunks == 1
+    # The commit released the lease; a commit for a chunk index taken already fails.
+    assert isinstance(await store.acquire_lease(session_id, "replica-a", 30), SessionRecord)
+    assert not await store.commit_chunk(session_id, "replica-a", 0, [9], time.time())
+    await store.release_lease(session_id, "replica-a")
+    assert isinstance(await store.acquire_lease(session_id, "replica-b", 30), SessionRecord)
+
+
+async def test_concurrent_lease_requests_admit_exactly_one(store: SQLSessionStore) -> None:
+    session_id = unique("raced")
+    await store.create(record(session_id))
+    granted = await asyncio.gather(*(store.acquire_lease(session_id, f"replica-{i}", 30) for i in range(8)))
+    assert sum(isinstance(g, SessionRecord) for g in granted) == 1
+    assert all(g is LeaseRefused.HELD for g in granted if not isinstance(g, SessionRecord))
+
+
+async def test_expiry_uses_the_stored_last_activity_and_purges_old_closed_sessions(store: SQLSessionStore) -> None:
+    idle, fresh, leased = unique("idle"), unique("fresh"), unique("leased")
+    for session_id in (idle, fresh, leased):
+        await store.create(record(session_id))
+    await store.update(idle, last_activity=time.time() - 100)
+    await store.update(leased, last_activity=time.time() - 100)
+    assert isinstance(await store.acquire_lease(leased, "replica-a", 30), SessionRecord)  # a chunk runs
+    await store.expire(idle_before=time.time() - 50, purge_closed_before=0)
+    states = {s: (await store.get(s)) for s in (idle, fresh, leased)}
+    assert states[idle] is not None and (states[idle].status, states[idle].close_reason) == ("closed", "expired")
+    assert states[fresh] is not None and states[fresh].status == "active"
+    assert states[leased] is not None and states[leased].status == "active"
+    await store.expire(idle_before=0, purge_closed_before=time.time() + 1)
+    assert await store.get(idle) is None and await store.load(idle) is None
+
+
+@needs_postgres
+async def test_a_stopped_postgres_fails_fast_and_the_store_recovers(postgres: PostgresServer) -> None:
+    store = SQLSessionStore(postgres.url)
+    await store.start()
+    session_id = unique("outage")
+    try:
+        await store.create(record(session_id))
+        postgres.stop()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError):
+            await store.acquire_lease(session_id, "replica-a", 30)
+        with pytest.raises(StoreUnavailableError):
+            await store.create(record(unique("during-outage")))
+        assert time.monotonic() - started < 30  # connect and statement timeouts, not a hang
+        postgres.start()
+        assert isinstance(await store.acquire_lease(session_id, "replica-a", 30), SessionRecord)
+        assert await store.commit_chunk(session_id, "replica-a", 0, [5, 6], time.time())
+        loaded = await store.load(session_id)
+        assert loaded is not None and loaded[1] == [5, 6]
+    finally:
+        if not postgres.running():
+            postgres.start()
+        await store.close()
