@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -128,10 +129,10 @@ def serve(name: str, command: list[str], env: dict[str, str], port: int, model: 
             wait_healthy(server)
             yield server
         finally:
-            _stop_group(process)
+            stop_group(process)
 
 
-def _stop_group(process: subprocess.Popen[bytes]) -> None:
+def stop_group(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     try:
@@ -144,29 +145,41 @@ def _stop_group(process: subprocess.Popen[bytes]) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
+def app_server(
+    name: str, log: Path, settings: dict[str, str], port: int | None = None, model: str = "embedded-tiny"
+) -> contextlib.AbstractContextManager[RunningServer]:
+    """``python -m app.main`` in a fresh process; ``settings`` are its STREAMSESS_*
+    values (name: value), and nothing else of the caller's STREAMSESS_ environment.
+    Its sessions go to a fresh state directory unless ``state_dir`` or
+    ``store_url`` is given."""
+    port = port or free_port()
+    settings = dict(settings)
+    if "state_dir" not in settings and "store_url" not in settings:
+        settings["state_dir"] = tempfile.mkdtemp(prefix=f"streamsess-{name}-state-")
+    env = engine_env()
+    env.update({f"STREAMSESS_{key.upper()}": value for key, value in {"port": str(port), **settings}.items()})
+    return serve(name, [sys.executable, "-m", "app.main"], env, port, model, log)
+
+
 def our_server(
     setup: EngineSetup, log_dir: Path, connector: str = "offloading", **settings: str
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """Our server on ``setup``; ``settings`` are more STREAMSESS_* values (name=value)."""
-    port = free_port()
-    env = engine_env()
-    env.update(
-        STREAMSESS_MODEL_PRESET=setup.preset,
-        STREAMSESS_PORT=str(port),
-        STREAMSESS_API_KEYS=API_KEY,
-        STREAMSESS_KV_CACHE_GIB=str(setup.kv_cache_gib),
-        STREAMSESS_CPU_TIER_GIB=str(setup.cpu_tier_gib),
-        STREAMSESS_BLOCK_SIZE=str(setup.block_size),
-        STREAMSESS_MAX_MODEL_LEN=str(setup.max_model_len),
-        STREAMSESS_MAX_NUM_SEQS=str(setup.max_num_seqs),
-        STREAMSESS_MAX_SESSIONS="4096",
-        STREAMSESS_ENFORCE_EAGER=str(setup.enforce_eager).lower(),
-        STREAMSESS_DTYPE=setup.dtype,
-        STREAMSESS_CONNECTOR=connector,
-        STREAMSESS_LOG_LEVEL="warning",
-    )
-    env.update({f"STREAMSESS_{name.upper()}": value for name, value in settings.items()})
-    return serve("ours", [sys.executable, "-m", "app.main"], env, port, f"embedded-{setup.preset}", log_dir / "ours.log")
+    values = {
+        "model_preset": setup.preset,
+        "api_keys": API_KEY,
+        "kv_cache_gib": str(setup.kv_cache_gib),
+        "cpu_tier_gib": str(setup.cpu_tier_gib),
+        "block_size": str(setup.block_size),
+        "max_model_len": str(setup.max_model_len),
+        "max_num_seqs": str(setup.max_num_seqs),
+        "max_sessions": "4096",
+        "enforce_eager": str(setup.enforce_eager).lower(),
+        "dtype": setup.dtype,
+        "connector": connector,
+        "log_level": "warning",
+    }
+    return app_server("ours", log_dir / "ours.log", {**values, **settings}, model=f"embedded-{setup.preset}")
 
 
 def vllm_server(

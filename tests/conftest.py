@@ -83,29 +83,11 @@ def server_settings() -> Settings:
 
 @pytest_asyncio.fixture(scope="session")
 async def server(engine: Any, server_settings: Settings) -> AsyncIterator[str]:
-    """The real app over real HTTP on a loopback port, sharing the session's engine.
+    """The real app over real HTTP on a loopback port, sharing the session's engine."""
+    from tests.helpers import running_app
 
-    uvicorn runs as a task on the test session's event loop, so async tests talk to
-    it with real sockets; sync clients must run in a thread (asyncio.to_thread).
-    """
-    import asyncio
-
-    import uvicorn
-
-    from app.main import create_app
-
-    app = create_app(server_settings, engine=engine)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets-sansio", lifespan="on")
-    uv_server = uvicorn.Server(config)
-    task = asyncio.create_task(uv_server.serve())
-    while not uv_server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.05)
-    port = uv_server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    uv_server.should_exit = True
-    await asyncio.wait_for(task, 30)
+    async with running_app(server_settings, engine) as url:
+        yield url
 
 
 def auth(key: str = API_KEYS[0]) -> dict[str, str]:

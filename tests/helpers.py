@@ -14,6 +14,7 @@ from vllm import SamplingParams
 from vllm.engine.protocol import StreamingInput
 from vllm.sampling_params import RequestOutputKind
 
+from app.settings import Settings
 from connectors.cpu_platform import ATTENTION_ENV, cpu_has_amx
 
 _ids = itertools.count()
@@ -170,3 +171,30 @@ async def wait_until_closed(http: Any, session_id: str, timeout_s: float = 10.0)
             break
         await asyncio.sleep(0.05)
     return state
+
+
+@contextlib.asynccontextmanager
+async def running_app(settings: Settings, engine: Any) -> AsyncIterator[str]:
+    """The real app over real HTTP on a loopback port, on ``engine``; yields its URL.
+
+    uvicorn runs as a task on the test's event loop, so async tests talk to it with
+    real sockets; sync clients must run in a thread (asyncio.to_thread).
+    """
+    import uvicorn
+
+    from app.main import create_app
+
+    app = create_app(settings, engine=engine)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets-sansio", lifespan="on")
+    uv_server = uvicorn.Server(config)
+    task = asyncio.create_task(uv_server.serve())
+    while not uv_server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.05)
+    port = uv_server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv_server.should_exit = True
+        await asyncio.wait_for(task, 30)

@@ -75,16 +75,26 @@ def test_compose_file_is_valid() -> None:
     # The default profile is the one server; the others join with their profile.
     assert [name for name, spec in services.items() if not spec.get("profiles")] == ["server"]
     assert {name: spec.get("profiles") for name, spec in services.items() if spec.get("profiles")} == {
-        "replica-2": ["scale"], "proxy": ["scale"], "prometheus": ["metrics"], "server-gpu": ["gpu"],
+        "replica-2": ["scale"], "postgres": ["scale"], "proxy": ["scale"], "prometheus": ["metrics"],
+        "server-gpu": ["gpu"],
     }
     server = services["server"]
     assert "/health" in " ".join(server["healthcheck"]["test"])
     assert server["environment"]["STREAMSESS_API_KEYS"] == "key"
     targets = {v["target"] if isinstance(v, dict) else v.split(":")[1] for v in server["volumes"]}
     assert targets == {"/models", "/var/lib/streamsess"}
-    assert set(rendered["volumes"]) == {"models", "state"}
+    assert set(rendered["volumes"]) == {"models", "state", "state-2", "pgdata"}
     proxy_env = services["proxy"]["environment"]
     assert "replica-2:8000" in proxy_env["STREAMSESS_UPSTREAM_SERVERS"]
+    # Sessions are durable by default (SQLite in the state volume); the scale
+    # profile's replicas share the database named by STREAMSESS_STORE_URL.
+    assert server["environment"]["STREAMSESS_STATE_DIR"] == "/var/lib/streamsess"
+    shared = {"STREAMSESS_API_KEYS": "key", "STREAMSESS_STORE_URL": "postgresql://streamsess:pw@postgres/streamsess"}
+    scaled = yaml.safe_load(compose("--profile", "scale", "config", env=shared).stdout)["services"]
+    assert {scaled[name]["environment"]["STREAMSESS_STORE_URL"] for name in ("server", "replica-2")} == {
+        shared["STREAMSESS_STORE_URL"]
+    }
+    assert "postgres" in scaled["replica-2"]["depends_on"]
 
 
 @requires_compose

@@ -41,6 +41,7 @@ def scripts_serve(name: str, log_dir: Path, **env: str) -> Iterator[RunningServe
         "STREAMSESS_KV_CACHE_GIB": "0.25",
         "STREAMSESS_CPU_TIER_GIB": "0.5",
         "STREAMSESS_MAX_NUM_SEQS": "8",
+        "STREAMSESS_STATE_DIR": str(log_dir / f"state-{name}"),
         **env,
     }
     command = [str(REPO / "scripts" / "serve"), "--port", str(port)]

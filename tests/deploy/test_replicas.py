@@ -1,0 +1,280 @@
+"""The scale profile, for real: Debian's nginx on loopback with the repo's own nginx
+template, in front of two app replicas (embedded model, real engines, float32)
+that share one PostgreSQL database (Debian's server, started here on loopback).
+
+The proxy hashes on the session id, so every chunk of a session lands on one
+replica while it is up (cache locality). Any replica can resume any session from
+the database: stopping one loses no session, its sessions go on on the replica
+that inherits their ids, with outputs equal to an uninterrupted run; and two
+appends to one session through two replicas at once get one answer and one 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+import websockets
+
+from benchmarks.common import RunningServer, app_server, free_port, stop_group
+from tests.postgres import needs_postgres, postgres_server
+
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATE = REPO / "docker" / "nginx" / "streamsess.conf.template"
+KEY = "replicas-key"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(
+        shutil.which("nginx") is None,
+        reason="nginx (Debian package nginx-light) is not installed; scripts/test installs it when run as root",
+    ),
+    needs_postgres,
+]
+# One conversation: the control runs it uninterrupted, the others are moved about.
+CHUNKS: list[list[int]] = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34], [41, 42]]
+MAX_TOKENS = 6
+
+
+@dataclass
+class Replica:
+    name: str
+    port: int
+    server: RunningServer
+
+    @property
+    def url(self) -> str:
+        return self.server.base_url
+
+
+def replica_settings(name: str, store_url: str) -> dict[str, str]:
+    return {
+        "api_keys": KEY, "replica_name": name, "replica_id": name, "store_url": store_url,
+        "dtype": "float32", "kv_cache_gib": "0.25", "cpu_tier_gib": "0.5", "max_num_seqs": "16",
+        "max_sessions": "64", "log_level": "warning",
+    }
+
+
+def render_nginx(replicas: list[Replica], port: int, workdir: Path) -> Path:
+    """The template as the nginx image's envsubst renders it, in a minimal main config."""
+    upstreams = " ".join(f"server 127.0.0.1:{r.port} max_fails=1 fail_timeout=10s;" for r in replicas)
+    site = TEMPLATE.read_text()
+    site = site.replace("${STREAMSESS_UPSTREAM_SERVERS}", upstreams).replace("${STREAMSESS_PROXY_PORT}", f"127.0.0.1:{port}")
+    (workdir / "streamsess.conf").write_text(site)
+    temp = workdir / "temp"
+    temp.mkdir(mode=0o777)
+    temp.chmod(0o777)  # nginx workers run as an unprivileged user
+    main = workdir / "nginx.conf"
+    main.write_text(
+        f"""daemon off;
+worker_processes 1;
+pid {workdir}/nginx.pid;
+error_log {workdir}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {temp}/body;
+    proxy_temp_path {temp}/proxy;
+    fastcgi_temp_path {temp}/fastcgi;
+    uwsgi_temp_path {temp}/uwsgi;
+    scgi_temp_path {temp}/scgi;
+    include {workdir}/streamsess.conf;
+}}
+"""
+    )
+    return main
+
+
+@dataclass
+class Cluster:
+    proxy: str
+    replicas: dict[str, Replica]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("replicas")
+    with contextlib.ExitStack() as stack:
+        database = stack.enter_context(postgres_server())
+        replicas = []
+        for name in ("replica-a", "replica-b"):
+            port = free_port()
+            server = stack.enter_context(
+                app_server(name, workdir / f"{name}.log", replica_settings(name, database.url), port=port)
+            )
+            replicas.append(Replica(name, port, server))
+        port = free_port()
+        config = render_nginx(replicas, port, workdir)
+        check = subprocess.run(["nginx", "-t", "-c", str(config)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        nginx = subprocess.Popen(["nginx", "-c", str(config)], stderr=subprocess.PIPE)
+        stack.callback(stop_process, nginx)
+        proxy = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                if httpx.get(f"{proxy}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        yield Cluster(proxy, {r.name: r for r in replicas})
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest_asyncio.fixture
+async def http(cluster: Cluster) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120) as client:
+        yield client
+
+
+# Sessions opened by the first test; the failover test closes the book on them.
+SESSIONS: dict[str, str] = {}
+
+
+async def test_rest_chunks_land_on_the_creating_replica(http: httpx.AsyncClient) -> None:
+    for index in range(12):
+        headers = {"X-Session-ID": f"client-chosen-{index}"} if index % 3 == 0 else {}
+        created = await http.post("/v1/sessions", json={"defaults": {"temperature": 0}}, headers=headers)
+        assert created.status_code == 201, created.text
+        session_id, home = created.json()["id"], created.headers["x-replica"]
+        if headers:
+            assert session_id == headers["X-Session-ID"]
+        for chunk in ([1, 2, 3], "and more", [4, 5]):
+            response = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": chunk, "max_tokens": 2})
+            assert response.status_code == 200, response.text
+            assert response.headers["x-replica"] == home
+        state = await http.get(f"/v1/sessions/{session_id}")
+        assert state.headers["x-replica"] == home and state.json()["num_chunks"] == 3
+        SESSIONS[session_id] = home
+    # Both replicas hold sessions: the hash spreads them.
+    assert set(SESSIONS.values()) == {"replica-a", "replica-b"}
+    # Requests that name no session reach a replica too.
+    completion = await http.post("/v1/completions", json={"model": "embedded-tiny", "prompt": [1, 2], "max_tokens": 2})
+    assert completion.status_code == 200
+
+
+async def test_websocket_sessions_are_routed_by_their_id(cluster: Cluster, http: httpx.AsyncClient) -> None:
+    ws_base = cluster.proxy.replace("http://", "ws://")
+    for _ in range(6):
+        async with websockets.connect(f"{ws_base}/v1/sessions/ws", additional_headers=HEADERS) as ws:
+            created = json.loads(await ws.recv())
+            assert created["type"] == "session.created"
+            session_id = created["session"]["id"]
+            await ws.send(json.dumps({"type": "input.append", "input": [7, 8, 9], "max_tokens": 2}))
+            while (event := json.loads(await ws.recv()))["type"] != "response.done":
+                assert event["type"] == "response.output.delta", event
+            # The session id the proxy chose routes REST calls to the same replica.
+            state = await http.get(f"/v1/sessions/{session_id}")
+            assert state.status_code == 200 and state.json()["num_chunks"] == 1
+            # A second connection, attached by id, lands there too.
+            async with websockets.connect(f"{ws_base}/v1/sessions/{session_id}/ws", additional_headers=HEADERS) as again:
+                hello = json.loads(await again.recv())
+                assert hello["type"] == "session.updated" and hello["session"]["num_chunks"] == 1
+                await again.send(json.dumps({"type": "input.append", "input": [1], "max_tokens": 1}))
+                while (event := json.loads(await again.recv()))["type"] != "response.done":
+                    pass
+            assert (await http.get(f"/v1/sessions/{session_id}")).json()["num_chunks"] == 2
+            await ws.send(json.dumps({"type": "session.close"}))
+
+
+async def send(http: httpx.AsyncClient, session_id: str, chunk: list[int], max_tokens: int = MAX_TOKENS) -> httpx.Response:
+    return await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": chunk, "max_tokens": max_tokens})
+
+
+async def open_session(http: httpx.AsyncClient) -> httpx.Response:
+    created = await http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}})
+    assert created.status_code == 201, created.text
+    return created
+
+
+@pytest_asyncio.fixture(scope="module")
+async def expected(cluster: Cluster) -> list[list[int]]:
+    """The conversation's outputs, uninterrupted, on one replica."""
+    async with httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120) as http:
+        control = (await open_session(http)).json()["id"]
+        outputs = []
+        for chunk in CHUNKS:
+            response = await send(http, control, chunk)
+            assert response.status_code == 200, response.text
+            outputs.append(response.json()["output"]["token_ids"])
+        return outputs
+
+
+async def test_every_replica_lists_every_replicas_sessions(cluster: Cluster) -> None:
+    assert SESSIONS, "runs after test_rest_chunks_land_on_the_creating_replica"
+    for replica in cluster.replicas.values():
+        async with httpx.AsyncClient(base_url=replica.url, headers=HEADERS, timeout=60) as http:
+            listed = {s["id"] for s in (await http.get("/v1/sessions")).json()["data"]}
+            assert set(SESSIONS) <= listed
+
+
+async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(
+    cluster: Cluster, expected: list[list[int]]
+) -> None:
+    a, b = (cluster.replicas[name] for name in ("replica-a", "replica-b"))
+    async with httpx.AsyncClient(base_url=a.url, headers=HEADERS, timeout=120) as via_a, \
+            httpx.AsyncClient(base_url=b.url, headers=HEADERS, timeout=120) as via_b:
+        session_id = (await open_session(via_a)).json()["id"]
+        assert (await send(via_a, session_id, CHUNKS[0])).status_code == 200
+        # The same chunk through both at once: one replica takes the session's lease.
+        answers = await asyncio.gather(send(via_a, session_id, CHUNKS[1]), send(via_b, session_id, CHUNKS[1]))
+        codes = sorted(r.status_code for r in answers)
+        assert codes == [200, 409], [r.text for r in answers]
+        answered = next(r for r in answers if r.status_code == 200)
+        refused = next(r for r in answers if r.status_code == 409)
+        assert refused.json()["error"]["code"] == "chunk_in_flight"
+        assert answered.json()["output"]["token_ids"] == expected[1]
+        # The conversation goes on through either replica, each picking up what the
+        # other added (a replica whose copy is stale reloads it from the database).
+        third = await send(via_a, session_id, CHUNKS[2])
+        fourth = await send(via_b, session_id, CHUNKS[3])
+        assert [third.status_code, fourth.status_code] == [200, 200], [third.text, fourth.text]
+        assert [third.json()["output"]["token_ids"], fourth.json()["output"]["token_ids"]] == expected[2:]
+        state = (await via_a.get(f"/v1/sessions/{session_id}")).json()
+        assert state["num_chunks"] == 4
+
+
+async def test_a_stopped_replicas_sessions_go_on_elsewhere(
+    cluster: Cluster, http: httpx.AsyncClient, expected: list[list[int]]
+) -> None:
+    homes: dict[str, str] = {}
+    while set(homes.values()) != {"replica-a", "replica-b"} or len(homes) < 6:
+        created = await open_session(http)
+        session_id = created.json()["id"]
+        homes[session_id] = created.headers["x-replica"]
+        for chunk in CHUNKS[:2]:
+            response = await send(http, session_id, chunk)
+            assert response.status_code == 200 and response.headers["x-replica"] == homes[session_id]
+    victim = cluster.replicas["replica-a"]
+    await asyncio.to_thread(stop_group, victim.server.process)
+    # The proxy fails over at once (the dead replica refuses connections), so no
+    # request sees a 503 or a 404: each session's next chunk resumes on replica-b
+    # from the database, with the outputs of the uninterrupted run.
+    for session_id, home in homes.items():
+        for index in (2, 3):
+            response = await send(http, session_id, CHUNKS[index])
+            assert response.status_code == 200, (home, response.text)
+            assert response.headers["x-replica"] == "replica-b"
+            assert response.json()["output"]["token_ids"] == expected[index], (home, index)
+    for session_id in SESSIONS:  # the first test's sessions, from both replicas
+        response = await send(http, session_id, [3, 4], max_tokens=2)
+        assert response.status_code == 200, response.text
+    completion = await http.post("/v1/completions", json={"model": "embedded-tiny", "prompt": [1, 2], "max_tokens": 2})
+    assert completion.status_code == 200 and completion.headers["x-replica"] == "replica-b"
