@@ -64,3 +64,14 @@ def test_park_resume_quick(tmp_path: Path) -> None:
     (row,) = result["rows"]
     # The measured resume really loaded the parked session from the CPU tier.
     assert row["cpu_tier_tokens"] >= 224 and row["tier_vs_never_parked"] > 0
+
+
+def test_store_quick(tmp_path: Path) -> None:
+    result = run_quick("store", tmp_path)
+    assert {"none", "sqlite"} <= set(result["per_chunk"])
+    assert all(row["p50_s"] > 0 for row in result["per_chunk"].values())
+    (row,) = result["resume"].values()
+    # Each side was what it says: a tier hit, and after the restart a recompute.
+    assert row["sources"]["cpu_tier"]["cpu_tier_tokens"] >= 96
+    restarted = row["sources"]["restart_recompute"]
+    assert restarted["cpu_tier_tokens"] == 0 and restarted["computed_tokens"] >= 96
