@@ -63,7 +63,7 @@ async def list_sessions(service: ServiceDep, owner: OwnerDep) -> SessionList:
 @router.get("/{session_id}", response_model=SessionObject, responses=ERROR_RESPONSES)
 async def get_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> SessionObject:
     """A session's state: status, token and chunk counts, times."""
-    return service.describe(await service.get(owner, session_id, include_closed=True))
+    return service.describe(await service.current(owner, session_id))
 
 
 @router.get("/{session_id}/transcript", response_model=TranscriptResponse, responses=ERROR_RESPONSES)

@@ -380,6 +380,34 @@ class SessionService:
             self._update_gauges()
         return session
 
+    async def current(self, owner: str, session_id: str) -> StreamingSession:
+        """The session as the store has it now (``get`` answers from memory): a copy
+        here that another replica has extended or closed since is brought up to
+        date first. For reads that must be current across replicas."""
+        session = await self.get(owner, session_id, include_closed=True)
+        if not self._store.durable or session.closed or session.lock.locked():
+            return session
+        async with self._store_errors():
+            record = await self._store.get(session.id)
+        if record is None or record.status == "closed":
+            session.terminate((record.close_reason or "closed_elsewhere") if record else "deleted")
+            self._forget(session)
+        elif record.num_chunks != session.num_chunks:
+            async with self._store_errors():
+                loaded = await self._store.load(session.id)
+            if loaded is not None:
+                await self._adopt(session, *loaded)
+        return session
+
+    async def _adopt(self, session: StreamingSession, record: SessionRecord, transcript: list[int]) -> None:
+        """Take the store's newer state of a session another replica extended: the
+        engine request here, if any, holds an older context and is dropped."""
+        logger.info("session %s: extended elsewhere (%d -> %d chunks), reloaded", session.id,
+                    session.num_chunks, record.num_chunks)
+        await session.restart_from(transcript, record.num_chunks)
+        session.defaults = SessionDefaults(**record.defaults)
+        session.last_activity = record.last_activity
+
     async def list_sessions(self, owner: str) -> list[SessionObject]:
         """The owner's open sessions: from the store when there is one, so every
         replica lists every replica's sessions."""
@@ -425,7 +453,7 @@ class SessionService:
         return session
 
     async def transcript(self, owner: str, session_id: str) -> tuple[StreamingSession, str]:
-        session = await self.get(owner, session_id, include_closed=True)
+        session = await self.current(owner, session_id)
         return session, self._tokenizer.decode(session.token_ids)
 
     @contextlib.asynccontextmanager
@@ -555,12 +583,7 @@ class SessionService:
                 await self._release_lease(session)
                 raise
             assert loaded is not None
-            record, transcript = loaded
-            logger.info("session %s: extended elsewhere (%d -> %d chunks), reloaded", session.id,
-                        session.num_chunks, record.num_chunks)
-            await session.restart_from(transcript, record.num_chunks)
-            session.defaults = SessionDefaults(**record.defaults)
-            session.last_activity = record.last_activity
+            await self._adopt(session, *loaded)
         return True
 
     async def _renew_lease(self, session: StreamingSession) -> None:

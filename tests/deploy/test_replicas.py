@@ -225,16 +225,22 @@ async def test_every_replica_lists_every_replicas_sessions(cluster: Cluster) -> 
             assert set(SESSIONS) <= listed
 
 
-async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(
-    cluster: Cluster, expected: list[list[int]]
-) -> None:
+async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(cluster: Cluster) -> None:
     a, b = (cluster.replicas[name] for name in ("replica-a", "replica-b"))
+    # The contested chunk is long, so the two appends overlap for certain.
+    budgets = [MAX_TOKENS, 120, MAX_TOKENS, MAX_TOKENS]
     async with httpx.AsyncClient(base_url=a.url, headers=HEADERS, timeout=120) as via_a, \
             httpx.AsyncClient(base_url=b.url, headers=HEADERS, timeout=120) as via_b:
+        control = (await open_session(via_b)).json()["id"]
+        expected = [(await send(via_b, control, c, n)).json()["output"]["token_ids"] for c, n in zip(CHUNKS, budgets)]
+
         session_id = (await open_session(via_a)).json()["id"]
         assert (await send(via_a, session_id, CHUNKS[0])).status_code == 200
+        assert (await via_b.get(f"/v1/sessions/{session_id}")).status_code == 200  # replica-b has it loaded
         # The same chunk through both at once: one replica takes the session's lease.
-        answers = await asyncio.gather(send(via_a, session_id, CHUNKS[1]), send(via_b, session_id, CHUNKS[1]))
+        answers = await asyncio.gather(
+            send(via_a, session_id, CHUNKS[1], budgets[1]), send(via_b, session_id, CHUNKS[1], budgets[1])
+        )
         codes = sorted(r.status_code for r in answers)
         assert codes == [200, 409], [r.text for r in answers]
         answered = next(r for r in answers if r.status_code == 200)
@@ -247,8 +253,8 @@ async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(
         fourth = await send(via_b, session_id, CHUNKS[3])
         assert [third.status_code, fourth.status_code] == [200, 200], [third.text, fourth.text]
         assert [third.json()["output"]["token_ids"], fourth.json()["output"]["token_ids"]] == expected[2:]
-        state = (await via_a.get(f"/v1/sessions/{session_id}")).json()
-        assert state["num_chunks"] == 4
+        for via in (via_a, via_b):
+            assert (await via.get(f"/v1/sessions/{session_id}")).json()["num_chunks"] == 4
 
 
 async def test_a_stopped_replicas_sessions_go_on_elsewhere(

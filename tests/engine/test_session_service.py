@@ -35,12 +35,12 @@ async def test_idle_session_expires_and_frees_its_request(engine: Any) -> None:
             await asyncio.sleep(0.05)
         assert session.close_reason == "expired"
         assert await wait_until_gone(engine, session.id)
-        assert await service.list_sessions("owner") == []
+        assert session.id not in {s.id for s in await service.list_sessions("owner")}
     finally:
         await service.stop()
 
 
-async def test_stop_closes_every_session(engine: Any) -> None:
+async def test_stop_ends_every_engine_request_and_keeps_durable_sessions(engine: Any) -> None:
     service = make_service(engine)
     await service.start()
     sessions = [await service.create("owner", SessionCreateRequest()) for _ in range(3)]
@@ -53,6 +53,14 @@ async def test_stop_closes_every_session(engine: Any) -> None:
     assert all(s.close_reason == "server_shutdown" for s in sessions)
     for session in sessions:
         assert await wait_until_gone(engine, session.id)
+    # In this process, that is: the store keeps them open, for the next server.
+    restarted = make_service(engine)
+    await restarted.start()
+    try:
+        listed = {s.id: s.status for s in await restarted.list_sessions("owner")}
+        assert all(listed[s.id] == "parked" for s in sessions)
+    finally:
+        await restarted.stop()
 
 
 class EngineThatFails:
@@ -83,6 +91,6 @@ async def test_engine_failure_fails_the_chunk_and_closes_the_session(engine: Any
             await service.run_chunk(prepared)
         assert failed.value.status == 500 and failed.value.code == "session_failed"
         assert session.close_reason == "engine_error" and not session.lock.locked()
-        assert await service.list_sessions("owner") == []
+        assert session.id not in {s.id for s in await service.list_sessions("owner")}
     finally:
         await service.stop()
