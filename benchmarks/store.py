@@ -1,16 +1,20 @@
 """The session store's cost, and resuming after a restart.
 
-1. Per-chunk overhead: one session, N chunks of 1 token with max_tokens=1 over REST,
-   on our server with no store (``store_url=none``), with SQLite (the default:
-   WAL, synchronous=FULL, on this machine's disk) and with PostgreSQL (Debian's
-   server on loopback, fsync on). Every chunk takes a lease and commits its tokens:
-   two transactions. Reports p50/p99 chunk time per store and the p50 over no store.
+In process, on one engine (as ``park_resume``), so that only the store differs:
+
+1. Per-chunk overhead: one session, N chunks of 1 token with max_tokens=1 through
+   the session service, with no store (``store_url=none``), with SQLite (the
+   default: WAL, synchronous=FULL, on this machine's disk) and with PostgreSQL
+   (Debian's server on loopback, fsync on). Every chunk takes a lease and commits
+   its tokens: two transactions. Reports p50/p99 per store, and the p50 over none.
 2. Resume after a restart against resume from the CPU tier: sessions of CONTEXT
    tokens, then a chunk of 16 tokens, timed to its first token, (a) never parked
-   (device), (b) parked with the device cache reset (CPU tier), (c) after the
-   server was killed (SIGKILL) and started again on the same SQLite store (the CPU
-   tier is host memory, so the transcript is recomputed). A disk tier that would
-   make (c) a disk hit is not built: see docs/benchmarks.md.
+   (device), (b) parked with the device cache reset (CPU tier), (c) after a
+   restart: the service stopped (its sessions stay in the SQLite store), the device
+   cache and the CPU tier both dropped (a restarted server's tier is empty: it is
+   host memory), and a new service over the same store resumes them, recomputing
+   the transcript. A disk tier that would make (c) a disk hit is not built: see
+   docs/benchmarks.md.
 
     python -m benchmarks.store            # bench model
     python -m benchmarks.store --quick    # tiny model (the suite's smoke run)
@@ -19,25 +23,19 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
-import os
 import random
-import signal
 import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-
 from benchmarks.common import (
-    API_KEY,
     EngineSetup,
-    RunningServer,
     benchmark_parser,
     finish,
-    our_server,
+    in_process_engine,
     percentile,
     pyplot,
     quick_engine,
@@ -45,110 +43,119 @@ from benchmarks.common import (
 )
 from benchmarks.postgres import postgres_bin_dir, postgres_server
 
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+OWNER = "bench"
 NEXT_CHUNK = 16
 
 
-def open_session(http: httpx.Client) -> str:
-    created = http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}})
-    created.raise_for_status()
-    return str(created.json()["id"])
+class Bench:
+    """One engine; session services over it, each with the store asked for."""
 
+    def __init__(self, engine: Any, recorder: Any, settings: Any):
+        self.engine, self.recorder, self.settings = engine, recorder, settings
 
-def chunk(http: httpx.Client, session_id: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
-    response = http.post(f"/v1/sessions/{session_id}/chunks", json={"input": tokens, "max_tokens": max_tokens})
-    response.raise_for_status()
-    return dict(response.json())
+    @contextlib.asynccontextmanager
+    async def service(self, store_url: str) -> AsyncIterator[Any]:
+        from app.sessions.service import SessionService
 
+        service = SessionService.on_engine(
+            self.engine, self.settings.model_copy(update={"store_url": store_url}), self.recorder
+        )
+        await service.start()
+        try:
+            yield service
+        finally:
+            await service.stop()
 
-def timed_first_token(http: httpx.Client, session_id: str, tokens: list[int]) -> float:
-    """Seconds to the first token of a 1-token answer (so, to the answer)."""
-    start = time.perf_counter()
-    chunk(http, session_id, tokens, max_tokens=1)
-    return time.perf_counter() - start
+    @staticmethod
+    async def open(service: Any) -> str:
+        from app.sessions.protocol import SessionCreateRequest, SessionDefaults
 
+        defaults = SessionDefaults(temperature=0.0, ignore_eos=True)
+        return str((await service.create(OWNER, SessionCreateRequest(defaults=defaults))).id)
 
-def per_chunk_times(server: RunningServer, chunks: int) -> dict[str, float]:
-    with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=300) as http:
-        session_id = open_session(http)
-        for _ in range(5):  # warm up
-            chunk(http, session_id, [7], max_tokens=1)
-        times = []
-        for index in range(chunks):
-            start = time.perf_counter()
-            chunk(http, session_id, [(index % 500) + 1], max_tokens=1)
-            times.append(time.perf_counter() - start)
-    return {"p50_s": percentile(times, 50), "p99_s": percentile(times, 99), "chunks": chunks}
+    @staticmethod
+    async def chunk(service: Any, session_id: str, ids: list[int]) -> Any:
+        from app.sessions.protocol import SamplingOptions
 
+        prepared = await service.prepare_chunk(
+            OWNER, session_id, ids, SamplingOptions(max_tokens=1), transport="bench", wait=True
+        )
+        return await service.run_chunk(prepared)
 
-def build_sessions(http: httpx.Client, rng: random.Random, count: int, context: int) -> list[str]:
-    sessions = []
-    for _ in range(count):
-        session_id = open_session(http)
-        chunk(http, session_id, random_tokens(rng, context - 1), max_tokens=1)
-        sessions.append(session_id)
-    return sessions
-
-
-@contextlib.contextmanager
-def restartable(setup: EngineSetup, log_dir: Path, state_dir: str) -> Iterator[RunningServer]:
-    with our_server(setup, log_dir, state_dir=state_dir, session_park_after_s="3600") as server:
-        yield server
-
-
-def resume_times(setup: EngineSetup, log_dir: Path, context: int, repeats: int, seed: int) -> dict[str, float]:
-    rng = random.Random(seed)
-    state_dir = tempfile.mkdtemp(prefix="streamsess-bench-store-")
-    results: dict[str, list[float]] = {"device": [], "cpu_tier": [], "restart_recompute": []}
-    sources: dict[str, list[dict[str, int]]] = {key: [] for key in results}
-    with restartable(setup, log_dir, state_dir) as server, \
-            httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=600) as http:
-        for side in ("device", "cpu_tier"):
-            for session_id in build_sessions(http, rng, repeats, context):
-                if side == "cpu_tier":
-                    http.post(f"/v1/sessions/{session_id}/park").raise_for_status()
-                    http.post("/v1/admin/reset_device_cache").raise_for_status()
+    async def per_chunk(self, store_url: str, chunks: int) -> dict[str, float]:
+        async with self.service(store_url) as service:
+            session_id = await self.open(service)
+            for _ in range(5):  # warm up
+                await self.chunk(service, session_id, [7])
+            times = []
+            for index in range(chunks):
                 start = time.perf_counter()
-                reply = chunk(http, session_id, random_tokens(rng, NEXT_CHUNK), max_tokens=1)
-                results[side].append(time.perf_counter() - start)
-                sources[side].append(reply["usage"]["prompt_tokens_details"])
-        survivors = build_sessions(http, rng, repeats, context)
-        os.killpg(server.process.pid, signal.SIGKILL)
-        server.process.wait()
-    with restartable(setup, log_dir, state_dir) as server, \
-            httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=600) as http:
-        chunk(http, open_session(http), [1, 2, 3], max_tokens=1)  # the first request warms the engine
-        for session_id in survivors:
-            start = time.perf_counter()
-            reply = chunk(http, session_id, random_tokens(rng, NEXT_CHUNK), max_tokens=1)
-            results["restart_recompute"].append(time.perf_counter() - start)
-            sources["restart_recompute"].append(reply["usage"]["prompt_tokens_details"])
-    summary: dict[str, Any] = {f"{side}_p50_s": percentile(times, 50) for side, times in results.items()}
-    summary["sources"] = {side: rows[-1] for side, rows in sources.items()}
-    return summary
+                await self.chunk(service, session_id, [(index % 500) + 1])
+                times.append(time.perf_counter() - start)
+            await service.close(OWNER, session_id)
+        return {"p50_s": percentile(times, 50), "p99_s": percentile(times, 99), "chunks": chunks}
+
+    async def reset(self, tier: bool) -> None:
+        assert await self.engine.reset_prefix_cache(reset_connector=tier), "cache reset refused"
+
+    async def resume(self, context: int, repeats: int, rng: random.Random) -> dict[str, Any]:
+        store_url = f"sqlite:///{tempfile.mkdtemp(prefix='streamsess-bench-store-')}/sessions.db"
+        times: dict[str, list[float]] = {"device": [], "cpu_tier": [], "restart_recompute": []}
+        sources: dict[str, Any] = {}
+
+        async def timed(service: Any, side: str, session_id: str) -> None:
+            result = await self.chunk(service, session_id, random_tokens(rng, NEXT_CHUNK))
+            times[side].append(result.time_to_first_token)
+            sources[side] = result.usage.prompt_tokens_details.model_dump()
+            await service.close(OWNER, session_id)
+
+        async with self.service(store_url) as service:
+            for side in ("device", "cpu_tier"):
+                for _ in range(repeats):
+                    session_id = await self.open(service)
+                    await self.chunk(service, session_id, random_tokens(rng, context - 1))
+                    if side == "cpu_tier":
+                        await service.park(OWNER, session_id)
+                        await self.reset(tier=False)
+                    await timed(service, side, session_id)
+            survivors = []
+            for _ in range(repeats):
+                survivors.append(await self.open(service))
+                await self.chunk(service, survivors[-1], random_tokens(rng, context - 1))
+        # The service stopped: its sessions are only in the store now. A restarted
+        # server has neither their device blocks nor their CPU-tier copies.
+        await self.reset(tier=True)
+        async with self.service(store_url) as service:
+            for session_id in survivors:
+                await timed(service, "restart_recompute", session_id)
+        summary: dict[str, Any] = {f"{side}_p50_s": percentile(values, 50) for side, values in times.items()}
+        summary["sources"] = sources
+        summary["restart_over_tier"] = summary["restart_recompute_p50_s"] / summary["cpu_tier_p50_s"]
+        summary["tier_over_device"] = summary["cpu_tier_p50_s"] / summary["device_p50_s"]
+        return summary
 
 
-def measure_all(args: argparse.Namespace) -> dict[str, Any]:
+async def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
                         dtype=args.dtype, max_model_len=max(args.contexts) + 256)
-    log_dir = Path(args.out) / "logs"
+    engine, recorder, settings = in_process_engine(setup, "store-bench", session_park_after_s=3600)
+    bench = Bench(engine, recorder, settings)
     overhead: dict[str, dict[str, float]] = {}
-    with our_server(setup, log_dir, store_url="none") as server:
-        overhead["none"] = per_chunk_times(server, args.chunks)
-    with our_server(setup, log_dir, state_dir=tempfile.mkdtemp(prefix="streamsess-bench-sqlite-")) as server:
-        overhead["sqlite"] = per_chunk_times(server, args.chunks)
-    if postgres_bin_dir() is not None:
-        with postgres_server(fsync=True) as database, our_server(setup, log_dir, store_url=database.url) as server:
-            overhead["postgresql"] = per_chunk_times(server, args.chunks)
+    try:
+        overhead["none"] = await bench.per_chunk("none", args.chunks)
+        sqlite_dir = tempfile.mkdtemp(prefix="streamsess-bench-sqlite-")
+        overhead["sqlite"] = await bench.per_chunk(f"sqlite:///{sqlite_dir}/sessions.db", args.chunks)
+        if postgres_bin_dir() is not None:
+            with postgres_server(fsync=True) as database:
+                overhead["postgresql"] = await bench.per_chunk(database.url, args.chunks)
+        rng = random.Random(args.seed)
+        resume = {str(context): await bench.resume(context, args.repeats, rng) for context in args.contexts}
+    finally:
+        engine.shutdown()
     base = overhead["none"]["p50_s"]
     for row in overhead.values():
         row["p50_over_none_ms"] = (row["p50_s"] - base) * 1000
         row["p50_ratio_vs_none"] = row["p50_s"] / base
-    resume = {str(context): resume_times(setup, log_dir, context, args.repeats, args.seed + context)
-              for context in args.contexts}
-    for row in resume.values():
-        row["restart_over_tier"] = row["restart_recompute_p50_s"] / row["cpu_tier_p50_s"]
-        row["tier_over_device"] = row["cpu_tier_p50_s"] / row["device_p50_s"]
     return {"settings": {**setup.describe(), "chunks": args.chunks, "repeats": args.repeats,
                          "next_chunk": NEXT_CHUNK, "sqlite": "WAL, synchronous=FULL",
                          "postgresql": "Debian's server on loopback, fsync on" if "postgresql" in overhead else "absent"},
@@ -186,7 +193,7 @@ def main() -> None:
         quick_engine(args)
         args.chunks, args.repeats, args.contexts = 10, 1, [128]
         name = "store-quick"
-    result = measure_all(args)
+    result = asyncio.run(measure_all(args))
     finish(name, result, args.out, plot)
     for store, row in result["per_chunk"].items():
         print(store, f"p50 {row['p50_s'] * 1000:.1f} ms (+{row['p50_over_none_ms']:.1f} ms)")
