@@ -3,9 +3,11 @@
 from fastapi import APIRouter
 
 from app import admin
+from app.realtime import api_router as realtime
 from app.sessions import rest, ws
 
 api_router = APIRouter()
 api_router.include_router(rest.router)
 api_router.include_router(ws.router)
+api_router.include_router(realtime.router)
 api_router.include_router(admin.router)

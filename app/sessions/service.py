@@ -30,7 +30,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm import SamplingParams
@@ -88,6 +88,8 @@ class PreparedChunk:
     transport: str
     # Renews the chunk's lease in the store while it runs (durable stores only).
     lease_renewal: asyncio.Task[None] | None = None
+    # Set to end the answer early, keeping the session (see StreamingSession.generate).
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class SessionService:
@@ -149,6 +151,14 @@ class SessionService:
     @property
     def recorder(self) -> ProvenanceRecorder | None:
         return self._recorder
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_chunk_output_tokens(self) -> int:
+        return self._settings.max_chunk_output_tokens
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -518,7 +528,7 @@ class SessionService:
         context_before = len(session.token_ids)
         committed = False
         try:
-            async for event in session.generate(prepared.input_ids, prepared.params):
+            async for event in session.generate(prepared.input_ids, prepared.params, prepared.stop):
                 if isinstance(event, ChunkResult):
                     await self._commit(session, event, context_before)
                     committed = True

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # The close reason of a session whose engine request failed.
 ENGINE_ERROR = "engine_error"
+# The finish reason of an answer stopped early on request (the session goes on).
+CANCELLED = "cancelled"
 # How long a graceful close waits for the engine to finish the request before aborting.
 GRACEFUL_CLOSE_S = 10.0
 
@@ -155,12 +157,17 @@ class StreamingSession:
         return self.id
 
     # ------------------------------------------------------------------ chunks
-    async def generate(self, input_ids: list[int], params: Any) -> AsyncGenerator[ChunkDelta | ChunkResult, None]:
+    async def generate(
+        self, input_ids: list[int], params: Any, stop: asyncio.Event | None = None
+    ) -> AsyncGenerator[ChunkDelta | ChunkResult, None]:
         """Append one chunk and stream its answer; the caller holds ``self.lock``.
 
         Yields deltas, then one ``ChunkResult``. If the consumer stops early (a
-        client disconnect cancels it), the engine request is aborted: a session
-        cannot resume from the middle of a chunk.
+        client disconnect cancels it), the engine request is aborted and the
+        session closed: it cannot resume from the middle of a chunk. ``stop`` ends
+        the answer early instead and keeps the session: the engine request is
+        aborted at the next token, and the transcript holds what was generated so
+        far (finish reason ``cancelled``); the next chunk resumes from it.
         """
         if self.closed:
             raise SessionFailedError(f"session {self.id} is closed ({self.close_reason})")
@@ -203,6 +210,8 @@ class StreamingSession:
                     text_parts.append(completion.text)
                     yield ChunkDelta(list(completion.token_ids), completion.text)
                 finish_reason = completion.finish_reason
+                if finish_reason is None and stop is not None and stop.is_set():
+                    finish_reason = CANCELLED
             finished_cleanly = True
         except SessionFailedError:
             self.terminate(ENGINE_ERROR)  # keeps the reason if it was closed meanwhile
@@ -222,11 +231,15 @@ class StreamingSession:
             # A chunk of a live request attends over the session's context on device.
             sources = PrefillSources(device_tokens=context_before, cpu_tier_tokens=0)
         usage = self._usage(context_before, input_ids, token_ids, sources)
-        self.token_ids += list(input_ids) + token_ids[:-1]
-        self.num_chunks += 1
-        self.status = "active"
-        # The request now holds the context plus the last sampled token.
-        self.device_tokens = len(self.token_ids) + 1
+        if finish_reason == CANCELLED:
+            # The request ends here; the next chunk resumes from every token so far.
+            await self.restart_from(self.token_ids + list(input_ids) + token_ids, self.num_chunks + 1)
+        else:
+            self.token_ids += list(input_ids) + token_ids[:-1]
+            self.num_chunks += 1
+            self.status = "active"
+            # The request now holds the context plus the last sampled token.
+            self.device_tokens = len(self.token_ids) + 1
         self.last_activity = time.time()
         yield ChunkResult(
             index=index,

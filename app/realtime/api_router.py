@@ -1,0 +1,49 @@
+"""Thin websocket route for the OpenAI Realtime API (GA, text): ``/v1/realtime``.
+
+``?model=`` names the served model (extra query parameters are ignored). One
+session per connection: a new one, closed with the connection, or, with our
+extension ``?session_id=``, an existing session, which outlives it. Clients of the
+beta protocol (``OpenAI-Beta: realtime=v1``) are refused with an error event.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, WebSocket
+from openai.types import realtime as rt
+
+from app.deps import OwnerDep, ServiceDep
+from app.errors import APIError
+from app.realtime.connection import RealtimeConnection
+from app.realtime.protocol import dump
+from app.sessions.protocol import SessionCreateRequest
+
+router = APIRouter(tags=["realtime"])
+
+
+@router.websocket("/v1/realtime")
+async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep) -> None:
+    await websocket.accept()
+    query = websocket.query_params
+    try:
+        if "realtime=v1" in websocket.headers.get("openai-beta", ""):
+            raise APIError(400, "The Realtime beta protocol (OpenAI-Beta: realtime=v1) is not served; use the GA "
+                           "protocol (openai>=2: client.realtime.connect).", code="beta_protocol_unsupported")
+        model = query.get("model")
+        if model is not None and model != service.model_name:
+            raise APIError(404, f"The model {model!r} does not exist.", code="model_not_found", param="model")
+        if (session_id := query.get("session_id")) is not None:
+            session = await service.current(owner, session_id)
+            if session.closed:
+                raise APIError(409, f"Session {session_id} is closed ({session.close_reason}).",
+                               code="session_closed", param="session_id")
+            owns_session = False
+        else:
+            session = await service.create(owner, SessionCreateRequest())
+            owns_session = True
+    except APIError as exc:
+        event = rt.RealtimeErrorEvent(type="error", event_id="event_refused", error=rt.RealtimeError(
+            type=exc.type, code=exc.code, message=exc.message, param=exc.param))
+        await websocket.send_text(dump(event))
+        await websocket.close(code=1008 if exc.status < 500 else 1011, reason=exc.code)
+        return
+    await RealtimeConnection(websocket, service, owner, session, owns_session).run()

@@ -1,0 +1,266 @@
+"""A Realtime conversation on a streaming session. No FastAPI here.
+
+Items that arrive before a ``response.create`` become one chunk of the session:
+the model's chat template rendered for just those items, plus the assistant
+prefix (``render_turn``). The session's KV is reused across turns, so each turn
+computes only its new items. A response streams the chunk's answer as the GA
+event sequence; ``response.cancel`` ends it at the next token, and the session
+keeps what was generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from openai.types import realtime as rt
+from pydantic import BaseModel
+
+from app.errors import APIError
+from app.realtime.protocol import ClientEventError, new_id
+from app.sessions.protocol import SamplingOptions
+from app.sessions.service import PreparedChunk, SessionService
+from app.sessions.session import CANCELLED, ChunkDelta, ChunkResult, StreamingSession
+
+# A stand-in conversation whose rendering is the prefix that ours continues: what
+# the template puts after an assistant turn is the start of the next turn.
+_BEFORE_A_TURN = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+
+
+def render_turn(tokenizer: Any, messages: list[dict[str, str]], first: bool) -> str:
+    """The chat template's text for ``messages`` and the assistant prefix, as the
+    continuation of a conversation (``first``: the conversation's start)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        # No template: a plain transcript format.
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    if first:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    before = str(tokenizer.apply_chat_template(_BEFORE_A_TURN, tokenize=False))
+    full = str(tokenizer.apply_chat_template(_BEFORE_A_TURN + messages, tokenize=False, add_generation_prompt=True))
+    if not full.startswith(before):
+        raise ValueError("the model's chat template does not render conversations incrementally")
+    return full[len(before):]
+
+
+@dataclass
+class RealtimeConfig:
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    instructions_sent: bool = False
+
+
+@dataclass
+class Conversation:
+    """One connection's view of its session: config, items, the response running."""
+
+    service: SessionService
+    owner: str
+    session: StreamingSession
+    tokenizer: Any
+    emit: Callable[[BaseModel], Any]  # sends one server event
+    config: RealtimeConfig = field(default_factory=RealtimeConfig)
+    items: dict[str, rt.ConversationItem] = field(default_factory=dict)
+    pending: list[dict[str, str]] = field(default_factory=list)
+    response: asyncio.Task[None] | None = None
+    prepared: PreparedChunk | None = None
+    _event_ids: int = 0
+
+    def event_id(self) -> str:
+        self._event_ids += 1
+        return f"event_{self.session.id[-8:]}_{self._event_ids}"
+
+    def session_config(self) -> rt.RealtimeSessionCreateRequest:
+        config = rt.RealtimeSessionCreateRequest(
+            type="realtime", model=self.session.model, instructions=self.config.instructions,
+            output_modalities=["text"], max_output_tokens=self.config.max_output_tokens or "inf",
+        )
+        # Extension: the session's id, to attach to it again (?session_id=).
+        config.id = self.session.id  # type: ignore[attr-defined]
+        return config
+
+    # ------------------------------------------------------------------ session
+    async def update_session(self, event: rt.SessionUpdateEvent) -> None:
+        update = event.session
+        if not isinstance(update, rt.RealtimeSessionCreateRequest):
+            raise ClientEventError("Only session.type 'realtime' is served here.", "invalid_session_type",
+                                   "session.type", event.event_id)
+        if update.output_modalities is not None and update.output_modalities != ["text"]:
+            raise ClientEventError("This server answers in text only: output_modalities must be ['text'].",
+                                   "unsupported_modality", "session.output_modalities", event.event_id)
+        if update.audio is not None or update.tools:
+            field_name = "audio" if update.audio is not None else "tools"
+            raise ClientEventError(f"session.{field_name} is not supported (text only, no tools).",
+                                   "unsupported_session_field", f"session.{field_name}", event.event_id)
+        limit = self.service.max_chunk_output_tokens
+        if isinstance(update.max_output_tokens, int) and update.max_output_tokens > limit:
+            raise ClientEventError(f"max_output_tokens may be at most {limit}.", "max_tokens_too_large",
+                                   "session.max_output_tokens", event.event_id)
+        if update.instructions is not None and update.instructions != self.config.instructions:
+            self.config.instructions = update.instructions
+            self.config.instructions_sent = False  # reaches the model with the next turn
+        if update.max_output_tokens is not None:
+            self.config.max_output_tokens = None if update.max_output_tokens == "inf" else update.max_output_tokens
+        await self.emit(rt.SessionUpdatedEvent(type="session.updated", event_id=self.event_id(),
+                                               session=self.session_config()))
+
+    # ------------------------------------------------------------------ items
+    async def add_item(self, event: rt.ConversationItemCreateEvent) -> None:
+        item = event.item
+        if not isinstance(item, rt.RealtimeConversationItemUserMessage | rt.RealtimeConversationItemSystemMessage):
+            raise ClientEventError("Only user and system messages with input_text content can be added.",
+                                   "unsupported_item", "item", event.event_id)
+        texts = [part.text for part in item.content if part.type == "input_text" and part.text is not None]
+        if len(texts) != len(item.content) or not texts:
+            raise ClientEventError("A message's content must be input_text parts, with text.",
+                                   "unsupported_content", "item.content", event.event_id)
+        if item.id is not None and item.id in self.items:
+            raise ClientEventError(f"An item with id {item.id!r} exists already.", "item_exists", "item.id",
+                                   event.event_id)
+        item.id = item.id or new_id("item")
+        item.object, item.status = "realtime.item", "completed"
+        previous = next(reversed(self.items), None)
+        self.items[item.id] = item
+        self.pending.append({"role": item.role, "content": "".join(texts)})
+        await self.emit(rt.ConversationItemAdded(type="conversation.item.added", event_id=self.event_id(),
+                                                 item=item, previous_item_id=previous))
+        await self.emit(rt.ConversationItemDone(type="conversation.item.done", event_id=self.event_id(),
+                                                item=item, previous_item_id=previous))
+
+    async def retrieve_item(self, event: rt.ConversationItemRetrieveEvent) -> None:
+        item = self.items.get(event.item_id)
+        if item is None:
+            raise ClientEventError(f"No item with id {event.item_id!r} in this conversation.", "item_not_found",
+                                   "item_id", event.event_id)
+        await self.emit(rt.realtime_server_event.ConversationItemRetrieved(
+            type="conversation.item.retrieved", event_id=self.event_id(), item=item))
+
+    # ------------------------------------------------------------------ responses
+    async def create_response(self, event: rt.ResponseCreateEvent) -> None:
+        if self.response is not None and not self.response.done():
+            raise ClientEventError("A response is in progress; cancel it or wait for response.done.",
+                                   "conversation_already_has_active_response", None, event.event_id)
+        overrides = event.response
+        max_tokens = self.config.max_output_tokens
+        instructions: str | None = None
+        if overrides is not None:
+            if overrides.output_modalities is not None and overrides.output_modalities != ["text"]:
+                raise ClientEventError("This server answers in text only.", "unsupported_modality",
+                                       "response.output_modalities", event.event_id)
+            if overrides.conversation == "none" or overrides.input is not None:
+                raise ClientEventError("Out-of-band responses (conversation 'none', input) are not supported: "
+                                       "a response continues the session.", "unsupported_response_field",
+                                       "response.conversation", event.event_id)
+            if isinstance(overrides.max_output_tokens, int):
+                max_tokens = overrides.max_output_tokens
+            instructions = overrides.instructions
+        messages = list(self.pending)
+        if self.config.instructions and not self.config.instructions_sent:
+            messages.insert(0, {"role": "system", "content": self.config.instructions})
+        if instructions:
+            messages.insert(0, {"role": "system", "content": instructions})
+        first = not self.session.token_ids
+        try:
+            text = render_turn(self.tokenizer, messages, first)
+        except ValueError as exc:
+            raise ClientEventError(str(exc), "template_error", None, event.event_id) from None
+        input_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        options = SamplingOptions(max_tokens=max_tokens or self.service.max_chunk_output_tokens)
+        try:
+            self.prepared = await self.service.prepare_chunk(
+                self.owner, self.session.id, input_ids, options, transport="realtime", wait=True
+            )
+        except APIError as exc:
+            raise ClientEventError(exc.message, exc.code, exc.param, event.event_id) from None
+        # The turn is on its way to the model: its items and instructions are sent.
+        self.pending.clear()
+        self.config.instructions_sent = True
+        self.response = asyncio.create_task(self._respond(self.prepared), name=f"realtime-{self.session.id}")
+
+    async def cancel_response(self, event: rt.ResponseCancelEvent) -> None:
+        if self.response is None or self.response.done() or self.prepared is None:
+            raise ClientEventError("No response is in progress.", "response_cancel_not_active", None, event.event_id)
+        self.prepared.stop.set()
+
+    async def close(self) -> None:
+        """The connection is gone: a running response is aborted."""
+        if self.response is not None and not self.response.done():
+            self.response.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.response
+
+    async def _respond(self, prepared: PreparedChunk) -> None:
+        response_id, item_id = new_id("resp"), new_id("item")
+        response = rt.RealtimeResponse(id=response_id, object="realtime.response", status="in_progress",
+                                       output=[], output_modalities=["text"], conversation_id=self.session.id)
+        await self.emit(rt.ResponseCreatedEvent(type="response.created", event_id=self.event_id(), response=response))
+        item = rt.RealtimeConversationItemAssistantMessage(
+            id=item_id, type="message", role="assistant", object="realtime.item", status="in_progress", content=[])
+        ids = {"response_id": response_id, "item_id": item_id, "output_index": 0}
+        await self.emit(rt.ResponseOutputItemAddedEvent(type="response.output_item.added", event_id=self.event_id(),
+                                                        response_id=response_id, output_index=0, item=item))
+        previous = next(reversed(self.items), None)
+        self.items[item_id] = item
+        await self.emit(rt.ConversationItemAdded(type="conversation.item.added", event_id=self.event_id(),
+                                                 item=item, previous_item_id=previous))
+        await self.emit(rt.ResponseContentPartAddedEvent(
+            type="response.content_part.added", event_id=self.event_id(), content_index=0,
+            part={"type": "text", "text": ""}, **ids))
+        parts: list[str] = []
+        result: ChunkResult | None = None
+        error: APIError | None = None
+        try:
+            async with contextlib.aclosing(self.service.stream_chunk(prepared)) as events:
+                async for chunk_event in events:
+                    if isinstance(chunk_event, ChunkDelta):
+                        if chunk_event.text:
+                            parts.append(chunk_event.text)
+                            await self.emit(rt.ResponseTextDeltaEvent(
+                                type="response.output_text.delta", event_id=self.event_id(), content_index=0,
+                                delta=chunk_event.text, **ids))
+                    else:
+                        result = chunk_event
+        except APIError as exc:
+            error = exc
+        text = "".join(parts)
+        cancelled = result is not None and result.finish_reason == CANCELLED
+        status: Literal["failed", "cancelled", "completed"] = (
+            "failed" if error is not None else "cancelled" if cancelled else "completed"
+        )
+        await self.emit(rt.ResponseTextDoneEvent(type="response.output_text.done", event_id=self.event_id(),
+                                                 content_index=0, text=text, **ids))
+        await self.emit(rt.ResponseContentPartDoneEvent(
+            type="response.content_part.done", event_id=self.event_id(), content_index=0,
+            part={"type": "text", "text": text}, **ids))
+        item.status = "completed" if status == "completed" else "incomplete"
+        item.content = [rt.realtime_conversation_item_assistant_message.Content(type="output_text", text=text)]
+        await self.emit(rt.ResponseOutputItemDoneEvent(type="response.output_item.done", event_id=self.event_id(),
+                                                       response_id=response_id, output_index=0, item=item))
+        await self.emit(rt.ConversationItemDone(type="conversation.item.done", event_id=self.event_id(),
+                                                item=item, previous_item_id=previous))
+        response.status, response.output = status, [item]
+        if error is not None:
+            response.status_details = rt.RealtimeResponseStatus(
+                type="failed", error={"type": error.type, "code": error.code})
+        elif cancelled:
+            response.status_details = rt.RealtimeResponseStatus(type="cancelled", reason="client_cancelled")
+        if result is not None:
+            response.usage = usage_of(result)
+        await self.emit(rt.ResponseDoneEvent(type="response.done", event_id=self.event_id(), response=response))
+
+
+def usage_of(result: ChunkResult) -> rt.RealtimeResponseUsage:
+    """GA usage, with our split of the prompt as extra input_token_details fields."""
+    usage, details = result.usage, result.usage.prompt_tokens_details
+    input_details = rt.RealtimeResponseUsageInputTokenDetails(
+        cached_tokens=details.cached_tokens, text_tokens=usage.prompt_tokens,
+        device_tokens=details.device_tokens, cpu_tier_tokens=details.cpu_tier_tokens,
+        computed_tokens=details.computed_tokens,
+    )
+    return rt.RealtimeResponseUsage(
+        input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+        input_token_details=input_details,
+        output_token_details=rt.RealtimeResponseUsageOutputTokenDetails(text_tokens=usage.completion_tokens),
+    )
