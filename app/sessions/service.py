@@ -397,16 +397,17 @@ class SessionService:
         session = await self.get(owner, session_id, include_closed=True)
         if not self._store.durable or session.closed or session.lock.locked():
             return session
-        async with self._store_errors():
+        try:
             record = await self._store.get(session.id)
+        except StoreUnavailableError:
+            return session  # reads go on from memory while the store is down
         if record is None or record.status == "closed":
             session.terminate((record.close_reason or "closed_elsewhere") if record else "deleted")
             self._forget(session)
         elif record.num_chunks != session.num_chunks:
-            async with self._store_errors():
-                loaded = await self._store.load(session.id)
-            if loaded is not None:
-                await self._adopt(session, *loaded)
+            with contextlib.suppress(StoreUnavailableError):
+                if (loaded := await self._store.load(session.id)) is not None:
+                    await self._adopt(session, *loaded)
         return session
 
     async def _adopt(self, session: StreamingSession, record: SessionRecord, transcript: list[int]) -> None:

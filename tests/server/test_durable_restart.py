@@ -77,9 +77,9 @@ def test_sessions_survive_sigkill_between_and_during_chunks(tmp_path: Path) -> N
         during = open_session(http)
         send(http, during, CHUNKS[0])
         during_before = transcript_ids(http, during)
-        # A long chunk, streaming; the server dies after its first tokens.
+        # A long chunk (seconds of decoding), streaming; the server dies after its first tokens.
         with http.stream("POST", f"/v1/sessions/{during}/chunks",
-                         json={"input": [99] * 40, "max_tokens": 1000, "stream": True}) as stream:
+                         json={"input": [99] * 40, "max_tokens": 3000, "stream": True}) as stream:
             for line in stream.iter_lines():
                 if line.startswith("data: ") and "delta" in line:
                     break

@@ -63,6 +63,13 @@ async def greedy_session(http: httpx.AsyncClient) -> str:
     return str(created.json()["id"])
 
 
+async def close_sessions(server: str, *session_ids: str) -> None:
+    """Attached sessions outlive their connections: close them, freeing the device."""
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        for session_id in session_ids:
+            assert (await http.delete(f"/v1/sessions/{session_id}")).status_code == 200
+
+
 @asynccontextmanager
 async def realtime(server: str, session_id: str | None = None) -> AsyncIterator[tuple[Any, Frames]]:
     client = AsyncOpenAI(api_key=API_KEYS[0], base_url=f"{server}/v1",
@@ -134,6 +141,7 @@ async def test_three_turns_with_streamed_deltas_and_cached_earlier_turns(server:
         retrieved = await frames.next()
         assert retrieved["type"] == "conversation.item.retrieved"
         assert retrieved["item"]["content"][0]["text"] == TURNS[0]
+    await close_sessions(server, session_id)
 
 
 async def test_realtime_gives_the_same_tokens_as_the_rest_session_api(server: str, engine: Any) -> None:
@@ -159,6 +167,7 @@ async def test_realtime_gives_the_same_tokens_as_the_rest_session_api(server: st
             (await http.get(f"/v1/sessions/{s}/transcript")).json()["token_ids"] for s in (over_realtime, over_rest)
         ]
         assert transcripts[0] == transcripts[1] and len(transcripts[0]) > 30
+    await close_sessions(server, over_realtime, over_rest)
 
 
 async def test_cancel_mid_response_then_the_conversation_goes_on(server: str) -> None:
@@ -180,6 +189,7 @@ async def test_cancel_mid_response_then_the_conversation_goes_on(server: str) ->
             state = (await http.get(f"/v1/sessions/{session_id}")).json()
             assert state["status"] != "closed" and state["num_chunks"] == 1
             assert_response_sequence(await turn(connection, frames, "Thanks."), "completed")
+    await close_sessions(server, session_id)
 
 
 async def test_bad_events_get_error_events_and_the_conversation_goes_on(server: str) -> None:
