@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import Send
 
 
@@ -77,7 +78,11 @@ def unauthorized(message: str = "Missing or invalid API key.") -> APIError:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0] if exc.errors() else {}
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if not isinstance(first, dict):
+        # vLLM's own routes raise it with plain strings.
+        return APIError(400, str(first) or "Invalid request.", code="invalid_request")
     loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
     if first.get("type") == "json_invalid":
         return APIError(400, "The request body is not valid JSON.", code="invalid_json")
@@ -102,10 +107,24 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(400, "The request body is not valid JSON.", code="invalid_json"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
         error = APIError(exc.status_code, str(exc.detail or phrase), code=phrase.lower().replace(" ", "_") or "error")
-        return error_response(error, headers=getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        return error_response(error, headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's own 405 names only
+    the first route's, where several routes share a path)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches({**request.scope, "type": "http"})[0] != Match.NONE:
+            methods |= set(route_methods)
+    return sorted(methods)
 
 
 async def send_http_error(

@@ -8,7 +8,10 @@ engine in the lifespan (or uses the one it is given, as the tests do).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import signal
 import sys
 from argparse import Namespace
 from collections.abc import AsyncIterator
@@ -19,8 +22,9 @@ from fastapi import FastAPI
 
 from app.api import api_router
 from app.auth import APIKeyMiddleware
+from app.cache_salt import CacheSaltMiddleware, cache_salter
 from app.errors import install_error_handlers
-from app.middleware import BodySizeLimitMiddleware, ReplicaHeaderMiddleware
+from app.middleware import BodySizeLimitMiddleware, EngineDeadMiddleware, ReplicaHeaderMiddleware
 from app.openai_usage import UsageProvenanceMiddleware
 from app.sessions.service import SessionService
 from app.settings import Settings, load_settings
@@ -28,6 +32,9 @@ from app.settings import Settings, load_settings
 logger = logging.getLogger(__name__)
 
 SUPPORTED_TASKS: tuple[Any, ...] = ("generate",)
+# How often the server checks its engine, and its exit status once the engine died.
+ENGINE_CHECK_S = 1.0
+ENGINE_DEAD_EXIT = 3
 
 
 def vllm_server_args(settings: Settings, model_path: str) -> Namespace:
@@ -70,10 +77,13 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         app.state.provenance = service.recorder
         app.state.session_service = service
         await service.start()
+        watchdog = asyncio.create_task(_exit_when_the_engine_dies(app, llm)) if owns_engine else None
         try:
             async with vllm_lifespan(app):
                 yield
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             await service.stop()
             if owns_engine:
                 llm.shutdown()
@@ -84,8 +94,11 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
     # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.
     app.middleware_stack = None
-    # Added last runs first: keys, then body size, then usage rewriting.
+    # Added last runs first: keys, body size, cache salts, a dead engine, usage rewriting.
     app.add_middleware(UsageProvenanceMiddleware)
+    app.add_middleware(EngineDeadMiddleware)
+    if (salter := cache_salter(settings)) is not None:
+        app.add_middleware(CacheSaltMiddleware, salter=salter, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.replica_name:
         app.add_middleware(ReplicaHeaderMiddleware, replica_name=settings.replica_name)
@@ -97,6 +110,20 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     return app
 
 
+async def _exit_when_the_engine_dies(app: FastAPI, engine: Any) -> None:
+    """A dead engine does not come back: answer 503 engine_dead meanwhile (see
+    EngineDeadMiddleware), then shut down and exit non-zero, so that compose's
+    restart policy or any supervisor starts the server again. Durable sessions
+    are in the store and go on after the restart."""
+    while not engine.errored:  # noqa: ASYNC110 (the engine offers no event to wait on)
+        await asyncio.sleep(ENGINE_CHECK_S)
+    delay = app.state.settings.engine_dead_exit_delay_s
+    logger.error("the engine has died; exiting with status %d in %.0f s, to be restarted", ENGINE_DEAD_EXIT, delay)
+    app.state.engine_dead = True
+    await asyncio.sleep(delay)
+    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+
+
 def cli(argv: list[str] | None = None) -> None:
     import uvicorn
 
@@ -104,6 +131,8 @@ def cli(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper())
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, ws="websockets-sansio")
+    if getattr(app.state, "engine_dead", False):
+        sys.exit(ENGINE_DEAD_EXIT)
 
 
 if __name__ == "__main__":

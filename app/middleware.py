@@ -1,6 +1,8 @@
-"""Small ASGI middlewares: request size limit and replica naming."""
+"""Small ASGI middlewares: request size limit, replica naming, a dead engine."""
 
 from __future__ import annotations
+
+import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -48,3 +50,37 @@ class ReplicaHeaderMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_header)
+
+
+# Routes that answer without the engine (health says it is dead; metrics, docs).
+ENGINE_FREE_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/redoc", "/ping"})
+
+
+def engine_dead_error() -> APIError:
+    return APIError(503, "The engine has died; this server is restarting. Retry shortly: sessions are kept "
+                    "in the store.", code="engine_dead", headers={"Retry-After": "5"})
+
+
+class EngineDeadMiddleware:
+    """Once the engine has died, every route that needs it answers 503 engine_dead
+    (websockets: an error event, then close 1011) instead of failing on its own."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engine = getattr(scope["app"].state, "engine_client", None) if scope["type"] in ("http", "websocket") else None
+        path = scope.get("path", "")
+        if engine is None or not engine.errored or path in ENGINE_FREE_PATHS or path.startswith("/metrics/"):
+            await self.app(scope, receive, send)
+            return
+        error = engine_dead_error()
+        if scope["type"] == "http":
+            await send_http_error(send, error, [(b"retry-after", b"5")])
+            return
+        if (await receive())["type"] != "websocket.connect":
+            return
+        await send({"type": "websocket.accept"})
+        event = {"type": "error", "event_id": "event_engine_dead", "error": {**error.body()["error"], "event_id": None}}
+        await send({"type": "websocket.send", "text": json.dumps(event)})
+        await send({"type": "websocket.close", "code": 1011, "reason": "engine_dead"})

@@ -92,6 +92,18 @@ class Settings(BaseSettings):
         default_factory=list, description="Keys for /v1/admin routes. Empty: any accepted API key."
     )
     guard_metrics: bool = Field(default=False, description="Require an API key on /metrics too.")
+    cache_isolation: Literal["per_key", "shared"] = Field(
+        default="per_key",
+        description="per_key (with API keys set): each key's requests get their own prefix-cache and "
+        "CPU-tier namespace (a cache salt derived from the key), so no key can learn from usage or "
+        "timing what another key sent. shared: keys share cached prefixes (e.g. a common system "
+        "prompt) and so can probe each other's prompts.",
+    )
+    cache_salt_secret: SecretStr | None = Field(
+        default=None,
+        description="Secret the per-key cache salts derive from. Default: made once and kept in "
+        "state_dir. Replicas set the same one if their caches should agree.",
+    )
     log_level: str = "info"
     replica_name: str | None = Field(
         default=None, description="Sent as the X-Replica header on every response, to tell replicas apart."
@@ -120,6 +132,12 @@ class Settings(BaseSettings):
         "session, before it fails with 503 server_busy and Retry-After.",
     )
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+
+    engine_dead_exit_delay_s: float = Field(
+        default=5.0, ge=0,
+        description="When the engine dies the server answers 503 engine_dead (and /health 503) for "
+        "this long, so probes and proxies see it, then exits with status 3 to be restarted.",
+    )
 
     # --- session store -------------------------------------------------------
     store_url: str | None = Field(

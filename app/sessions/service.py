@@ -37,6 +37,7 @@ from vllm import SamplingParams
 from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import RequestOutputKind
 
+from app.cache_salt import CacheSalter, cache_salter
 from app.engine import scheduler_observer
 from app.errors import APIError, session_not_found
 from app.metrics import SessionMetrics, session_metrics
@@ -102,6 +103,7 @@ class SessionService:
         metrics: SessionMetrics,
         recorder: ProvenanceRecorder | None = None,
         store: SessionStore | None = None,
+        salter: CacheSalter | None = None,
     ):
         self._engine = engine
         self._settings = settings
@@ -110,6 +112,7 @@ class SessionService:
         self._metrics = metrics
         self._recorder = recorder
         self._store = store if store is not None else NullStore()
+        self._salter = salter
         self._replica = settings.resolved_replica_id()
         self._vocab_size = engine.model_config.get_vocab_size()
         self._max_context = min(settings.max_model_len, engine.model_config.max_model_len)
@@ -146,11 +149,16 @@ class SessionService:
             metrics=session_metrics(),
             recorder=recorder,
             store=store if store is not None else open_store(settings),
+            salter=cache_salter(settings),
         )
 
     @property
     def recorder(self) -> ProvenanceRecorder | None:
         return self._recorder
+
+    def cache_salt(self, owner: str) -> str | None:
+        """The owner's prefix-cache namespace, or None where keys share one."""
+        return self._salter.salt(owner) if self._salter is not None else None
 
     @property
     def tokenizer(self) -> Any:
@@ -347,6 +355,7 @@ class SessionService:
             metadata=dict(request.metadata),
             max_tokens=self._max_context,
             recorder=self._recorder,
+            cache_salt=self.cache_salt(owner),
         )
         try:
             async with self._store_errors():
@@ -381,7 +390,8 @@ class SessionService:
             return held  # loaded meanwhile by a concurrent request
         record, transcript = loaded
         session = StreamingSession.from_record(
-            record, transcript, engine=self._engine, max_tokens=self._max_context, recorder=self._recorder
+            record, transcript, engine=self._engine, max_tokens=self._max_context, recorder=self._recorder,
+            cache_salt=self.cache_salt(record.owner),
         )
         if session.closed:
             self._remember_closed(session)

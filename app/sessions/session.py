@@ -83,6 +83,7 @@ class StreamingSession:
         metadata: dict[str, str],
         max_tokens: int,
         recorder: ProvenanceRecorder | None = None,
+        cache_salt: str | None = None,
     ):
         self.id = session_id
         self.owner = owner
@@ -90,6 +91,8 @@ class StreamingSession:
         self.defaults = defaults
         self.metadata = metadata
         self.max_tokens = max_tokens
+        # The owner's prefix-cache namespace (see app/cache_salt.py).
+        self.cache_salt = cache_salt
         self.created = int(time.time())
         self.last_activity = time.time()
         self.status: SessionStatus = "active"
@@ -114,13 +117,13 @@ class StreamingSession:
     @classmethod
     def from_record(
         cls, record: SessionRecord, transcript: list[int], engine: Any, max_tokens: int,
-        recorder: ProvenanceRecorder | None = None,
+        recorder: ProvenanceRecorder | None = None, cache_salt: str | None = None,
     ) -> StreamingSession:
         """A session as the store keeps it: parked (no engine request), or closed."""
         session = cls(
             session_id=record.id, owner=record.owner, model=record.model, engine=engine,
             defaults=SessionDefaults(**record.defaults), metadata=dict(record.metadata),
-            max_tokens=max_tokens, recorder=recorder,
+            max_tokens=max_tokens, recorder=recorder, cache_salt=cache_salt,
         )
         session.created = int(record.created)
         session.last_activity = record.last_activity
@@ -183,7 +186,8 @@ class StreamingSession:
             self._inputs = asyncio.Queue()
             self._outputs = asyncio.Queue()
             first = list(self.token_ids) + list(input_ids)
-            self._inputs.put_nowait(StreamingInput(prompt=tokens_input(first), sampling_params=params))
+            prompt = tokens_input(first, cache_salt=self.cache_salt)
+            self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
             self._pump = asyncio.create_task(self._run_engine(params), name=f"session-{self.id}")
         else:
             self._inputs.put_nowait(StreamingInput(prompt=tokens_input(list(input_ids)), sampling_params=params))

@@ -1,0 +1,94 @@
+"""Per-key cache isolation: one API key cannot see another key's prompts through the
+prefix cache or the CPU tier.
+
+The probe that found the leak: key A runs a session on a 256-token prompt and
+closes it; key B sends the same prompt to /v1/completions. Oracle: the usage's
+provenance, which is the scheduler's own count of cached tokens (device and CPU
+tier). B must see 0 of A's tokens, over REST sessions, /v1/completions, the
+websocket and Realtime; A itself still hits (the positive control); with
+``cache_isolation=shared`` B hits again (the negative control). Timing is not
+asserted here (tests never assert wall-clock times); a cold prefill is what 0
+cached tokens means, and docs/reliability.md records the timing probe.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from tests.conftest import API_KEYS, auth, make_settings
+from tests.helpers import running_app
+
+pytestmark = pytest.mark.server
+
+ALICE, BOB = (auth(key) for key in API_KEYS)
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 700) for _ in range(256)]
+
+
+async def session_on(http: httpx.AsyncClient, tokens: list[int], headers: dict[str, str]) -> dict[str, Any]:
+    created = await http.post("/v1/sessions", json={"defaults": {"temperature": 0}}, headers=headers)
+    session_id = created.json()["id"]
+    reply = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": tokens, "max_tokens": 1},
+                            headers=headers)
+    assert reply.status_code == 200, reply.text
+    await http.delete(f"/v1/sessions/{session_id}", headers=headers)
+    return dict(reply.json()["usage"]["prompt_tokens_details"])
+
+
+async def completion_on(http: httpx.AsyncClient, tokens: list[int], headers: dict[str, str],
+                        **extra: Any) -> dict[str, Any]:
+    reply = await http.post("/v1/completions", headers=headers, json={
+        "model": "embedded-tiny", "prompt": tokens, "max_tokens": 1, "temperature": 0, **extra})
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json()["usage"]["prompt_tokens_details"])
+
+
+async def websocket_chunk(server: str, tokens: list[int], headers: dict[str, str]) -> dict[str, Any]:
+    url = server.replace("http://", "ws://") + "/v1/sessions/ws"
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        await ws.recv()  # session.created
+        await ws.send(json.dumps({"type": "input.append", "input": tokens, "max_tokens": 1}))
+        while (event := json.loads(await ws.recv()))["type"] != "response.done":
+            pass
+    return dict(event["usage"]["prompt_tokens_details"])
+
+
+async def test_a_key_sees_none_of_another_keys_cached_prompt(server: str) -> None:
+    # A prompt per probe: each of Bob's probes caches under Bob's own salt.
+    by_completion, by_session, by_websocket, from_tier = (prompt(seed) for seed in (11, 12, 13, 14))
+    async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+        for secret in (by_completion, by_session, by_websocket, from_tier):
+            assert (await session_on(http, secret, ALICE))["computed_tokens"] == 256
+        # Bob, every way in: nothing cached.
+        for probe in (await completion_on(http, by_completion, BOB), await session_on(http, by_session, BOB),
+                      await websocket_chunk(server, by_websocket, BOB)):
+            assert probe["cached_tokens"] == probe["device_tokens"] == probe["cpu_tier_tokens"] == 0, probe
+        # Nor by choosing a cache salt of his own: it stays within his key.
+        assert (await completion_on(http, from_tier, BOB, cache_salt="anything"))["cached_tokens"] == 0
+        # Alice's own requests still reuse her prefix (the positive control).
+        assert (await completion_on(http, by_completion, ALICE))["device_tokens"] >= 224
+
+        # From the CPU tier, after the device cache is dropped: the same.
+        assert (await http.post("/v1/admin/reset_device_cache", headers=ALICE)).status_code == 200
+        bob = await completion_on(http, from_tier[:224], BOB)
+        assert bob["cached_tokens"] == bob["cpu_tier_tokens"] == 0, bob
+        alice = await completion_on(http, from_tier[:224], ALICE)
+        assert alice["cpu_tier_tokens"] >= 192, alice
+
+
+async def test_negative_control_shared_caches_let_keys_probe_each_other(engine: Any) -> None:
+    settings = make_settings(api_keys=list(API_KEYS), cache_isolation="shared")
+    secret = prompt(2)
+    async with running_app(settings, engine) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+        await session_on(http, secret, ALICE)
+        leaked = await completion_on(http, secret, BOB)
+        assert leaked["cached_tokens"] >= 224, leaked
