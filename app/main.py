@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 
 from app.api import api_router
@@ -119,20 +120,30 @@ async def _exit_when_the_engine_dies(app: FastAPI, engine: Any) -> None:
         await asyncio.sleep(ENGINE_CHECK_S)
     delay = app.state.settings.engine_dead_exit_delay_s
     logger.error("the engine has died; exiting with status %d in %.0f s, to be restarted", ENGINE_DEAD_EXIT, delay)
-    app.state.engine_dead = True
+    server = getattr(app.state, "uvicorn_server", None)
     await asyncio.sleep(delay)
-    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+    if isinstance(server, AppServer):
+        server.exit_status = ENGINE_DEAD_EXIT
+        server.should_exit = True  # uvicorn's graceful shutdown; cli() then exits with the status
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)  # served some other way: ask for a stop
+
+
+class AppServer(uvicorn.Server):
+    """uvicorn's server, with the status the process exits with once it stops."""
+
+    exit_status = 0
 
 
 def cli(argv: list[str] | None = None) -> None:
-    import uvicorn
-
     settings = load_settings(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=settings.log_level.upper())
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, ws="websockets-sansio")
-    if getattr(app.state, "engine_dead", False):
-        sys.exit(ENGINE_DEAD_EXIT)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            ws="websockets-sansio")
+    app.state.uvicorn_server = server = AppServer(config)
+    server.run()
+    sys.exit(server.exit_status)
 
 
 if __name__ == "__main__":

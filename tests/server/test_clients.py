@@ -147,7 +147,8 @@ async def test_readme_examples_run(server: str) -> None:
 async def test_cli(server: str, tmp_path: Path) -> None:
     transcript = tmp_path / "meeting.txt"
     transcript.write_text("first line of the meeting\n\nsecond line\nthird line\n")
-    code, out, err = await run_python("", server, "-m", "clients.cli", "run", str(transcript), "--max-tokens", "3", "--keep")
+    code, out, err = await run_python("", server, "-m", "clients.cli", "run", str(transcript), "--max-tokens", "3", "--keep",
+                                     "--temperature", "0")
     assert code == 0, err
     assert len(out.splitlines()) == 3  # one answer per non-empty line
     assert re.search(r"\[3/3 100%\] ttft \d+ ms, 3 tokens .*device \d+, cpu tier \d+, computed \d+", err), err
@@ -156,7 +157,7 @@ async def test_cli(server: str, tmp_path: Path) -> None:
     code, out, _ = await run_python("", server, "-m", "clients.cli", "list")
     assert code == 0 and session_id in out
     code, out, _ = await run_python(
-        "", server, "-m", "clients.cli", "run", "--session", session_id, "--transport", "websocket", "--quiet",
+        "", server, "-m", "clients.cli", "run", "--session", session_id, "--transport", "websocket", "--quiet", "--temperature", "0",
         stdin=b"a live line\nanother\n",
     )
     assert code == 0 and len(out.splitlines()) == 2
