@@ -66,8 +66,9 @@ class PostgresServer:
         self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log),
                   "-o", options, "-w", "-t", "60", "start")
 
-    def stop(self) -> None:
-        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w", "stop")
+    def stop(self, mode: str = "fast") -> None:
+        """pg_ctl's shutdown modes: fast (close connections, checkpoint), immediate (an outage)."""
+        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop")
 
     def running(self) -> bool:
         return (self.data_dir / "postmaster.pid").exists()

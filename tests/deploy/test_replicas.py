@@ -227,8 +227,9 @@ async def test_every_replica_lists_every_replicas_sessions(cluster: Cluster) -> 
 
 async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(cluster: Cluster) -> None:
     a, b = (cluster.replicas[name] for name in ("replica-a", "replica-b"))
-    # The contested chunk is long, so the two appends overlap for certain.
-    budgets = [MAX_TOKENS, 120, MAX_TOKENS, MAX_TOKENS]
+    # The contested chunk decodes for seconds, so the second append surely lands
+    # while the first is answering (on 2 cores one replica's work can delay the other's).
+    budgets = [MAX_TOKENS, 400, MAX_TOKENS, MAX_TOKENS]
     async with httpx.AsyncClient(base_url=a.url, headers=HEADERS, timeout=120) as via_a, \
             httpx.AsyncClient(base_url=b.url, headers=HEADERS, timeout=120) as via_b:
         control = (await open_session(via_b)).json()["id"]
@@ -237,20 +238,26 @@ async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(clust
         session_id = (await open_session(via_a)).json()["id"]
         assert (await send(via_a, session_id, CHUNKS[0])).status_code == 200
         assert (await via_b.get(f"/v1/sessions/{session_id}")).status_code == 200  # replica-b has it loaded
-        # The same chunk through both at once: one replica takes the session's lease.
-        answers = await asyncio.gather(
-            send(via_a, session_id, CHUNKS[1], budgets[1]), send(via_b, session_id, CHUNKS[1], budgets[1])
-        )
-        codes = sorted(r.status_code for r in answers)
-        assert codes == [200, 409], [r.text for r in answers]
-        answered = next(r for r in answers if r.status_code == 200)
-        refused = next(r for r in answers if r.status_code == 409)
-        assert refused.json()["error"]["code"] == "chunk_in_flight"
-        assert answered.json()["output"]["token_ids"] == expected[1]
+        # The same chunk through both: replica-a takes the session's lease and
+        # answers; replica-b, asked while it does, refuses.
+        answered: list[int] = []
+        body = {"input": CHUNKS[1], "max_tokens": budgets[1], "stream": True}
+        async with via_a.stream("POST", f"/v1/sessions/{session_id}/chunks", json=body) as stream:
+            async for line in stream.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "delta" in event:
+                    if not answered:
+                        refused = await send(via_b, session_id, CHUNKS[1], budgets[1])
+                        assert refused.status_code == 409, refused.text
+                        assert refused.json()["error"]["code"] == "chunk_in_flight"
+                    answered += event["delta"]["token_ids"]
+        assert answered == expected[1]
         # The conversation goes on through either replica, each picking up what the
         # other added (a replica whose copy is stale reloads it from the database).
-        third = await send(via_a, session_id, CHUNKS[2])
-        fourth = await send(via_b, session_id, CHUNKS[3])
+        third = await send(via_b, session_id, CHUNKS[2])
+        fourth = await send(via_a, session_id, CHUNKS[3])
         assert [third.status_code, fourth.status_code] == [200, 200], [third.text, fourth.text]
         assert [third.json()["output"]["token_ids"], fourth.json()["output"]["token_ids"]] == expected[2:]
         for via in (via_a, via_b):

@@ -124,7 +124,7 @@ async def test_a_stopped_postgres_gives_503s_undoes_the_chunk_it_interrupted_and
 
             # The database goes away while a long chunk is answering: its answer
             # cannot be kept, so it ends with an error, and the chunk is undone.
-            events = await stream_while(http, victim, database.stop)
+            events = await stream_while(http, victim, lambda: database.stop("immediate"))
             assert events[-1]["error"]["code"] == "store_unavailable", events[-3:]
             assert any("delta" in event for event in events[:-1])
             # Down: new sessions, chunks and lists fail fast, in the OpenAI shape.
@@ -145,7 +145,7 @@ async def stream_while(http: httpx.AsyncClient, session_id: str, action: Any) ->
     """Stream a long chunk, run ``action`` (in a thread) after its first delta, and
     return every event of the stream."""
     events: list[dict[str, Any]] = []
-    body = {"input": [99] * 8, "max_tokens": 400, "stream": True}
+    body = {"input": [99] * 8, "max_tokens": 2000, "stream": True}  # seconds of decoding
     async with http.stream("POST", f"/v1/sessions/{session_id}/chunks", json=body) as stream:
         async for line in stream.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
