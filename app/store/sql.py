@@ -4,7 +4,8 @@ One code path for both (SQLAlchemy Core over aiosqlite or asyncpg); the schema i
 Alembic's (``migrations/``), brought to its newest version at start, under an
 advisory lock on PostgreSQL so replicas starting together do not race.
 
-Durability: SQLite runs in WAL mode with ``synchronous=FULL``, so a committed chunk
+Errors never carry statement parameters (``hide_parameters``): a failure logged
+at the default level holds no session metadata. Durability: SQLite runs in WAL mode with ``synchronous=FULL``, so a committed chunk
 survives a killed process and a power loss; PostgreSQL commits as it is configured.
 """
 
@@ -125,11 +126,13 @@ class SQLSessionStore(SessionStore):
             database = sa.make_url(self.url).database
             if database and database != ":memory:":
                 Path(database).parent.mkdir(parents=True, exist_ok=True)
-            engine = create_async_engine(self.url, connect_args={"timeout": STATEMENT_TIMEOUT_S})
+            engine = create_async_engine(self.url, hide_parameters=True,
+                                         connect_args={"timeout": STATEMENT_TIMEOUT_S})
             sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         else:
             engine = create_async_engine(
-                self.url, pool_pre_ping=True, pool_size=5, max_overflow=5, pool_timeout=CONNECT_TIMEOUT_S,
+                self.url, hide_parameters=True, pool_pre_ping=True, pool_size=5, max_overflow=5,
+                pool_timeout=CONNECT_TIMEOUT_S,
                 connect_args={"timeout": CONNECT_TIMEOUT_S, "command_timeout": STATEMENT_TIMEOUT_S},
             )
         self._engine = engine
