@@ -67,10 +67,14 @@ class Conversation:
     response: asyncio.Task[None] | None = None
     prepared: PreparedChunk | None = None
     _event_ids: int = 0
+    _event_prefix: str = ""
 
     def event_id(self) -> str:
+        """Unique across connections too: a random prefix per connection, then a count."""
+        if not self._event_prefix:
+            self._event_prefix = new_id("event")
         self._event_ids += 1
-        return f"event_{self.session.id[-8:]}_{self._event_ids}"
+        return f"{self._event_prefix}_{self._event_ids}"
 
     def session_config(self) -> rt.RealtimeSessionCreateRequest:
         config = rt.RealtimeSessionCreateRequest(

@@ -11,6 +11,7 @@ survives a killed process and a power loss; PostgreSQL commits as it is configur
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -116,6 +117,9 @@ class SQLSessionStore(SessionStore):
     def __init__(self, url: str):
         self.url = async_url(url)
         self._engine: AsyncEngine | None = None
+        # SQLite has one writer at a time: this process's writers queue here, in
+        # order, rather than time out in SQLite's busy handler under load.
+        self._sqlite_writer = asyncio.Lock()
 
     @property
     def dialect(self) -> str:
@@ -147,12 +151,13 @@ class SQLSessionStore(SessionStore):
             await self._engine.dispose()
 
     @contextlib.asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[AsyncConnection]:
+    async def _transaction(self, write: bool = True) -> AsyncIterator[AsyncConnection]:
         """One transaction; any failure of the database or its disk becomes
         StoreUnavailableError, after the transaction rolled back."""
         assert self._engine is not None, "start() the store first"
+        writer = self._sqlite_writer if write and self.dialect == "sqlite" else contextlib.nullcontext()
         try:
-            async with self._engine.begin() as conn:
+            async with writer, self._engine.begin() as conn:
                 yield conn
         except IntegrityError:
             raise
@@ -173,12 +178,12 @@ class SQLSessionStore(SessionStore):
             raise SessionExistsError(record.id) from exc
 
     async def get(self, session_id: str) -> SessionRecord | None:
-        async with self._transaction() as conn:
+        async with self._transaction(write=False) as conn:
             row = (await conn.execute(sa.select(*RECORD_COLUMNS).where(sessions.c.id == session_id))).first()
         return None if row is None else _record(row)
 
     async def load(self, session_id: str) -> tuple[SessionRecord, list[int]] | None:
-        async with self._transaction() as conn:
+        async with self._transaction(write=False) as conn:
             row = (await conn.execute(sa.select(*RECORD_COLUMNS).where(sessions.c.id == session_id))).first()
             if row is None:
                 return None
@@ -194,7 +199,7 @@ class SQLSessionStore(SessionStore):
         query = (sa.select(*RECORD_COLUMNS)
                  .where(sessions.c.owner == owner, sessions.c.status != "closed")
                  .order_by(sessions.c.created, sessions.c.id))
-        async with self._transaction() as conn:
+        async with self._transaction(write=False) as conn:
             return [_record(row) for row in await conn.execute(query)]
 
     async def update(self, session_id: str, **fields: Any) -> None:

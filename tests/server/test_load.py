@@ -33,7 +33,7 @@ async def one_session(url: str, seed: int) -> tuple[str, int]:
         answered = 0
         for _ in range(CHUNKS):
             chunk = [rng.randrange(1, 700) for _ in range(8)]
-            await ws.send(json.dumps({"type": "input.append", "input": chunk, "max_tokens": 4}))
+            await ws.send(json.dumps({"type": "input.append", "input": chunk, "max_tokens": 4, "ignore_eos": True}))
             while (event := json.loads(await ws.recv()))["type"] != "response.done":
                 assert event["type"] == "response.output.delta", event
             assert event["usage"]["completion_tokens"] == 4

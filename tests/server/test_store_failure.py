@@ -114,7 +114,7 @@ async def test_a_full_disk_gives_503s_and_the_server_recovers_when_space_returns
 @needs_postgres
 async def test_a_stopped_postgres_gives_503s_undoes_the_chunk_it_interrupted_and_recovers(engine: Any) -> None:
     with postgres_server() as database:
-        settings = make_settings(api_keys=list(API_KEYS), store_url=database.url)
+        settings = make_settings(api_keys=list(API_KEYS), store_url=database.url, max_chunk_output_tokens=4000)
         async with running_app(settings, engine) as url, \
                 httpx.AsyncClient(base_url=url, headers=auth(), timeout=120) as http:
             expected = await expected_outputs(http)
