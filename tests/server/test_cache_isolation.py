@@ -8,7 +8,7 @@ tier). B must see 0 of A's tokens, over REST sessions, /v1/completions, the
 websocket and Realtime; A itself still hits (the positive control); with
 ``cache_isolation=shared`` B hits again (the negative control). Timing is not
 asserted here (tests never assert wall-clock times); a cold prefill is what 0
-cached tokens means, and docs/reliability.md records the timing probe.
+cached tokens means; the timing probe is a benchmark, benchmarks/isolation.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The real app over real websockets on the shared engine, whose 16 engine slots are
 fewer than the sessions, so sessions park and resume under load. Every chunk must
 be answered (0 errors), and afterwards no engine request and no session is left.
-No timings are asserted (docs/reliability.md records them).
+No timings are asserted.
 """
 
 from __future__ import annotations
