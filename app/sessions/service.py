@@ -185,9 +185,9 @@ class SessionService:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        # A durable session outlives the server: it is only parked in the store's eyes.
+        # Sessions end here, not in the store: a durable one is there, parked, for the next server.
         await asyncio.gather(
-            *(self._close(s, "server_shutdown", persist=not self._store.durable) for s in list(self._sessions.values())),
+            *(self._close(s, "server_shutdown", persist=False) for s in list(self._sessions.values())),
             return_exceptions=True,
         )
         await self._store.close()

@@ -79,6 +79,23 @@ async def expected_outputs(http: httpx.AsyncClient) -> list[list[int]]:
     return outputs
 
 
+async def control_and_victim(http: httpx.AsyncClient) -> tuple[list[list[int]], str, list[int]]:
+    """The control's outputs, and a session that has answered the first chunk, with its transcript."""
+    expected = await expected_outputs(http)
+    victim = await open_session(http)
+    assert (await send(http, victim, CHUNKS[0])).status_code == 200
+    transcript = (await http.get(f"/v1/sessions/{victim}/transcript")).json()["token_ids"]
+    return expected, victim, transcript
+
+
+async def assert_goes_on_as_the_control(http: httpx.AsyncClient, session_id: str, expected: list[list[int]]) -> None:
+    """The rest of the conversation answers, token for token as the uninterrupted control."""
+    for index in (1, 2):
+        response = await send(http, session_id, CHUNKS[index])
+        assert response.status_code == 200, response.text
+        assert response.json()["output"]["token_ids"] == expected[index]
+
+
 async def assert_state(http: httpx.AsyncClient, session_id: str, num_chunks: int, transcript: list[int]) -> None:
     state = (await http.get(f"/v1/sessions/{session_id}")).json()
     assert state["num_chunks"] == num_chunks and state["status"] != "closed", state
@@ -92,10 +109,7 @@ async def test_a_full_disk_gives_503s_and_the_server_recovers_when_space_returns
         settings = make_settings(api_keys=list(API_KEYS), state_dir=str(state_dir))
         async with running_app(settings, engine) as url, \
                 httpx.AsyncClient(base_url=url, headers=auth(), timeout=120) as http:
-            expected = await expected_outputs(http)
-            victim = await open_session(http)
-            assert (await send(http, victim, CHUNKS[0])).status_code == 200
-            transcript = (await http.get(f"/v1/sessions/{victim}/transcript")).json()["token_ids"]
+            expected, victim, transcript = await control_and_victim(http)
 
             filler = await asyncio.to_thread(fill, state_dir)
             refused = assert_openai_error(await send(http, victim, CHUNKS[1]), 503, "store_unavailable")
@@ -104,10 +118,7 @@ async def test_a_full_disk_gives_503s_and_the_server_recovers_when_space_returns
             await assert_state(http, victim, 1, transcript)
 
             filler.unlink()
-            for index in (1, 2):
-                response = await send(http, victim, CHUNKS[index])
-                assert response.status_code == 200, response.text
-                assert response.json()["output"]["token_ids"] == expected[index]
+            await assert_goes_on_as_the_control(http, victim, expected)
             assert (await http.post("/v1/sessions")).status_code == 201
 
 
@@ -117,10 +128,7 @@ async def test_a_stopped_postgres_gives_503s_undoes_the_chunk_it_interrupted_and
         settings = make_settings(api_keys=list(API_KEYS), store_url=database.url, max_chunk_output_tokens=4000)
         async with running_app(settings, engine) as url, \
                 httpx.AsyncClient(base_url=url, headers=auth(), timeout=120) as http:
-            expected = await expected_outputs(http)
-            victim = await open_session(http)
-            assert (await send(http, victim, CHUNKS[0])).status_code == 200
-            transcript = (await http.get(f"/v1/sessions/{victim}/transcript")).json()["token_ids"]
+            expected, victim, transcript = await control_and_victim(http)
 
             # The database goes away while a long chunk is answering: its answer
             # cannot be kept, so it ends with an error, and the chunk is undone.
@@ -134,10 +142,7 @@ async def test_a_stopped_postgres_gives_503s_undoes_the_chunk_it_interrupted_and
             await assert_state(http, victim, 1, transcript)
 
             await asyncio.to_thread(database.start)
-            for index in (1, 2):
-                response = await send(http, victim, CHUNKS[index])
-                assert response.status_code == 200, response.text
-                assert response.json()["output"]["token_ids"] == expected[index]
+            await assert_goes_on_as_the_control(http, victim, expected)
             assert victim in {s["id"] for s in (await http.get("/v1/sessions")).json()["data"]}
 
 
