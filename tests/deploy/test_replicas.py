@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -130,6 +131,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield Cluster(proxy, {r.name: r for r in replicas})
 
 
+@contextlib.contextmanager
+def paused(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Stop a replica's API server process (its engine core runs on; the lease it
+    holds stays valid for ``session_lease_s``), and continue it afterwards."""
+    process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
 def stop_process(process: subprocess.Popen[bytes]) -> None:
     process.terminate()
     try:
@@ -227,9 +239,7 @@ async def test_every_replica_lists_every_replicas_sessions(cluster: Cluster) -> 
 
 async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(cluster: Cluster) -> None:
     a, b = (cluster.replicas[name] for name in ("replica-a", "replica-b"))
-    # The contested chunk decodes for seconds, so the second append surely lands
-    # while the first is answering (on 2 cores one replica's work can delay the other's).
-    budgets = [MAX_TOKENS, 400, MAX_TOKENS, MAX_TOKENS]
+    budgets = [MAX_TOKENS, 64, MAX_TOKENS, MAX_TOKENS]
     async with httpx.AsyncClient(base_url=a.url, headers=HEADERS, timeout=120) as via_a, \
             httpx.AsyncClient(base_url=b.url, headers=HEADERS, timeout=120) as via_b:
         control = (await open_session(via_b)).json()["id"]
@@ -239,7 +249,9 @@ async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(clust
         assert (await send(via_a, session_id, CHUNKS[0])).status_code == 200
         assert (await via_b.get(f"/v1/sessions/{session_id}")).status_code == 200  # replica-b has it loaded
         # The same chunk through both: replica-a takes the session's lease and
-        # answers; replica-b, asked while it does, refuses.
+        # answers; replica-b, asked while it does, refuses. Replica-a's server is
+        # paused (SIGSTOP) after its first delta, so it provably holds the lease and
+        # has not committed when replica-b is asked, however the 2 cores are shared.
         answered: list[int] = []
         body = {"input": CHUNKS[1], "max_tokens": budgets[1], "stream": True}
         async with via_a.stream("POST", f"/v1/sessions/{session_id}/chunks", json=body) as stream:
@@ -249,7 +261,9 @@ async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(clust
                 event = json.loads(line[len("data: "):])
                 if "delta" in event:
                     if not answered:
-                        refused = await send(via_b, session_id, CHUNKS[1], budgets[1])
+                        with paused(a.server.process):
+                            assert (await via_b.get(f"/v1/sessions/{session_id}")).json()["num_chunks"] == 1
+                            refused = await send(via_b, session_id, CHUNKS[1], budgets[1])
                         assert refused.status_code == 409, refused.text
                         assert refused.json()["error"]["code"] == "chunk_in_flight"
                     answered += event["delta"]["token_ids"]
