@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.errors import send_http_error, unauthorized
+from app.errors import send_refusal, unauthorized
 
 ANONYMOUS = "anonymous"
 ALWAYS_OPEN_PATHS = frozenset({"/health"})
@@ -69,15 +68,5 @@ class APIKeyMiddleware:
             state["owner"] = ANONYMOUS
             await self.app(scope, receive, send)
             return
-        error = unauthorized()
-        if scope["type"] == "http":
-            await send_http_error(send, error, [(b"www-authenticate", b"Bearer")])
-            return
-        # Websocket: accept, say why in the OpenAI error shape, close with 1008.
-        message = await receive()
-        if message["type"] != "websocket.connect":
-            return
-        await send({"type": "websocket.accept"})
-        event = {"type": "error", "event_id": "event_auth", "error": {**error.body()["error"], "event_id": None}}
-        await send({"type": "websocket.send", "text": json.dumps(event)})
-        await send({"type": "websocket.close", "code": 1008, "reason": "invalid api key"})
+        await send_refusal(scope, receive, send, unauthorized(), ws_close_code=1008,
+                           extra_headers=[(b"www-authenticate", b"Bearer")])

@@ -16,17 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import secrets
 from pathlib import Path
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from app.errors import APIError, send_http_error
 from app.settings import Settings
 
-# vLLM's OpenAI routes whose bodies take a cache_salt.
-SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 SECRET_FILE = "cache_salt_secret"
 
 
@@ -62,57 +56,3 @@ def cache_salter(settings: Settings) -> CacheSalter | None:
         return None
     secret = settings.cache_salt_secret.get_secret_value() if settings.cache_salt_secret else None
     return CacheSalter(load_secret(secret, settings.resolved_state_dir()))
-
-
-class CacheSaltMiddleware:
-    """Give every ``/v1/completions`` and ``/v1/chat/completions`` body the caller's
-    cache salt, in place of (and derived from) any the client sent; vLLM's own
-    endpoints stay unchanged. Bodies that are not a JSON object pass through
-    untouched, for vLLM to refuse."""
-
-    def __init__(self, app: ASGIApp, salter: CacheSalter, max_bytes: int):
-        self.app = app
-        self.salter = salter
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in SALTED_PATHS:
-            await self.app(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                error = APIError(413, f"The request body exceeds {self.max_bytes} bytes.",
-                                 code="request_too_large", type="invalid_request_error")
-                await send_http_error(send, error)
-                return
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
-        owner = str(scope.get("state", {}).get("owner", "anonymous"))
-        try:
-            payload = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            payload = None
-        if isinstance(payload, dict):
-            client_salt = payload.get("cache_salt")
-            payload["cache_salt"] = self.salter.salt(owner, client_salt if isinstance(client_salt, str) else None)
-            body = json.dumps(payload).encode()
-        headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
-        headers.append((b"content-length", str(len(body)).encode()))
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app({**scope, "headers": headers}, replay, send)

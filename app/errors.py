@@ -12,9 +12,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
+
+
+class OpenAIErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIErrorBody(BaseModel):
+    """Every error this app sends, in the OpenAI shape."""
+
+    error: OpenAIErrorInfo
 
 
 class APIError(Exception):
@@ -116,6 +130,24 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(error, headers=headers)
 
 
+def declare_error_codes(app: FastAPI) -> None:
+    """State in the OpenAPI schema what error codes are: vLLM's ``ErrorInfo``
+    declares an integer (its own handlers send the HTTP status), while the errors
+    this app sends on the same routes carry OpenAI's string codes."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        info = schema.get("components", {}).get("schemas", {}).get("ErrorInfo")
+        if info is not None and "code" in info.get("properties", {}):
+            info["properties"]["code"] = {
+                "anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}], "title": "Code",
+            }
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at this path (Starlette's own 405 names only
     the first route's, where several routes share a path)."""
@@ -133,5 +165,24 @@ async def send_http_error(
     """Answer an HTTP request from ASGI middleware with an OpenAI-shaped error."""
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode(), value.encode()) for name, value in (error.headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})
+
+
+async def send_refusal(
+    scope: Scope, receive: Receive, send: Send, error: APIError, *,
+    ws_close_code: int, extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """Refuse a request from ASGI middleware: HTTP gets the error response; a
+    websocket is accepted, told why in an error event, and closed with
+    ``ws_close_code`` (browsers cannot read an HTTP refusal of a handshake)."""
+    if scope["type"] == "http":
+        await send_http_error(send, error, extra_headers)
+        return
+    if (await receive())["type"] != "websocket.connect":
+        return
+    await send({"type": "websocket.accept"})
+    event = {"type": "error", "event_id": f"event_{error.code}", "error": {**error.body()["error"], "event_id": None}}
+    await send({"type": "websocket.send", "text": json.dumps(event)})
+    await send({"type": "websocket.close", "code": ws_close_code, "reason": error.code})

@@ -23,9 +23,15 @@ from fastapi import FastAPI
 
 from app.api import api_router
 from app.auth import APIKeyMiddleware
-from app.cache_salt import CacheSaltMiddleware, cache_salter
-from app.errors import install_error_handlers
-from app.middleware import BodySizeLimitMiddleware, EngineDeadMiddleware, ReplicaHeaderMiddleware
+from app.cache_salt import cache_salter
+from app.errors import declare_error_codes, install_error_handlers
+from app.limits import KeyLimits, RateLimitMiddleware
+from app.middleware import (
+    BodySizeLimitMiddleware,
+    EngineDeadMiddleware,
+    OpenAIRequestMiddleware,
+    ReplicaHeaderMiddleware,
+)
 from app.openai_usage import UsageProvenanceMiddleware
 from app.sessions.service import SessionService
 from app.settings import Settings, load_settings
@@ -65,6 +71,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.title = "streaming-sessions"
     app.description = "Streaming-input LLM sessions over REST and websocket, beside vLLM's OpenAI API."
     vllm_lifespan = app.router.lifespan_context
+    limits = KeyLimits(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -73,7 +80,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         owns_engine = engine is None
         llm = engine if engine is not None else build_engine(settings)
         await init_app_state(llm, app.state, args, SUPPORTED_TASKS)
-        service = SessionService.on_engine(llm, settings)
+        service = SessionService.on_engine(llm, settings, limits=limits)
         app.state.settings = settings
         app.state.provenance = service.recorder
         app.state.session_service = service
@@ -92,15 +99,22 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.router.lifespan_context = lifespan
     app.include_router(api_router)
     install_error_handlers(app)
+    declare_error_codes(app)
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
     # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.
     app.middleware_stack = None
-    # Added last runs first: keys, body size, cache salts, a dead engine, usage rewriting.
+    # Added last runs first: keys, rate limits, body size, cache salts and token
+    # counts, a dead engine, usage rewriting.
     app.add_middleware(UsageProvenanceMiddleware)
     app.add_middleware(EngineDeadMiddleware)
-    if (salter := cache_salter(settings)) is not None:
-        app.add_middleware(CacheSaltMiddleware, salter=salter, max_bytes=settings.max_request_body_bytes)
+    salter = cache_salter(settings)
+    if salter is not None or limits.counts_tokens:
+        app.add_middleware(
+            OpenAIRequestMiddleware, salter=salter, limits=limits if limits.counts_tokens else None,
+            max_bytes=settings.max_request_body_bytes, default_max_tokens=settings.max_chunk_output_tokens,
+        )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(RateLimitMiddleware, limits=limits)
     if settings.replica_name:
         app.add_middleware(ReplicaHeaderMiddleware, replica_name=settings.replica_name)
     app.add_middleware(
@@ -129,6 +143,15 @@ async def _exit_when_the_engine_dies(app: FastAPI, engine: Any) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # served some other way: ask for a stop
 
 
+def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """How the app is served: its websocket message limit is uvicorn's (1009 over it)."""
+    options: dict[str, Any] = {
+        "host": settings.host, "port": settings.port, "log_level": settings.log_level,
+        "ws": "websockets-sansio", "ws_max_size": settings.ws_max_message_bytes, **overrides,
+    }
+    return uvicorn.Config(app, **options)
+
+
 class AppServer(uvicorn.Server):
     """uvicorn's server, with the status the process exits with once it stops."""
 
@@ -139,9 +162,7 @@ def cli(argv: list[str] | None = None) -> None:
     settings = load_settings(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=settings.log_level.upper())
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            ws="websockets-sansio")
-    app.state.uvicorn_server = server = AppServer(config)
+    app.state.uvicorn_server = server = AppServer(uvicorn_config(app, settings))
     server.run()
     sys.exit(server.exit_status)
 

@@ -1,4 +1,5 @@
-"""Small ASGI middlewares: request size limit, replica naming, a dead engine."""
+"""Small ASGI middlewares: request size limit, replica naming, a dead engine, and
+the cache salt and token count of vLLM's OpenAI requests."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import APIError, send_http_error
+from app.cache_salt import CacheSalter
+from app.errors import APIError, send_http_error, send_refusal
+from app.limits import KeyLimits, estimated_tokens, owner_of
 
 
 class BodySizeLimitMiddleware:
@@ -74,13 +77,75 @@ class EngineDeadMiddleware:
         if engine is None or not engine.errored or path in ENGINE_FREE_PATHS or path.startswith("/metrics/"):
             await self.app(scope, receive, send)
             return
-        error = engine_dead_error()
-        if scope["type"] == "http":
-            await send_http_error(send, error, [(b"retry-after", b"5")])
+        await send_refusal(scope, receive, send, engine_dead_error(), ws_close_code=1011)
+
+
+# vLLM's OpenAI routes whose bodies take a cache_salt and count tokens.
+OPENAI_GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class OpenAIRequestMiddleware:
+    """Read each ``/v1/completions`` and ``/v1/chat/completions`` body once to give
+    it the caller's cache salt, in place of (and derived from) any the client sent
+    (``salter``), and to charge its estimated tokens to the caller's key
+    (``limits``). vLLM's own endpoints stay unchanged. Bodies that are not a JSON
+    object pass through untouched, for vLLM to refuse."""
+
+    def __init__(
+        self, app: ASGIApp, salter: CacheSalter | None, limits: KeyLimits | None, max_bytes: int,
+        default_max_tokens: int,
+    ):
+        self.app = app
+        self.salter = salter
+        self.limits = limits
+        self.max_bytes = max_bytes
+        self.default_max_tokens = default_max_tokens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in OPENAI_GENERATE_PATHS:
+            await self.app(scope, receive, send)
             return
-        if (await receive())["type"] != "websocket.connect":
-            return
-        await send({"type": "websocket.accept"})
-        event = {"type": "error", "event_id": "event_engine_dead", "error": {**error.body()["error"], "event_id": None}}
-        await send({"type": "websocket.send", "text": json.dumps(event)})
-        await send({"type": "websocket.close", "code": 1011, "reason": "engine_dead"})
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                error = APIError(413, f"The request body exceeds {self.max_bytes} bytes.",
+                                 code="request_too_large", type="invalid_request_error")
+                await send_http_error(send, error)
+                return
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        owner = owner_of(scope)
+        try:
+            payload = json.loads(body)
+        except (ValueError, RecursionError):  # not JSON (nor UTF-8), or nested too deep: vLLM refuses it
+            payload = None
+        if isinstance(payload, dict):
+            if self.limits is not None:
+                try:
+                    await self.limits.charge_tokens(owner, estimated_tokens(payload, self.default_max_tokens))
+                except APIError as error:
+                    await send_http_error(send, error)
+                    return
+            if self.salter is not None:
+                client_salt = payload.get("cache_salt")
+                payload["cache_salt"] = self.salter.salt(owner, client_salt if isinstance(client_salt, str) else None)
+                body = json.dumps(payload).encode()
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app({**scope, "headers": headers}, replay, send)

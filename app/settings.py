@@ -133,6 +133,35 @@ class Settings(BaseSettings):
     )
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
 
+    # --- limits per API key (see app/limits.py) ------------------------------
+    rate_limit_requests_per_minute: int = Field(
+        default=0, ge=0,
+        description="Requests per minute per key (HTTP requests, websocket connections and chunk "
+        "appends), over a moving window; over it, 429 rate_limit_exceeded with Retry-After. 0: no limit.",
+    )
+    rate_limit_tokens_per_minute: int = Field(
+        default=0, ge=0,
+        description="Tokens per minute per key, counted when a request is admitted: its new input "
+        "tokens plus max_tokens. 0: no limit.",
+    )
+    rate_limit_storage_url: str = Field(
+        default="async+memory://",
+        description="Where the windows are kept (a limits storage URL): this process's memory, or "
+        "e.g. async+redis://host:6379 for one budget per key across replicas.",
+    )
+    ws_max_message_bytes: int = Field(
+        default=1024 * 1024, gt=0,
+        description="Largest websocket message; a larger one closes the connection with 1009.",
+    )
+    ws_events_per_second: int = Field(
+        default=100, ge=0,
+        description="Client events per second per websocket connection; over it, an error event and "
+        "the event is dropped. 0: no limit.",
+    )
+    ws_max_connections_per_key: int = Field(
+        default=256, ge=0, description="Open websocket connections per key on this replica. 0: no limit."
+    )
+
     engine_dead_exit_delay_s: float = Field(
         default=5.0, ge=0,
         description="When the engine dies the server answers 503 engine_dead (and /health 503) for "

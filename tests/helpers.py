@@ -182,11 +182,10 @@ async def running_app(settings: Settings, engine: Any) -> AsyncIterator[str]:
     """
     import uvicorn
 
-    from app.main import create_app
+    from app.main import create_app, uvicorn_config
 
     app = create_app(settings, engine=engine)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets-sansio", lifespan="on")
-    uv_server = uvicorn.Server(config)
+    uv_server = uvicorn.Server(uvicorn_config(app, settings, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
     task = asyncio.create_task(uv_server.serve())
     while not uv_server.started:
         if task.done():

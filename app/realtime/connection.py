@@ -11,14 +11,13 @@ from fastapi import WebSocket, WebSocketDisconnect
 from openai.types import realtime as rt
 from pydantic import BaseModel
 
-from app.realtime.protocol import ClientEventError, dump, parse_client_event
+from app.errors import APIError
+from app.realtime.protocol import ClientEventError, dump, new_id, parse_client_event
 from app.realtime.serving import Conversation
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
 
 logger = logging.getLogger(__name__)
-# The largest client event we read; a chunk's text is far smaller.
-MAX_EVENT_BYTES = 1 << 20
 
 
 class RealtimeConnection:
@@ -29,6 +28,7 @@ class RealtimeConnection:
         self.owner = owner
         self.owns_session = owns_session  # a session opened here ends with the connection
         self._send_lock = asyncio.Lock()
+        self._connection_id = new_id("conn")
         self.conversation = Conversation(service, owner, session, service.tokenizer, self.send)
 
     async def send(self, event: BaseModel) -> None:
@@ -59,6 +59,7 @@ class RealtimeConnection:
                     await self.send_error(ClientEventError("Client events are JSON text frames.", "invalid_event"))
                     continue
                 try:
+                    await self._admit_event()
                     await self.handle(raw)
                 except ClientEventError as error:
                     await self.send_error(error)
@@ -67,13 +68,20 @@ class RealtimeConnection:
             if self.owns_session and not conversation.session.closed:
                 await self.service.close(self.owner, conversation.session.id, reason="connection_closed")
 
+    async def _admit_event(self) -> None:
+        """The per-connection event rate (frame size is uvicorn's ws_max_size)."""
+        try:
+            await self.service.limits.admit_event(self.owner, self._connection_id)
+        except APIError as exc:
+            raise ClientEventError(exc.message, exc.code) from None
+
     async def handle(self, raw: str) -> None:
-        if len(raw) > MAX_EVENT_BYTES:
-            raise ClientEventError(f"A client event may be at most {MAX_EVENT_BYTES} bytes.", "event_too_large")
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise ClientEventError(f"Invalid JSON: {exc.msg}.", "invalid_json") from None
+        except (ValueError, RecursionError):  # an int past Python's digit limit, nested too deep
+            raise ClientEventError("Invalid JSON: too deeply nested, or a number too long.", "invalid_json") from None
         event = parse_client_event(data)
         conversation = self.conversation
         if isinstance(event, rt.SessionUpdateEvent):

@@ -173,6 +173,7 @@ class Conversation:
         input_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         options = SamplingOptions(max_tokens=max_tokens or self.service.max_chunk_output_tokens)
         try:
+            await self.service.limits.admit_request(self.owner)
             self.prepared = await self.service.prepare_chunk(
                 self.owner, self.session.id, input_ids, options, transport="realtime", wait=True
             )

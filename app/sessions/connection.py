@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import logging
+import secrets
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -55,6 +56,7 @@ class SessionConnection:
         self._event_ids = itertools.count()
         self._appends: asyncio.Queue[InputAppendEvent] = asyncio.Queue(MAX_QUEUED_APPENDS)
         self._send_lock = asyncio.Lock()
+        self._connection_id = f"conn_{secrets.token_hex(8)}"
 
     def _event_id(self) -> str:
         return f"event_{next(self._event_ids)}"
@@ -100,10 +102,23 @@ class SessionConnection:
                 raw = await self.websocket.receive_text()
             except WebSocketDisconnect:
                 return
+            except KeyError:  # a binary frame
+                await self.send_error(APIError(400, "Client events are JSON text frames.", code="invalid_event"))
+                continue
+            try:
+                await self.service.limits.admit_event(self.owner, self._connection_id)
+            except APIError as exc:
+                await self.send_error(exc)
+                continue
             event = await self._parse(raw)
             if event is None:
                 continue
             if isinstance(event, InputAppendEvent):
+                try:
+                    await self.service.limits.admit_request(self.owner)
+                except APIError as exc:
+                    await self.send_error(exc, event.event_id)
+                    continue
                 if self._appends.full():
                     await self.send_error(
                         APIError(429, "Too many appends queued on this connection.", code="too_many_queued_appends"),
@@ -129,7 +144,7 @@ class SessionConnection:
     async def _parse(self, raw: str) -> Any:
         try:
             data = json.loads(raw)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, an int past Python's digit limit, nested too deep
             await self.send_error(APIError(400, "The event is not valid JSON.", code="invalid_json"))
             return None
         client_event_id = data.get("event_id") if isinstance(data, dict) else None

@@ -12,6 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 # -- sampling ----------------------------------------------------------------------
 
 
+# Client input is taken as the schema states it: no unknown fields, and no
+# coercion ("1" is not an integer, 0 is not a boolean), so the published OpenAPI
+# schema is exactly what the server accepts.
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class SamplingOptions(BaseModel):
     """Sampling settings for one chunk; unset fields fall back to the session defaults.
 
@@ -19,7 +25,7 @@ class SamplingOptions(BaseModel):
     ``n`` and ``stop`` are absent on purpose.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     max_tokens: int | None = Field(default=None, ge=1, description="Tokens to generate after this chunk.")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -43,9 +49,11 @@ class SessionDefaults(SamplingOptions):
 
 Metadata = Annotated[dict[str, str], Field(max_length=16)]
 ChunkInput = Annotated[
-    str | list[Annotated[int, Field(ge=0)]],
-    Field(description="The chunk: text, or token ids.", min_length=1),
+    Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)],
+    Field(description="The chunk: text, or token ids (each below the model's vocabulary size)."),
 ]
+# A client-chosen session id (the X-Session-ID header).
+SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 
 # -- usage ---------------------------------------------------------------------------
 
@@ -75,7 +83,7 @@ SessionStatus = Literal["active", "generating", "parked", "closed"]
 
 
 class SessionCreateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = Field(default=None, description="Must name the served model when given.")
     defaults: SessionDefaults = Field(default_factory=SessionDefaults)
@@ -168,7 +176,7 @@ class ResetCacheResponse(BaseModel):
 
 
 class _ClientEvent(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     event_id: str | None = Field(default=None, description="Echoed in errors about this event.")
 

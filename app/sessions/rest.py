@@ -7,14 +7,15 @@ import contextlib
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import StreamingResponse
 
 from app.deps import OwnerDep, ServiceDep
-from app.errors import APIError
+from app.errors import APIError, OpenAIErrorBody
 from app.sessions.protocol import (
+    SESSION_ID_PATTERN,
     ChunkDeltaEvent,
     ChunkDoneEvent,
     ChunkOutput,
@@ -31,12 +32,18 @@ from app.sessions.session import ChunkResult
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
-ERROR_RESPONSES: dict[int | str, dict[str, str]] = {
-    400: {"description": "Invalid request (OpenAI error shape)"},
-    401: {"description": "Missing or invalid API key"},
-    404: {"description": "Unknown session"},
-    409: {"description": "Session closed, or a chunk already in flight"},
-    503: {"description": "No room on the device for this chunk now (server_busy, with Retry-After)"},
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": description, "model": OpenAIErrorBody}
+    for status, description in {
+        400: "Invalid request",
+        401: "Missing or invalid API key",
+        404: "Unknown session",
+        409: "Session closed, or a chunk already in flight",
+        413: "Request body too large",
+        429: "Rate limit of the API key, or the server's session limit, reached (with Retry-After)",
+        503: "No room on the device for this chunk now (server_busy), the store or the engine unavailable "
+        "(with Retry-After)",
+    }.items()
 }
 
 T = TypeVar("T")
@@ -47,7 +54,10 @@ async def create_session(
     service: ServiceDep,
     owner: OwnerDep,
     body: SessionCreateRequest | None = None,
-    x_session_id: Annotated[str | None, Header(description="Choose the session id (for session-affine proxies).")] = None,
+    x_session_id: Annotated[
+        str | None,
+        Header(description="Choose the session id (for session-affine proxies).", pattern=SESSION_ID_PATTERN),
+    ] = None,
 ) -> SessionObject:
     """Open a streaming-input session. Optional body: per-session sampling defaults and metadata."""
     session = await service.create(owner, body or SessionCreateRequest(), session_id=x_session_id)

@@ -40,11 +40,13 @@ from vllm.sampling_params import RequestOutputKind
 from app.cache_salt import CacheSalter, cache_salter
 from app.engine import scheduler_observer
 from app.errors import APIError, session_not_found
+from app.limits import KeyLimits
 from app.metrics import SessionMetrics, session_metrics
 from app.provenance import ProvenanceRecorder
 from app.sessions.admission import DeviceCapacity
 from app.sessions.protocol import (
     SAMPLING_FIELDS,
+    SESSION_ID_PATTERN,
     SamplingOptions,
     SessionCreateRequest,
     SessionDefaults,
@@ -70,7 +72,7 @@ from app.store import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16
-SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+SESSION_ID = re.compile(SESSION_ID_PATTERN)
 # Closed sessions are remembered this many at a time, so a late append gets
 # "closed (expired)" rather than "unknown".
 CLOSED_SESSIONS_KEPT = 1024
@@ -104,6 +106,7 @@ class SessionService:
         recorder: ProvenanceRecorder | None = None,
         store: SessionStore | None = None,
         salter: CacheSalter | None = None,
+        limits: KeyLimits | None = None,
     ):
         self._engine = engine
         self._settings = settings
@@ -113,6 +116,7 @@ class SessionService:
         self._recorder = recorder
         self._store = store if store is not None else NullStore()
         self._salter = salter
+        self.limits = limits if limits is not None else KeyLimits(settings)
         self._replica = settings.resolved_replica_id()
         self._vocab_size = engine.model_config.get_vocab_size()
         self._max_context = min(settings.max_model_len, engine.model_config.max_model_len)
@@ -130,7 +134,7 @@ class SessionService:
     @classmethod
     def on_engine(
         cls, engine: Any, settings: Settings, recorder: ProvenanceRecorder | None = None,
-        store: SessionStore | None = None,
+        store: SessionStore | None = None, limits: KeyLimits | None = None,
     ) -> SessionService:
         """The service as the server builds it: the served model's name, the engine's
         tokenizer, the process-wide metrics, the store of the settings (or ``store``),
@@ -150,6 +154,7 @@ class SessionService:
             recorder=recorder,
             store=store if store is not None else open_store(settings),
             salter=cache_salter(settings),
+            limits=limits,
         )
 
     @property
@@ -380,7 +385,7 @@ class SessionService:
 
     async def _load(self, session_id: str) -> StreamingSession | None:
         """A session from the store, parked (or closed), now held here too."""
-        if not self._store.durable or not SESSION_ID_PATTERN.fullmatch(session_id):
+        if not self._store.durable or not SESSION_ID.fullmatch(session_id):
             return None
         async with self._store_errors():
             loaded = await self._store.load(session_id)
@@ -511,6 +516,7 @@ class SessionService:
         input_ids = self._encode(chunk_input)
         params = self._sampling_params(session, options)
         self._check_chunk(session, input_ids, params)
+        await self.limits.charge_tokens(owner, len(input_ids) + (params.max_tokens or 0))
         # A session being parked is not busy: its chunk waits the few milliseconds.
         if not wait and session.lock.locked() and not session.parking:
             raise self._chunk_in_flight()
@@ -698,7 +704,7 @@ class SessionService:
 
     # ------------------------------------------------------------------ checks
     def _check_session_id(self, session_id: str) -> None:
-        if not SESSION_ID_PATTERN.fullmatch(session_id):
+        if not SESSION_ID.fullmatch(session_id):
             raise APIError(
                 400, "A session id is 1 to 128 letters, digits, '_', '-' or '.', starting with a letter or digit.",
                 code="invalid_session_id", param="X-Session-ID",

@@ -31,7 +31,7 @@ def run_quick(module: str, out: Path) -> dict:
 
 def test_resume_quick(tmp_path: Path) -> None:
     result = run_quick("resume", tmp_path)
-    assert set(result["per_turn"]) == {"in-process", "ours-sse", "ours-ws", "vllm-prefix-on", "vllm-prefix-off"}
+    assert set(result["per_turn"]) == {"in-process", "ours-sse", "ours-ws", "vllm-prefix-on"}
     assert all(len(turns) == 3 for turns in result["per_turn"].values())
     assert result["summary"]["http_overhead_ttft_ratio_max"] > 0
 
@@ -75,3 +75,17 @@ def test_store_quick(tmp_path: Path) -> None:
     assert row["sources"]["cpu_tier"]["cpu_tier_tokens"] >= 96
     restarted = row["sources"]["restart_recompute"]
     assert restarted["cpu_tier_tokens"] == 0 and restarted["computed_tokens"] >= 96
+
+
+def test_transport_quick(tmp_path: Path) -> None:
+    result = run_quick("transport", tmp_path)
+    assert set(result["per_side"]) == {"in-process", "rest", "sse", "websocket"}
+    assert all(len(samples) == 8 for samples in result["samples_ms"].values())
+
+
+def test_soak_quick(tmp_path: Path) -> None:
+    result = run_quick("soak", tmp_path)
+    summary = result["summary"]
+    assert summary["errors"] == 0, result["errors_sample"]
+    assert summary["chunks"] > 0 and summary["sessions_left_open"] == 0
+    assert all(row["rss_mb"] > 0 for row in result["windows"])

@@ -1,0 +1,170 @@
+"""What each transport adds to a chunk: REST, SSE and websocket against the same
+session driven in process on AsyncLLM (the floor: the engine's own streaming input).
+
+One session per side, --chunks chunks of one token each with max_tokens=1 (so the
+engine's work is as small as it gets and what is left is the transport), after
+--warmup chunks; per side the p50 and p90 of the chunk's round trip (send to the
+chunk's end), and the p50 over the floor in milliseconds. Raw httpx and websockets
+clients (keep-alive), so the client library adds nothing either. No store
+(store_url=none), so the figures are the transport's, not the database's
+(benchmarks/store.py measures that).
+
+    python -m benchmarks.transport            # tiny model, float32, 60 chunks
+    python -m benchmarks.transport --quick    # 8 chunks (the test suite's smoke run)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import websockets
+
+from benchmarks.common import (
+    API_KEY,
+    EngineSetup,
+    benchmark_parser,
+    finish,
+    in_process_engine,
+    our_server,
+    percentile,
+    pyplot,
+    quick_engine,
+)
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+SIDES = ("in-process", "rest", "sse", "websocket")
+
+
+def chunks(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 700)] for _ in range(count)]
+
+
+async def in_process(setup: EngineSetup, inputs: list[list[int]]) -> list[float]:
+    from vllm import SamplingParams
+    from vllm.engine.protocol import StreamingInput
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    engine, _, _ = in_process_engine(setup, f"embedded-{setup.preset}")
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    queue: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
+
+    async def feed() -> Any:
+        while (item := await queue.get()) is not None:
+            yield item
+
+    times = []
+    try:
+        outputs = engine.generate(prompt=feed(), sampling_params=params, request_id="transport-floor")
+        for chunk in inputs:
+            start = time.perf_counter()
+            queue.put_nowait(StreamingInput(prompt=tokens_input(list(chunk)), sampling_params=params))
+            async for output in outputs:
+                if output.outputs[0].finish_reason is not None:
+                    break
+            times.append(time.perf_counter() - start)
+        queue.put_nowait(None)
+        async for _ in outputs:
+            pass
+    finally:
+        engine.shutdown()
+    return times
+
+
+async def rest(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
+    times = []
+    async with httpx.AsyncClient(base_url=base, headers=HEADERS, timeout=60) as http:
+        session_id = (await http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}})).json()["id"]
+        for chunk in inputs:
+            body = {"input": chunk, "max_tokens": 1, "stream": stream}
+            start = time.perf_counter()
+            if stream:
+                async with http.stream("POST", f"/v1/sessions/{session_id}/chunks", json=body) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if line == "data: [DONE]":
+                            break
+            else:
+                (await http.post(f"/v1/sessions/{session_id}/chunks", json=body)).raise_for_status()
+            times.append(time.perf_counter() - start)
+        await http.delete(f"/v1/sessions/{session_id}")
+    return times
+
+
+async def websocket(base: str, inputs: list[list[int]]) -> list[float]:
+    times = []
+    async with websockets.connect(base.replace("http://", "ws://") + "/v1/sessions/ws", additional_headers=HEADERS) as ws:
+        json.loads(await ws.recv())  # session.created
+        await ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "ignore_eos": True}}))
+        json.loads(await ws.recv())
+        for chunk in inputs:
+            start = time.perf_counter()
+            await ws.send(json.dumps({"type": "input.append", "input": chunk, "max_tokens": 1}))
+            while json.loads(await ws.recv())["type"] != "response.done":
+                pass
+            times.append(time.perf_counter() - start)
+        await ws.send(json.dumps({"type": "session.close"}))
+    return times
+
+
+async def main_async(args: Any) -> dict[str, Any]:
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
+                        dtype=args.dtype)
+    inputs = chunks(args.seed, args.warmup + args.chunks)
+    times: dict[str, list[float]] = {"in-process": (await in_process(setup, inputs))[args.warmup:]}
+    with our_server(setup, Path(args.out) / "logs", store_url="none") as server:
+        for side in ("rest", "sse", "websocket"):
+            run = await (websocket(server.base_url, inputs) if side == "websocket"
+                         else rest(server.base_url, inputs, stream=side == "sse"))
+            times[side] = run[args.warmup:]
+    floor = percentile(times["in-process"], 50)
+    per_side = {
+        side: {"p50_ms": 1000 * percentile(values, 50), "p90_ms": 1000 * percentile(values, 90),
+               "p50_over_in_process_ms": 1000 * (percentile(values, 50) - floor)}
+        for side, values in times.items()
+    }
+    return {
+        "settings": {**setup.describe(), "chunks": args.chunks, "warmup": args.warmup, "chunk_tokens": 1, "max_tokens": 1},
+        "per_side": per_side,
+        "samples_ms": {side: [round(1000 * t, 3) for t in values] for side, values in times.items()},
+    }
+
+
+def plot(result: dict[str, Any]) -> Any:
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(7, 4))
+    sides = list(result["per_side"])
+    axis.boxplot([result["samples_ms"][side] for side in sides], showfliers=False)
+    axis.set_xticks(range(1, len(sides) + 1), sides)
+    axis.set_ylabel("1-token chunk round trip (ms)")
+    axis.set_title("per-chunk cost of each transport (max_tokens=1)")
+    axis.grid(True, axis="y", alpha=0.3)
+    return figure
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, kv_cache_gib=0.25)
+    parser.set_defaults(preset="tiny", dtype="float32", cpu_tier_gib=0.5)
+    parser.add_argument("--chunks", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    name = "transport"
+    if args.quick:
+        quick_engine(args)
+        args.chunks, args.warmup = 8, 2
+        name = "transport-quick"
+    result = asyncio.run(main_async(args))
+    finish(name, result, args.out, plot)
+    for side, row in result["per_side"].items():
+        print(f"{side}: p50 {row['p50_ms']:.2f} ms, over in-process {row['p50_over_in_process_ms']:+.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
