@@ -5,7 +5,8 @@ pace (--rate chunks per second in all), then close it and open the next: most ov
 the websocket, one over REST (SSE-less JSON), so session churn, parking and both
 transports run the whole time. Every chunk is fresh random input. Per window
 (--window-s): chunks, errors, p50/p99 latency (append to the chunk's end), and the
-RSS of the server's process tree (API server, engine core, worker).
+RSS of the server's process tree (API server, engine core, worker) and of the API
+server process alone (where a session leak would show).
 
 The figures that matter: 0 errors, RSS growth from the end of warm-up (the first
 window) to the end within the bound (--rss-bound-pct), latency flat over time, and
@@ -111,38 +112,40 @@ async def rest_worker(base: str, args: Any, record: Record, seed: int, interval_
             await http.delete(f"/v1/sessions/{session_id}")
 
 
-def tree_rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(the whole server tree's RSS, the API server process's own) in MiB."""
     root = psutil.Process(pid)
-    processes = [root, *root.children(recursive=True)]
     total = 0
-    for process in processes:
+    for process in [root, *root.children(recursive=True)]:
         try:
             total += process.memory_info().rss
         except psutil.NoSuchProcess:
             continue
-    return total / 2**20
+    return total / 2**20, root.memory_info().rss / 2**20
 
 
-async def sample_rss(pid: int, record: Record, deadline: float, every_s: float, samples: list[tuple[float, float]]) -> None:
+async def sample_rss(pid: int, record: Record, deadline: float, every_s: float,
+                     samples: list[tuple[float, float, float]]) -> None:
     while time.monotonic() < deadline:
-        samples.append((record.now(), tree_rss_mb(pid)))
+        samples.append((record.now(), *rss_mb(pid)))
         await asyncio.sleep(every_s)
 
 
-def windows(record: Record, rss: list[tuple[float, float]], window_s: float, duration_s: float) -> list[dict[str, Any]]:
+def windows(record: Record, rss: list[tuple[float, float, float]], window_s: float, duration_s: float) -> list[dict[str, Any]]:
     rows = []
     start = 0.0
     while start < duration_s - 1e-6:
         end = min(start + window_s, duration_s)
         latencies = [latency for t, latency in record.chunks if start <= t < end]
-        in_window = [mb for t, mb in rss if start <= t < end]
+        in_window = [(tree, api) for t, tree, api in rss if start <= t < end]
         rows.append({
             "t_end_s": round(end, 1),
             "chunks": len(latencies),
             "errors": sum(1 for t, _ in record.errors if start <= t < end),
             "p50_s": percentile(latencies, 50),
             "p99_s": percentile(latencies, 99),
-            "rss_mb": max(in_window) if in_window else float("nan"),
+            "rss_mb": max(tree for tree, _ in in_window) if in_window else float("nan"),
+            "api_server_rss_mb": max(api for _, api in in_window) if in_window else float("nan"),
         })
         start = end
     return rows
@@ -152,13 +155,14 @@ async def main_async(args: Any) -> dict[str, Any]:
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
                         dtype=args.dtype, max_num_seqs=16)
     log_dir = Path(args.out) / "logs"
-    with our_server(setup, log_dir, store_url="none", admission_timeout_s="120") as server:
+    # As users run it: the default SQLite store, so its writes are soaked too.
+    with our_server(setup, log_dir, admission_timeout_s="120") as server:
         base = server.base_url
         ws_base = base.replace("http://", "ws://")
         record = Record()
         deadline = time.monotonic() + args.duration_s
         interval_s = (args.websocket_workers + 1) / args.rate
-        rss: list[tuple[float, float]] = []
+        rss: list[tuple[float, float, float]] = []
         await asyncio.gather(
             sample_rss(server.process.pid, record, deadline, 2.0, rss),
             rest_worker(base, args, record, args.seed, interval_s, deadline),
@@ -183,6 +187,8 @@ async def main_async(args: Any) -> dict[str, Any]:
             "achieved_rate": len(record.chunks) / args.duration_s,
             "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99),
             "rss_after_warmup_mb": warm, "rss_end_mb": end, "rss_growth_pct": growth_pct,
+            "api_server_rss_after_warmup_mb": rows[0]["api_server_rss_mb"],
+            "api_server_rss_end_mb": rows[-1]["api_server_rss_mb"],
             "rss_bound_pct": args.rss_bound_pct, "rss_within_bound": growth_pct <= args.rss_bound_pct,
             "sessions_left_open": len(left_open),
         },
@@ -200,8 +206,10 @@ def plot(result: dict[str, Any]) -> Any:
     latency.set_title(f"soak: {result['summary']['chunks']} chunks, {result['summary']['errors']} errors")
     latency.grid(True, alpha=0.3)
     latency.legend()
-    memory.plot(t, [row["rss_mb"] for row in rows], marker="o", color="tab:green")
-    memory.set_ylabel("server RSS (MiB)")
+    memory.plot(t, [row["rss_mb"] for row in rows], marker="o", color="tab:green", label="server tree")
+    memory.plot(t, [row["api_server_rss_mb"] for row in rows], marker="o", color="tab:purple", label="API server process")
+    memory.set_ylabel("RSS (MiB)")
+    memory.legend()
     memory.set_xlabel("time (s)")
     memory.grid(True, alpha=0.3)
     return figure

@@ -111,6 +111,7 @@ class StreamingSession:
         self._inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
         self._outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._pump: asyncio.Task[None] | None = None
+        self._abandoned_pump: asyncio.Task[None] | None = None  # an undone chunk's request, unwinding
         # True while the service parks this session (it holds the lock meanwhile).
         self.parking = False
 
@@ -166,14 +167,17 @@ class StreamingSession:
         """Append one chunk and stream its answer; the caller holds ``self.lock``.
 
         Yields deltas, then one ``ChunkResult``. If the consumer stops early (a
-        client disconnect cancels it), the engine request is aborted and the
-        session closed: it cannot resume from the middle of a chunk. ``stop`` ends
+        client disconnect cancels it), the chunk is undone: the engine request is
+        aborted and the session, parked, holds the transcript from before the chunk
+        (which is also what the store holds: a chunk is committed at its end), so
+        the client can send the chunk again. ``stop`` ends
         the answer early instead and keeps the session: the engine request is
         aborted at the next token, and the transcript holds what was generated so
         far (finish reason ``cancelled``); the next chunk resumes from it.
         """
         if self.closed:
             raise SessionFailedError(f"session {self.id} is closed ({self.close_reason})")
+        await self._settle_abandoned()
         index = self.num_chunks
         context_before = len(self.token_ids)
         started = time.monotonic()
@@ -221,10 +225,10 @@ class StreamingSession:
             self.terminate(ENGINE_ERROR)  # keeps the reason if it was closed meanwhile
             raise
         finally:
-            if not finished_cleanly:
+            if not finished_cleanly and not self.closed:
                 # The consumer stopped early (a client disconnect cancels it): a
-                # session cannot resume from the middle of a chunk.
-                self.terminate("client_disconnected")
+                # request cannot resume from the middle of a chunk, so undo it.
+                self._abandon(context_before, index)
 
         recorded = self._recorder.pop(self.request_id) if self._recorder else None
         if new_request:
@@ -312,6 +316,26 @@ class StreamingSession:
         self._pump = None
         self.status = "parked"
         return True
+
+    def _abandon(self, context_before: int, index: int) -> None:
+        """Undo the chunk in flight without waiting (this runs while the chunk's
+        consumer is being cancelled): abort its engine request and park the session
+        at the transcript before it. The next engine request, which reuses the
+        request id, first waits for the aborted one to end (``_settle_abandoned``)."""
+        pump, self._pump = self._pump, None
+        if pump is not None and not pump.done():
+            pump.cancel()
+            self._abandoned_pump = pump
+        self.device_tokens = 0
+        del self.token_ids[context_before:]
+        self.num_chunks = index
+        self.status = "parked"
+
+    async def _settle_abandoned(self) -> None:
+        pump, self._abandoned_pump = self._abandoned_pump, None
+        if pump is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
 
     async def restart_from(self, token_ids: list[int], num_chunks: int) -> None:
         """Drop the engine request (aborting it) and hold ``token_ids`` as the

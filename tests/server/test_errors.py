@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.conftest import auth
-from tests.helpers import live_request_ids, wait_until_closed, wait_until_gone
+from tests.helpers import live_request_ids, wait_until_gone
 
 pytestmark = pytest.mark.server
 
@@ -135,19 +135,50 @@ async def test_missing_or_wrong_key(server: str) -> None:
         )
 
 
-async def test_client_disconnect_mid_chunk_aborts_engine_request(http: httpx.AsyncClient, engine: Any) -> None:
+FIRST, CUT, AGAIN = [3, 1, 4, 1, 5], [9] * 20, [2, 6, 5]
+
+
+async def uninterrupted(http: httpx.AsyncClient) -> list[list[int]]:
+    """The control: the conversation with no disconnect (first chunk, then AGAIN)."""
+    control = await new_session(http)
+    outputs = []
+    for chunk in (FIRST, AGAIN):
+        reply = await http.post(f"/v1/sessions/{control}/chunks", json={"input": chunk, "max_tokens": 4})
+        outputs.append(reply.json()["output"]["token_ids"])
+    await http.delete(f"/v1/sessions/{control}")
+    return outputs
+
+
+async def assert_chunk_undone_and_session_goes_on(
+    http: httpx.AsyncClient, engine: Any, session_id: str, expected: list[list[int]]
+) -> None:
+    """After a disconnect mid-chunk: the engine request is aborted, the session is
+    parked at its state before the chunk, and goes on exactly as if the cut chunk
+    had never been sent (oracle: the uninterrupted control on the same float32
+    engine, whose next chunk resumes from the same transcript)."""
+    assert await wait_until_gone(engine, session_id)
+    state = (await http.get(f"/v1/sessions/{session_id}")).json()
+    assert state["status"] == "parked" and state["num_chunks"] == 1, state
+    reply = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": AGAIN, "max_tokens": 4})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["index"] == 1 and reply.json()["output"]["token_ids"] == expected[1]
+    await http.delete(f"/v1/sessions/{session_id}")
+
+
+async def test_client_disconnect_mid_chunk_undoes_that_chunk_only(http: httpx.AsyncClient, engine: Any) -> None:
+    expected = await uninterrupted(http)
     bystander = await new_session(http)
     victim = await new_session(http)
     url = f"/v1/sessions/{victim}/chunks"
+    first = await http.post(url, json={"input": FIRST, "max_tokens": 4})
+    assert first.json()["output"]["token_ids"] == expected[0]
     # A long chunk, streamed; the client hangs up after the first delta.
-    async with http.stream("POST", url, json={"input": [9] * 20, "max_tokens": 1000, "stream": True}) as response:
+    async with http.stream("POST", url, json={"input": CUT, "max_tokens": 1000, "stream": True}) as response:
         async for line in response.aiter_lines():
             if line.startswith("data: "):
                 break
         assert victim in live_request_ids(engine)  # generating when the client hangs up
-    state = await wait_until_closed(http, victim)
-    assert state["close_reason"] == "client_disconnected"
-    assert await wait_until_gone(engine, victim)
+    await assert_chunk_undone_and_session_goes_on(http, engine, victim, expected)
     # The other session, and the server, go on.
     ok = await http.post(f"/v1/sessions/{bystander}/chunks", json={"input": [1, 2], "max_tokens": 2})
     assert ok.status_code == 200
@@ -155,16 +186,41 @@ async def test_client_disconnect_mid_chunk_aborts_engine_request(http: httpx.Asy
     await http.delete(f"/v1/sessions/{bystander}")
 
 
-async def test_non_streaming_disconnect_aborts_too(server: str, engine: Any) -> None:
+async def test_non_streaming_disconnect_undoes_the_chunk_too(server: str, engine: Any) -> None:
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        expected = await uninterrupted(http)
         victim = await new_session(http)
+        await http.post(f"/v1/sessions/{victim}/chunks", json={"input": FIRST, "max_tokens": 4})
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=0.5) as impatient:
         with pytest.raises(httpx.ReadTimeout):
-            await impatient.post(f"/v1/sessions/{victim}/chunks", json={"input": [9] * 20, "max_tokens": 1000})
+            await impatient.post(f"/v1/sessions/{victim}/chunks", json={"input": CUT, "max_tokens": 1000})
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
-        state = await wait_until_closed(http, victim)
-        assert state["close_reason"] == "client_disconnected"
-    assert await wait_until_gone(engine, victim)
+        await assert_chunk_undone_and_session_goes_on(http, engine, victim, expected)
+
+
+async def test_disconnect_while_sending_the_body_changes_nothing(server: str, engine: Any) -> None:
+    """The first phase of a chunk: the client hangs up before its body is complete.
+    Nothing reached the session; it answers its next chunk as if nothing happened."""
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        expected = await uninterrupted(http)
+        session_id = await new_session(http)
+        await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": FIRST, "max_tokens": 4})
+        host, port = server.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        body = b'{"input": [9, 9, 9, 9], "max_tokens": 100'
+        writer.write(
+            f"POST /v1/sessions/{session_id}/chunks HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: {auth()['Authorization']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) + 100}\r\n\r\n".encode() + body
+        )
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        state = (await http.get(f"/v1/sessions/{session_id}")).json()
+        assert state["num_chunks"] == 1 and state["status"] == "active", state
+        reply = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": AGAIN, "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["output"]["token_ids"] == expected[1]
+        await http.delete(f"/v1/sessions/{session_id}")
 
 
 async def test_health_answers_503_when_the_engine_is_dead(

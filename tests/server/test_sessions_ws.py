@@ -131,3 +131,24 @@ async def test_websocket_disconnect_mid_chunk_closes_its_session(server: str, en
         state = await wait_until_closed(http, session_id)
         assert state["status"] == "closed"
     assert await wait_until_gone(engine, session_id)
+
+
+async def test_attached_websocket_disconnect_mid_chunk_undoes_the_chunk_and_keeps_the_session(
+    server: str, engine: Any
+) -> None:
+    """An attached session outlives its connection: a drop mid-chunk undoes that
+    chunk only (the engine request aborted, the session parked before it)."""
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        session_id = (await http.post("/v1/sessions", json={"defaults": {"temperature": 0}})).json()["id"]
+        assert (await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": [7, 7], "max_tokens": 2})).status_code == 200
+        async with websockets.connect(ws_url(server, f"/v1/sessions/{session_id}/ws"), additional_headers=auth()) as ws:
+            assert (await recv(ws))["type"] == "session.updated"
+            await ws.send(json.dumps({"type": "input.append", "input": [4] * 10, "max_tokens": 1000, "ignore_eos": True}))
+            assert (await recv(ws))["type"] == "response.output.delta"
+            assert session_id in live_request_ids(engine)
+        assert await wait_until_gone(engine, session_id)
+        state = (await http.get(f"/v1/sessions/{session_id}")).json()
+        assert state["status"] == "parked" and state["num_chunks"] == 1, state
+        again = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": [4] * 10, "max_tokens": 2})
+        assert again.status_code == 200 and again.json()["index"] == 1
+        await http.delete(f"/v1/sessions/{session_id}")

@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -156,4 +157,43 @@ async def test_a_stopped_postgres_fails_fast_and_the_store_recovers(postgres: Po
     finally:
         if not postgres.running():
             postgres.start()
+        await store.close()
+
+
+async def test_a_full_sqlite_disk_fails_the_commit_whole_and_the_store_recovers(tmp_path: Path) -> None:
+    """The store's disk full, as SQLite sees it: ``PRAGMA max_page_count`` caps the
+    database so a write that needs a new page fails with SQLITE_FULL ("database or
+    disk is full"), the error a full file system gives. The failed commit raises
+    StoreUnavailableError and leaves the session exactly as it was (the service then
+    undoes the chunk: tests/server/test_store_failure.py); with room again, it commits."""
+    import sqlalchemy as sa
+
+    store = SQLSessionStore(f"sqlite:///{tmp_path / 'full' / 'sessions.db'}")
+    await store.start()
+    engine = store._engine
+    assert engine is not None
+    cap = {"pages": 0}
+
+    def cap_pages(dbapi_connection: Any, _record: Any) -> None:
+        if cap["pages"]:
+            dbapi_connection.cursor().execute(f"PRAGMA max_page_count={cap['pages']}")
+
+    sa.event.listen(engine.sync_engine, "connect", cap_pages)
+    try:
+        session_id = unique("full")
+        await store.create(record(session_id))
+        assert isinstance(await store.acquire_lease(session_id, "replica-a", 30), SessionRecord)
+        async with engine.connect() as conn:
+            cap["pages"] = int((await conn.execute(sa.text("PRAGMA page_count"))).scalar_one())
+        await engine.dispose()  # new connections get the cap: the disk is now full
+        with pytest.raises(StoreUnavailableError, match="full"):
+            await store.commit_chunk(session_id, "replica-a", 0, list(range(50_000)), time.time())
+        loaded = await store.load(session_id)
+        assert loaded is not None and loaded[0].num_chunks == 0 and loaded[1] == []
+        cap["pages"] = 0
+        await engine.dispose()  # room again
+        assert await store.commit_chunk(session_id, "replica-a", 0, [5, 6], time.time())
+        loaded = await store.load(session_id)
+        assert loaded is not None and loaded[0].num_chunks == 1 and loaded[1] == [5, 6]
+    finally:
         await store.close()
