@@ -6,6 +6,7 @@ Every error leaves the server as ``{"error": {"message", "type", "param", "code"
 from __future__ import annotations
 
 import json
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -91,17 +92,30 @@ def unauthorized(message: str = "Missing or invalid API key.") -> APIError:
     return APIError(401, message, code="invalid_api_key")
 
 
+_FIELD_NAME = re.compile(r"[a-z_][A-Za-z0-9_]*|[0-9]+")
+
+
+def error_param(loc: Any) -> str | None:
+    """A validation error's location as a parameter path (``input``,
+    ``session.max_tokens``): pydantic's union branch tags (``constrained-str``,
+    ``list[int]``, ``InputAppendEvent``) and the request part (``body``) are noise."""
+    parts = [str(part) for part in loc or ()]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    return ".".join(part for part in parts if _FIELD_NAME.fullmatch(part)) or None
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if not isinstance(first, dict):
         # vLLM's own routes raise it with plain strings.
         return APIError(400, str(first) or "Invalid request.", code="invalid_request")
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
     if first.get("type") == "json_invalid":
         return APIError(400, "The request body is not valid JSON.", code="invalid_json")
     message = first.get("msg", "Invalid request.")
-    param = ".".join(loc) or None
+    loc = first.get("loc", ())
+    param = "X-Session-ID" if list(loc)[:2] == ["header", "x-session-id"] else error_param(loc)
     return APIError(400, f"{param}: {message}" if param else message, code="invalid_request", param=param)
 
 

@@ -15,6 +15,8 @@ from typing import Any
 from openai.types import realtime as rt
 from pydantic import BaseModel, ValidationError
 
+from app.errors import error_param
+
 # The client events we answer, by type, as the SDK models them.
 CLIENT_EVENTS: dict[str, type[BaseModel]] = {
     "session.update": rt.SessionUpdateEvent,
@@ -64,8 +66,7 @@ def parse_client_event(data: Any) -> Any:
         return CLIENT_EVENTS[kind].model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        # Union branch names are noise in a location: keep the field path.
-        param = ".".join(str(p) for p in first.get("loc", ()) if not str(p)[:1].isupper()) or None
+        param = error_param(first.get("loc"))
         raise ClientEventError(f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
                                "invalid_event", param, event_id) from None
 

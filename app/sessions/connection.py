@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
-from app.errors import APIError
+from app.errors import APIError, error_param
 from app.sessions.protocol import (
     ChunkOutput,
     ClientEvent,
@@ -152,7 +152,7 @@ class SessionConnection:
             return _client_events.validate_python(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ()) if not str(p).endswith("Event")) or None
+            param = error_param(first.get("loc"))
             if isinstance(data, dict) and first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
                 message = f"Unknown event type {data.get('type')!r}; expected session.update, input.append or session.close."
                 param = "type"

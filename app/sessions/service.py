@@ -517,8 +517,7 @@ class SessionService:
         params = self._sampling_params(session, options)
         self._check_chunk(session, input_ids, params)
         await self.limits.charge_tokens(owner, len(input_ids) + (params.max_tokens or 0))
-        # A session being parked is not busy: its chunk waits the few milliseconds.
-        if not wait and session.lock.locked() and not session.parking:
+        if not wait and session.answering:
             raise self._chunk_in_flight()
         await session.lock.acquire()
         leased = False
@@ -563,18 +562,23 @@ class SessionService:
                 code="session_closed",
             ) from exc
         finally:
-            if prepared.lease_renewal is not None:
-                prepared.lease_renewal.cancel()
-                if not committed:
-                    await self._release_lease(session)
-            if not session.has_engine_request:
-                session.device_tokens = 0  # admitted, but failed before it ran
-            session.lock.release()
-            if session.closed:
-                await self._persist_close(session)
-                self._forget(session)
-            self._update_gauges()
-            self._capacity_freed.set()
+            # This runs while the consumer is cancelled (a client that went away),
+            # where every await may be cancelled again: the store writes are
+            # shielded, and the lock is released whatever they do.
+            try:
+                if prepared.lease_renewal is not None:
+                    prepared.lease_renewal.cancel()
+                    if not committed:
+                        await asyncio.shield(self._release_lease(session))
+            finally:
+                if not session.has_engine_request:
+                    session.device_tokens = 0  # admitted, but failed before it ran
+                session.lock.release()
+                self._update_gauges()
+                self._capacity_freed.set()
+                if session.closed:
+                    self._forget(session)
+                    await asyncio.shield(self._persist_close(session))
 
     async def run_chunk(self, prepared: PreparedChunk) -> ChunkResult:
         """Run a prepared chunk to its end."""
@@ -698,6 +702,9 @@ class SessionService:
             self._remember_closed(session)
 
     def _remember_closed(self, session: StreamingSession) -> None:
+        # Kept to answer for its id (409 session_closed, GET), not its transcript:
+        # a thousand long closed transcripts would hold gigabytes.
+        session.forget_transcript()
         self._closed[session.id] = session
         while len(self._closed) > CLOSED_SESSIONS_KEPT:
             self._closed.popitem(last=False)

@@ -112,6 +112,10 @@ class StreamingSession:
         self._outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._pump: asyncio.Task[None] | None = None
         self._abandoned_pump: asyncio.Task[None] | None = None  # an undone chunk's request, unwinding
+        self._num_tokens_at_close: int | None = None
+        # Set when a chunk was undone, until the next one starts: its lock may be
+        # held a moment longer while it unwinds, but it is no longer answering.
+        self._undone = False
         # True while the service parks this session (it holds the lock meanwhile).
         self.parking = False
 
@@ -139,13 +143,30 @@ class StreamingSession:
             id=self.id, owner=self.owner, model=self.model,
             defaults=self.defaults.model_dump(exclude_none=True), metadata=dict(self.metadata),
             status="closed" if self.closed else "active", close_reason=self.close_reason,
-            num_chunks=self.num_chunks, num_tokens=len(self.token_ids), created=float(self.created),
+            num_chunks=self.num_chunks, num_tokens=self.num_tokens, created=float(self.created),
             last_activity=self.last_activity,
         )
 
     @property
     def closed(self) -> bool:
         return self.status == "closed"
+
+    @property
+    def answering(self) -> bool:
+        """A chunk holds the lock and is answering: not a park, nor an undone chunk
+        unwinding (a chunk sent meanwhile waits the few milliseconds those take)."""
+        return self.lock.locked() and not self.parking and not self._undone
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) if self._num_tokens_at_close is None else self._num_tokens_at_close
+
+    def forget_transcript(self) -> None:
+        """Drop a closed session's transcript from memory, keeping its length (the
+        store, if any, keeps the tokens until closed_session_retention_s)."""
+        if self.closed and self._num_tokens_at_close is None:
+            self._num_tokens_at_close = len(self.token_ids)
+            self.token_ids = []
 
     @property
     def has_engine_request(self) -> bool:
@@ -178,6 +199,7 @@ class StreamingSession:
         if self.closed:
             raise SessionFailedError(f"session {self.id} is closed ({self.close_reason})")
         await self._settle_abandoned()
+        self._undone = False
         index = self.num_chunks
         context_before = len(self.token_ids)
         started = time.monotonic()
@@ -330,6 +352,7 @@ class StreamingSession:
         del self.token_ids[context_before:]
         self.num_chunks = index
         self.status = "parked"
+        self._undone = True
 
     async def _settle_abandoned(self) -> None:
         pump, self._abandoned_pump = self._abandoned_pump, None
