@@ -130,6 +130,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(exc))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug (ours or vLLM's): still the OpenAI shape, and no detail that could
+        # carry request text; the traceback goes to the log (Starlette re-raises it).
+        return error_response(APIError(500, "The server failed on this request.", code="internal_error"))
+
     @app.exception_handler(json.JSONDecodeError)
     async def _bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
         return error_response(APIError(400, "The request body is not valid JSON.", code="invalid_json"))
