@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
-from app.auth import ANONYMOUS
+from app.limits import owner_of
 from app.sessions.service import SessionService
 
 
@@ -17,7 +17,7 @@ def get_session_service(connection: HTTPConnection) -> SessionService:
 
 def get_owner(connection: HTTPConnection) -> str:
     """The caller, as set by the API-key middleware."""
-    return str(connection.scope.get("state", {}).get("owner", ANONYMOUS))
+    return owner_of(connection.scope)
 
 
 def get_engine(connection: HTTPConnection) -> Any:

@@ -26,6 +26,7 @@ from limits.aio.strategies import MovingWindowRateLimiter
 from limits.storage import storage_from_string
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.auth import ANONYMOUS
 from app.errors import APIError, send_refusal
 from app.settings import Settings
 
@@ -113,7 +114,8 @@ class KeyLimits:
 
 
 def owner_of(scope: Scope) -> str:
-    return str(scope.get("state", {}).get("owner", "anonymous"))
+    """The caller, as the API-key middleware named it in the scope."""
+    return str(scope.get("state", {}).get("owner", ANONYMOUS))
 
 
 class RateLimitMiddleware:

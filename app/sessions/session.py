@@ -341,18 +341,24 @@ class StreamingSession:
 
     def _abandon(self, context_before: int, index: int) -> None:
         """Undo the chunk in flight without waiting (this runs while the chunk's
-        consumer is being cancelled): abort its engine request and park the session
-        at the transcript before it. The next engine request, which reuses the
+        consumer is being cancelled): the session, parked, holds the transcript
+        from before it."""
+        self._drop_request(self.token_ids[:context_before], index)
+        self._undone = True
+
+    def _drop_request(self, token_ids: list[int], num_chunks: int) -> None:
+        """Abort the engine request without waiting for it and hold ``token_ids``
+        as the transcript, parked. The next engine request, which reuses the
         request id, first waits for the aborted one to end (``_settle_abandoned``)."""
         pump, self._pump = self._pump, None
         if pump is not None and not pump.done():
             pump.cancel()
             self._abandoned_pump = pump
         self.device_tokens = 0
-        del self.token_ids[context_before:]
-        self.num_chunks = index
-        self.status = "parked"
-        self._undone = True
+        self.token_ids = list(token_ids)
+        self.num_chunks = num_chunks
+        if not self.closed:
+            self.status = "parked"
 
     async def _settle_abandoned(self) -> None:
         pump, self._abandoned_pump = self._abandoned_pump, None
@@ -364,16 +370,8 @@ class StreamingSession:
         """Drop the engine request (aborting it) and hold ``token_ids`` as the
         transcript, parked: the next chunk resumes from it. For a chunk the store
         did not take (it is undone), and for a session another replica extended."""
-        pump, self._pump = self._pump, None
-        if pump is not None and not pump.done():
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pump
-        self.device_tokens = 0
-        self.token_ids = list(token_ids)
-        self.num_chunks = num_chunks
-        if not self.closed:
-            self.status = "parked"
+        self._drop_request(token_ids, num_chunks)
+        await self._settle_abandoned()
 
     # ------------------------------------------------------------------ closing
     def terminate(self, reason: str) -> None:
