@@ -32,7 +32,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import (
-    API_KEY,
+    API_HEADERS,
     EngineSetup,
     benchmark_parser,
     finish,
@@ -75,8 +75,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     latencies: dict[str, list[float]] = {"turn 1": [], "turn 2": [], "full device": []}
     log_dir = Path(args.out) / "logs"
     with our_server(setup, log_dir, session_park_after_s="600", admission_timeout_s="30") as server:
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        async with httpx.AsyncClient(base_url=server.base_url, headers=headers, timeout=300) as http:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=API_HEADERS, timeout=300) as http:
             limit = asyncio.Semaphore(args.concurrency)
 
             async def one(session_id: str, phase: str, tokens: list[int], gen: int) -> None:

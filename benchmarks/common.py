@@ -30,6 +30,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 API_KEY = "bench-key"
+API_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 RESERVED_CPUS = "1"  # VLLM_CPU_NUM_OF_RESERVED_CPU on every side of every comparison
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import (
+    API_HEADERS,
     API_KEY,
     EngineSetup,
     benchmark_parser,
@@ -63,7 +64,7 @@ async def run_ours(base_url: str, transport: str, chunks: list[list[int]], gen: 
 
 
 async def reset_device_cache(base_url: str) -> None:
-    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+    async with httpx.AsyncClient(base_url=base_url, headers=API_HEADERS) as http:
         (await http.post("/v1/admin/reset_device_cache")).raise_for_status()
 
 

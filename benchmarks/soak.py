@@ -31,7 +31,7 @@ import psutil
 import websockets
 
 from benchmarks.common import (
-    API_KEY,
+    API_HEADERS,
     EngineSetup,
     benchmark_parser,
     finish,
@@ -41,8 +41,6 @@ from benchmarks.common import (
     quick_engine,
     random_tokens,
 )
-
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @dataclass
@@ -75,7 +73,7 @@ async def paced(record: Record, interval_s: float, deadline: float, step: Any) -
 async def websocket_worker(url: str, args: Any, record: Record, seed: int, interval_s: float, deadline: float) -> None:
     rng = random.Random(seed)
     while time.monotonic() < deadline:
-        async with websockets.connect(f"{url}/v1/sessions/ws", additional_headers=HEADERS, max_size=2**22) as ws:
+        async with websockets.connect(f"{url}/v1/sessions/ws", additional_headers=API_HEADERS, max_size=2**22) as ws:
             created = json.loads(await ws.recv())
             assert created["type"] == "session.created", created
             sent = 0
@@ -97,7 +95,7 @@ async def websocket_worker(url: str, args: Any, record: Record, seed: int, inter
 
 async def rest_worker(base: str, args: Any, record: Record, seed: int, interval_s: float, deadline: float) -> None:
     rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=base, headers=HEADERS, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=120) as http:
         while time.monotonic() < deadline:
             session_id = (await http.post("/v1/sessions", json={})).json()["id"]
 
@@ -169,7 +167,7 @@ async def main_async(args: Any) -> dict[str, Any]:
             *(websocket_worker(ws_base, args, record, args.seed + 1 + n, interval_s, deadline)
               for n in range(args.websocket_workers)),
         )
-        async with httpx.AsyncClient(base_url=base, headers=HEADERS, timeout=30) as http:
+        async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=30) as http:
             left_open = [s["id"] for s in (await http.get("/v1/sessions")).json()["data"] if s["status"] != "closed"]
     rows = windows(record, rss, args.window_s, args.duration_s)
     warm, end = rows[0]["rss_mb"], rows[-1]["rss_mb"]

@@ -26,7 +26,7 @@ import httpx
 import websockets
 
 from benchmarks.common import (
-    API_KEY,
+    API_HEADERS,
     EngineSetup,
     benchmark_parser,
     finish,
@@ -37,7 +37,6 @@ from benchmarks.common import (
     quick_engine,
 )
 
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 SIDES = ("in-process", "rest", "sse", "websocket")
 
 
@@ -80,7 +79,7 @@ async def in_process(setup: EngineSetup, inputs: list[list[int]]) -> list[float]
 
 async def rest(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
     times = []
-    async with httpx.AsyncClient(base_url=base, headers=HEADERS, timeout=60) as http:
+    async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=60) as http:
         session_id = (await http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}})).json()["id"]
         for chunk in inputs:
             body = {"input": chunk, "max_tokens": 1, "stream": stream}
@@ -100,7 +99,7 @@ async def rest(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
 
 async def websocket(base: str, inputs: list[list[int]]) -> list[float]:
     times = []
-    async with websockets.connect(base.replace("http://", "ws://") + "/v1/sessions/ws", additional_headers=HEADERS) as ws:
+    async with websockets.connect(base.replace("http://", "ws://") + "/v1/sessions/ws", additional_headers=API_HEADERS) as ws:
         json.loads(await ws.recv())  # session.created
         await ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "ignore_eos": True}}))
         json.loads(await ws.recv())

@@ -10,9 +10,11 @@ import random
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import pytest
 from vllm import SamplingParams
 from vllm.engine.protocol import StreamingInput
 from vllm.sampling_params import RequestOutputKind
+from websockets.exceptions import ConnectionClosed
 
 from app.settings import Settings
 from connectors.cpu_platform import ATTENTION_ENV, cpu_has_amx
@@ -197,3 +199,12 @@ async def running_app(settings: Settings, engine: Any) -> AsyncIterator[str]:
     finally:
         uv_server.should_exit = True
         await asyncio.wait_for(task, 30)
+
+
+async def close_code(ws: Any) -> int:
+    """The close code the server sent, once the next read finds the connection closed
+    (it must close rather than send another message)."""
+    with pytest.raises(ConnectionClosed) as closed:
+        await ws.recv()
+    assert closed.value.rcvd is not None, "closed without a close frame"
+    return int(closed.value.rcvd.code)

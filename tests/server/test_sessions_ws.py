@@ -11,7 +11,13 @@ import pytest
 import websockets
 
 from tests.conftest import auth
-from tests.helpers import live_request_ids, random_tokens, wait_until_closed, wait_until_gone
+from tests.helpers import (
+    close_code,
+    live_request_ids,
+    random_tokens,
+    wait_until_closed,
+    wait_until_gone,
+)
 
 pytestmark = pytest.mark.server
 
@@ -93,9 +99,7 @@ async def test_websocket_needs_a_key(server: str) -> None:
         async with websockets.connect(ws_url(server, "/v1/sessions/ws"), additional_headers=headers) as ws:
             error = await recv(ws)
             assert error["type"] == "error" and error["error"]["code"] == "invalid_api_key"
-            with pytest.raises(websockets.ConnectionClosed) as closed:
-                await ws.recv()
-            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+            assert await close_code(ws) == 1008
 
 
 async def test_attach_to_rest_session(server: str) -> None:
