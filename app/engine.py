@@ -16,7 +16,12 @@ from connectors import (
     SIMPLE_CONNECTOR_MODULE,
     SIMPLE_CONNECTOR_NAME,
 )
-from connectors.compat import DISABLE_FIX_KEY, DISABLE_TAIL_STORE_KEY
+from connectors.compat import (
+    ASYNC_TIER_LOADS_KEY,
+    DISABLE_FIX_KEY,
+    DISABLE_TAIL_STORE_KEY,
+    UPSTREAM_SYNC_LOAD_BUDGET_KEY,
+)
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -39,11 +44,20 @@ def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
         DISABLE_TAIL_STORE_KEY: settings.disable_session_tail_store,
     }
     if settings.connector == "offloading":
+        from connectors.host_tier import HostTierOffloadingSpec
+
         extra.update(
             spec_name=HOST_TIER_SPEC_NAME,
             spec_module_path=HOST_TIER_SPEC_MODULE,
             block_size=settings.block_size * settings.blocks_per_chunk,
         )
+        extra[ASYNC_TIER_LOADS_KEY] = settings.async_tier_loads
+        if not settings.async_tier_loads and HostTierOffloadingSpec.loads_synchronously():
+            # vLLM 0.33+ loads synchronously up to this many bytes per step (0.32
+            # ignores the key; our connector does it there). Our host worker copies
+            # on the model's thread either way, so every tier hit may load in the
+            # step that finds it. Only on the CPU platform: CUDA keeps its streams.
+            extra[UPSTREAM_SYNC_LOAD_BUDGET_KEY] = int(settings.cpu_tier_gib * GIB)
         name, module = OFFLOADING_CONNECTOR_NAME, OFFLOADING_CONNECTOR_MODULE
     else:
         from vllm.platforms import current_platform

@@ -75,6 +75,12 @@ class Settings(BaseSettings):
     disable_streaming_session_fix: bool = Field(
         default=False, description="Run vLLM's unfixed connector code. Only for negative controls."
     )
+    async_tier_loads: bool = Field(
+        default=False,
+        description="Keep vLLM 0.32's asynchronous tier loads (a tier hit waits one engine step "
+        "for its load) instead of loading in the step that finds the hit. Only for benchmarks' "
+        "before-and-after.",
+    )
     disable_session_tail_store: bool = Field(
         default=False,
         description="Keep vLLM's prompt-only clamp on an ended session's last outputs, so a parked "

@@ -5,12 +5,18 @@ For prefixes of 512, 1,024 and 2,048 tokens, time to first token (max_tokens=1) 
 - device: the prefix is in the device prefix cache;
 - cpu-tier: the device cache was reset and the prefix loads from our CPU tier.
 
+Each load path runs on an engine of its own, one after the other, in one run:
+- synchronous (ours, the default): a tier hit is loaded and computed in the step that
+  finds it;
+- asynchronous (vLLM 0.32's protocol, ``async_tier_loads``): the request waits a step for
+  its load.
+
 Also the tier's load bandwidth (vLLM's kv_offload_load_bytes / load_time, measured by our
 host-tier worker around its page copies) against this machine's host memcpy bandwidth
 (torch copy_ of 512 MiB), measured here with the same thread count as the model worker.
 
-    python -m benchmarks.tier_reuse            # bench model
-    python -m benchmarks.tier_reuse --quick    # tiny model, one size (the suite's smoke run)
+    python -m benchmarks.tier_reuse --dtype float32   # bench model, both load paths
+    python -m benchmarks.tier_reuse --quick           # tiny model, one size, synchronous only
 """
 
 from __future__ import annotations
@@ -87,10 +93,12 @@ async def first_token(engine: Any, recorder: Any, prompt: list[int], recompute: 
     return elapsed, int(final.num_cached_tokens or 0), sources.cpu_tier_tokens if sources else 0
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
-    engine, recorder, _ = in_process_engine(setup, "tier-bench")
-    rng = random.Random(args.seed)
+LOAD_PATHS = ("synchronous", "asynchronous")
+
+
+async def measure_load_path(setup: EngineSetup, args: argparse.Namespace, load_path: str) -> list[dict[str, Any]]:
+    engine, recorder, _ = in_process_engine(setup, "tier-bench", async_tier_loads=load_path == "asynchronous")
+    rng = random.Random(args.seed)  # the same prompts on every path
     rows = []
     try:
         await first_token(engine, recorder, random_tokens(rng, 64))  # warm-up
@@ -128,14 +136,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             )
     finally:
         engine.shutdown()
+    return rows
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
+    by_load_path = {path: await measure_load_path(setup, args, path) for path in args.load_paths}
     threads = max(1, (os.cpu_count() or 1) - int(RESERVED_CPUS))
     memcpy = host_memcpy_gbps(threads)
-    for row in rows:
-        row["tier_load_vs_memcpy"] = row["tier_load_gbps"] / memcpy if row["tier_load_gbps"] else None
+    for rows in by_load_path.values():
+        for row in rows:
+            row["tier_load_vs_memcpy"] = row["tier_load_gbps"] / memcpy if row["tier_load_gbps"] else None
     return {
-        "settings": {**setup.describe(), "repeats": args.repeats, "seed": args.seed, "worker_threads": threads},
+        "settings": {
+            **setup.describe(), "repeats": args.repeats, "seed": args.seed, "worker_threads": threads,
+            "load_paths": list(args.load_paths),
+        },
         "host_memcpy_gbps": memcpy,
-        "rows": rows,
+        "rows": by_load_path[args.load_paths[0]],
+        "by_load_path": by_load_path,
     }
 
 
@@ -143,14 +162,15 @@ def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
 
     rows = result["rows"]
-    sides = ("recompute", "cpu-tier", "device")
-    figure, axis = plt.subplots(figsize=(8, 5))
-    width = 0.25
-    for offset, side in enumerate(sides):
+    bars = [("recompute", rows, "recompute"), ("device", rows, "device")]
+    bars += [(f"cpu-tier, {path} load", path_rows, "cpu-tier") for path, path_rows in result["by_load_path"].items()]
+    figure, axis = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(bars)
+    for offset, (label, bar_rows, side) in enumerate(bars):
         axis.bar(
-            [i + (offset - 1) * width for i in range(len(rows))],
-            [row["ttft_s"][side] * 1000 for row in rows],
-            width, label=side,
+            [i + (offset - (len(bars) - 1) / 2) * width for i in range(len(rows))],
+            [row["ttft_s"][side] * 1000 for row in bar_rows],
+            width, label=label,
         )
     axis.set_xticks(range(len(rows)), [f"{row['prefix_tokens']} tokens" for row in rows])
     axis.set_yscale("log")
@@ -165,17 +185,22 @@ def main() -> None:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--load-paths", nargs="+", choices=LOAD_PATHS, default=list(LOAD_PATHS),
+        help="tier load paths to measure, each on its own engine (the first one is 'rows')",
+    )
     args = parser.parse_args()
     name = "tier_reuse"
     if args.quick:
-        args.sizes, args.repeats = [256], 1
+        args.sizes, args.repeats, args.load_paths = [256], 1, ["synchronous"]
         quick_engine(args)
         name = "tier_reuse-quick"
     result = asyncio.run(main_async(args))
     finish(name, result, args.out, plot)
     print(f"host memcpy: {result['host_memcpy_gbps']:.1f} GB/s")
-    for row in result["rows"]:
-        print(row)
+    for path, rows in result["by_load_path"].items():
+        for row in rows:
+            print(path, row)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ DISABLE_FIX_KEY = "disable_streaming_session_fix"
 # kv_connector_extra_config key: set true to keep vLLM's prompt-only clamp on an
 # ended session's last outputs (negative control of the session tail store).
 DISABLE_TAIL_STORE_KEY = "disable_session_tail_store"
+# kv_connector_extra_config key: set true to keep vLLM 0.32's asynchronous load
+# protocol on a tier whose worker copies synchronously (the benchmarks' baseline).
+ASYNC_TIER_LOADS_KEY = "async_tier_loads"
+# vLLM 0.33's own kv_connector_extra_config key for synchronous loads.
+UPSTREAM_SYNC_LOAD_BUDGET_KEY = "sync_load_budget_bytes"
 
 
 def _probe_scheduler_output() -> Any:
@@ -41,6 +46,38 @@ def yield_req_data_reports_full_tables() -> bool:
 @cache
 def upstream_has_streaming_fix() -> bool:
     return yield_req_data_reports_full_tables()
+
+
+@cache
+def upstream_has_sync_loads() -> bool:
+    """True when vLLM's offloading scheduler offers synchronous loads itself (0.33's
+    ``sync_load_budget_bytes``); then we leave loads to it."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler
+
+    try:
+        return UPSTREAM_SYNC_LOAD_BUDGET_KEY in inspect.getsource(scheduler)
+    except OSError:  # no source installed: assume the oldest behaviour
+        return False
+
+
+def synchronous_loads_wanted(extra_config: dict[str, Any] | None) -> bool:
+    """Whether our connector reports tier loads as synchronous: the configured spec's
+    worker finishes every load inside ``submit_load`` (our host tier on the CPU
+    platform), this vLLM has no sync loads of its own, and no one asked for the old
+    path. vLLM's CUDA worker copies on streams, so its spec never declares this."""
+    extra_config = extra_config or {}
+    if _as_bool(extra_config.get(ASYNC_TIER_LOADS_KEY, False)) or upstream_has_sync_loads():
+        return False
+    module_path, spec_name = extra_config.get("spec_module_path"), extra_config.get("spec_name")
+    if not (module_path and spec_name):
+        return False  # one of vLLM's registered specs: asynchronous workers
+    import importlib
+
+    spec_cls = getattr(importlib.import_module(module_path), spec_name, None)
+    loads_synchronously = getattr(spec_cls, "loads_synchronously", None)
+    return bool(loads_synchronously and loads_synchronously())
 
 
 def streaming_fix_wanted(extra_config: dict[str, Any] | None) -> bool:

@@ -158,6 +158,12 @@ def platform_has_upstream_worker() -> bool:
 class HostTierOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading spec with a worker that also runs on the CPU platform."""
 
+    @classmethod
+    def loads_synchronously(cls) -> bool:
+        """Every load lands inside ``submit_load`` (``HostTierWorker``), so a tier hit
+        can be scheduled in the step that finds it (``connectors.offloading``)."""
+        return not platform_has_upstream_worker()
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if platform_has_upstream_worker():
             return super().get_worker(kv_caches)

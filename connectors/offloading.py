@@ -26,20 +26,39 @@ session's request ends (the server parks it, or it is closed), its last chunk's
 outputs never reached the tier, and a session resumed from the tier recomputed
 them. For an ended resumable request we store every token with computed KV: the
 outputs are the context the session resumes from.
+
+The fifth, on vLLM 0.32 with our host tier: *synchronous tier loads*. 0.32's
+offloading scheduler reports every load as asynchronous: the request waits in
+WAITING_FOR_REMOTE_KVS, the load is submitted after that step's forward pass, and
+the request is scheduled a step later. Our host worker copies inside
+``submit_load``, so those steps are protocol, not copying. We report the load as
+synchronous instead (as vLLM 0.33's sync loads do): the scheduler schedules the
+request in the step that finds the hit and flags the step (``has_sync_kv_loads``),
+so the model runner submits the loads before that step's forward pass. The worker
+then must not report them as received: the scheduler waits on no such request, and
+would assert on a running one (and a session id reused on resume would leave a
+stale entry).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from connectors.compat import install_fix, session_tail_store_wanted
+from connectors.compat import install_fix, session_tail_store_wanted, synchronous_loads_wanted
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,8 +67,10 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         RequestOffloadState,
     )
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -59,6 +80,10 @@ class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
     # Set when the class is installed (connectors.compat.install_fix).
     streaming_fix = True
     session_tail_store = True
+    synchronous_loads = False
+    # Loads booked complete when handed to the worker: job id -> worker reports due.
+    # Set by the connector: instances get this class by a swap, so no __init__ runs.
+    _early_completed_loads: dict[int, int]
 
     def _calc_num_offloadable_tokens(self, req_status: RequestOffloadState, num_computed_tokens: int) -> int:
         req = req_status.req
@@ -84,6 +109,11 @@ class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
         super()._update_req_states(scheduler_output)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.synchronous_loads:
+            self._complete_synchronous_loads(self._current_batch_load_jobs)
+        return self._build_connector_meta(scheduler_output)
+
+    def _build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         # vLLM 0.33: a cache reset with running requests preempts a request and may
         # reschedule it, with a load from the tier, in the same step. That load is
         # not on the worker yet, so there is nothing to flush for it; vLLM 0.32
@@ -108,6 +138,59 @@ class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
         finally:
             scheduler_output.preempted_req_ids = preempted
 
+    def _complete_synchronous_loads(self, load_jobs: dict[int, Any]) -> None:
+        """Book this step's loads as complete before the step's stores are built.
+
+        The worker runs them before this step's forward pass, so before any work of
+        a later step: the stores built now (the worker defers them to the next step),
+        one that evicts their source chunks, a later load. Upstream's bookkeeping
+        assumes a request never has a load pending beside a store (true of the
+        asynchronous protocol, where the request waits for its load) and asserts so,
+        here when a loaded request's first step completes a chunk; completing the
+        load first keeps that true. The worker's report of it is dropped on arrival."""
+        for job_id in load_jobs:
+            job = self._jobs.pop(job_id)
+            req_status = self._req_status[job.req_id]
+            self.manager.complete_load(job.keys, req_status.req_context)
+            if self._chunks_being_loaded:
+                self._chunks_being_loaded.difference_update(job.keys)
+            req_status.transfer_jobs.remove(job_id)
+            if req_status.finished_signaled and not req_status.transfer_jobs:
+                del self._req_status[job.req_id]
+            self._early_completed_loads[job_id] = job.pending_count
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if self._early_completed_loads and isinstance(meta, OffloadingWorkerMetadata):
+            completed = dict(meta.completed_jobs)
+            for job_id in self._early_completed_loads.keys() & completed.keys():
+                remaining = self._early_completed_loads.pop(job_id) - completed.pop(job_id)
+                if remaining > 0:  # more workers still to report it
+                    self._early_completed_loads[job_id] = remaining
+            connector_output = dataclasses.replace(
+                connector_output,
+                kv_connector_worker_meta=OffloadingWorkerMetadata(
+                    completed_jobs=completed, transfer_stats=meta.transfer_stats
+                ),
+            )
+        super().update_connector_output(connector_output)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self.synchronous_loads and num_external_tokens:
+            # A synchronous hit's blocks are cached as they are allocated (vLLM caches
+            # them only after an asynchronous load lands), but upstream finds the load
+            # region as the unhashed blocks past the local hit: show it them unhashed.
+            local_tokens = self._req_status[request.request_id].num_locally_computed_tokens
+            groups = list(blocks.blocks)
+            for group in self.config.kv_group_configs:
+                first_fresh = cdiv(local_tokens, group.tokens_per_block)
+                group_blocks = groups[group.group_idx]
+                # Duck-typed: upstream reads block_id, is_null and block_hash only.
+                unhashed: list[Any] = [_UnhashedBlock(block) for block in group_blocks[first_fresh:]]
+                groups[group.group_idx] = [*group_blocks[:first_fresh], *unhashed]
+            blocks = KVCacheBlocks(tuple(groups))
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
     def get_num_new_matched_tokens(
         self,
         request: Request,
@@ -120,9 +203,32 @@ class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
         if self.streaming_fix and req_status is not None:
             for group_state in req_status.group_states:
                 group_state.next_stored_chunk_idx = 0
-        return super().get_num_new_matched_tokens(
+        num_hit_tokens, load_async = super().get_num_new_matched_tokens(
             request, num_computed_tokens, max_num_new_tokens
         )
+        if self.synchronous_loads and num_hit_tokens:
+            # Leave the last token to compute, as vLLM does when an asynchronous
+            # load covers the whole request; its chunk still loads whole. (No
+            # partial-tail boundary to keep: that is for recurrent groups only.)
+            assert req_status is None or req_status.partial_tail_boundary is None
+            return min(num_hit_tokens, request.num_tokens - 1 - num_computed_tokens), False
+        return num_hit_tokens, load_async
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _UnhashedBlock:
+    """A device block as ``update_state_after_alloc`` reads it, before caching."""
+
+    block: KVCacheBlock
+    block_hash: None = None
+
+    @property
+    def block_id(self) -> int:
+        return self.block.block_id
+
+    @property
+    def is_null(self) -> bool:
+        return self.block.is_null
 
 
 class StreamingSafeOffloadingConnector(OffloadingConnector):
@@ -141,6 +247,27 @@ class StreamingSafeOffloadingConnector(OffloadingConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         extra_config: dict[str, Any] = self._kv_transfer_config.kv_connector_extra_config
         tail_store = session_tail_store_wanted(extra_config)
-        install_fix(self.connector_scheduler, StreamingSafeOffloadingScheduler, extra_config, also_when=tail_store)
+        # Both roles decide from the same config: the scheduler's reports and the
+        # worker's filter must agree, or a request waits forever for its load.
+        # Full attention only: the load region below is found for it alone.
+        self.synchronous_loads = synchronous_loads_wanted(extra_config) and all(
+            isinstance(group.kv_cache_spec, FullAttentionSpec) for group in kv_cache_config.kv_cache_groups
+        )
+        install_fix(
+            self.connector_scheduler,
+            StreamingSafeOffloadingScheduler,
+            extra_config,
+            also_when=tail_store or self.synchronous_loads,
+        )
         if isinstance(self.connector_scheduler, StreamingSafeOffloadingScheduler):
             self.connector_scheduler.session_tail_store = tail_store
+            self.connector_scheduler.synchronous_loads = self.synchronous_loads
+            self.connector_scheduler._early_completed_loads = {}
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        finished_sending, finished_recving = super().get_finished(finished_req_ids)
+        if self.synchronous_loads:
+            # Loaded before the forward pass of the step that scheduled them; the
+            # job completions still reach the scheduler side in the worker metadata.
+            finished_recving = set()
+        return finished_sending, finished_recving

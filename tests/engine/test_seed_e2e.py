@@ -45,8 +45,9 @@ async def tier_vs_recompute(engine: Any, seed: int, prefix_len: int) -> tuple[An
 @pytest.mark.parametrize("prefix_len", [192, 160, 288])
 async def test_session_prefix_served_from_cpu_tier_equals_recompute(engine: Any, prefix_len: int) -> None:
     served, recomputed = await tier_vs_recompute(engine, seed=prefix_len, prefix_len=prefix_len)
-    # The device cache was just reset, so every cached token came from the CPU tier.
-    assert served.num_cached_tokens >= 160
+    # The device cache was just reset, so every cached token came from the CPU tier:
+    # five blocks at least (a prompt wholly in the tier computes its last token).
+    assert served.num_cached_tokens >= 159
     assert list(served.outputs[0].token_ids) == list(recomputed.outputs[0].token_ids)
 
 
@@ -63,6 +64,6 @@ async def unfixed_engine() -> AsyncIterator[Any]:
 
 async def test_negative_control_unfixed_connector_corrupts_the_tier(unfixed_engine: Any) -> None:
     served, recomputed = await tier_vs_recompute(unfixed_engine, seed=192, prefix_len=192)
-    assert served.num_cached_tokens >= 160
+    assert served.num_cached_tokens >= 159
     # The seed bug: chunk 2 and 3 were stored from chunk 1's blocks.
     assert list(served.outputs[0].token_ids) != list(recomputed.outputs[0].token_ids)

@@ -68,7 +68,7 @@ from connectors import (
     SIMPLE_CONNECTOR_MODULE,
     SIMPLE_CONNECTOR_NAME,
 )
-from connectors.compat import DISABLE_FIX_KEY, DISABLE_TAIL_STORE_KEY
+from connectors.compat import ASYNC_TIER_LOADS_KEY, DISABLE_FIX_KEY, DISABLE_TAIL_STORE_KEY
 
 EOS_TOKEN_ID = 0
 ConnectorKind = Literal["offloading", "simple"]
@@ -123,6 +123,10 @@ class RecordingOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
         raise AssertionError("scheduler-side tests build no worker")
 
+    @classmethod
+    def loads_synchronously(cls) -> bool:
+        return True  # the harness completes every load at once, as our host tier does
+
 
 @dataclass
 class StepRecord:
@@ -141,12 +145,17 @@ class SchedulerHarness:
         num_gpu_blocks: int = 100,
         offload_prompt_only: bool = False,
         disable_tail_store: bool = False,
+        async_tier_loads: bool = False,
     ):
         init_none_hash(sha256)
         self.connector_kind = connector
         self.async_scheduling = async_scheduling
         self.block_size = block_size
-        extra: dict[str, Any] = {DISABLE_FIX_KEY: disable_fix, DISABLE_TAIL_STORE_KEY: disable_tail_store}
+        extra: dict[str, Any] = {
+            DISABLE_FIX_KEY: disable_fix,
+            DISABLE_TAIL_STORE_KEY: disable_tail_store,
+            ASYNC_TIER_LOADS_KEY: async_tier_loads,
+        }
         if connector == "offloading":
             extra.update(
                 spec_name="RecordingOffloadingSpec",
@@ -285,9 +294,11 @@ class SchedulerHarness:
                 # A finished request's blocks are freed already: offset -1.
                 stored += [offsets.get(int(b), -1) for b in job.src_spec.block_ids]
                 self._pending_offloading_jobs.append(job_id)
-            # Loads complete at once, as on our host tier.
+            # Loads complete at once, as on our host tier. Like our worker-side
+            # connector, report them as received only on the asynchronous protocol.
             self._pending_offloading_jobs.extend(metadata.load_jobs)
-            self._finished_loads.update(job.req_id for job in metadata.load_jobs.values())
+            if not getattr(self.connector, "synchronous_loads", False):
+                self._finished_loads.update(job.req_id for job in metadata.load_jobs.values())
         elif isinstance(metadata, SimpleCPUOffloadMetadata):
             if metadata.store_event >= 0:
                 stored += [offsets[b] for b in metadata.store_gpu_blocks]

@@ -120,6 +120,7 @@ def test_fixed_vllm_keeps_upstream_scheduler(monkeypatch: pytest.MonkeyPatch, di
 
     monkeypatch.setattr(utils, "yield_req_data", _yield_req_data_033)
     monkeypatch.setattr(upstream_scheduler, "yield_req_data", _yield_req_data_033)
+    monkeypatch.setattr(compat, "upstream_has_sync_loads", lambda: True)  # 0.33 has both
     harness = SchedulerHarness("offloading", async_scheduling=False, disable_tail_store=disable_tail_store)
     scheduler = connector_scheduler(harness)
     if disable_tail_store:
@@ -161,13 +162,21 @@ def test_restart_from_token_zero_offers_every_chunk_again(disable_fix: bool) -> 
         assert stored_after_restart == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("disable_fix", [False, True], ids=["fixed", "negative-control"])
-def test_reset_that_preempts_and_reloads_in_one_step(disable_fix: bool) -> None:
+@pytest.mark.parametrize(
+    ("disable_fix", "async_tier_loads"),
+    [(False, False), (False, True), (True, True)],
+    ids=["fixed-synchronous-loads", "fixed-vllm-0.32-protocol", "negative-control"],
+)
+def test_reset_that_preempts_and_reloads_in_one_step(disable_fix: bool, async_tier_loads: bool) -> None:
     """Found by the correctness harness: a cache reset with running requests preempts
     a request, and the same step reschedules it with a load from the tier. vLLM 0.32
-    asserted that a preempted request's jobs are all stores and killed the engine
-    core; 0.33 skips the not-yet-submitted load, and so do we."""
-    harness = SchedulerHarness("offloading", async_scheduling=False, disable_fix=disable_fix)
+    (its own asynchronous load protocol, the negative control) asserted that a
+    preempted request's jobs are all stores and killed the engine core; 0.33 skips
+    the not-yet-submitted load, and so do we. Our synchronous loads are booked
+    complete before that check, so they never meet it."""
+    harness = SchedulerHarness(
+        "offloading", async_scheduling=False, disable_fix=disable_fix, async_tier_loads=async_tier_loads
+    )
     manager = harness.connector.connector_scheduler.manager
     harness.add_chunk("request", list(range(1, 17)))
     assert harness.run([5, 6, 7], max_steps=3) == [0, 1, 2, 3]
@@ -203,3 +212,69 @@ def test_ended_session_stores_its_last_outputs(async_scheduling: bool, disable_t
         assert after_end == [] and len(manager.stored_keys) == 2
     else:
         assert len(after_end) == 1 and len(manager.stored_keys) == 3
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("async_tier_loads", [False, True], ids=["synchronous-loads", "vllm-0.32-protocol"])
+def test_tier_hit_is_scheduled_in_the_step_that_finds_it(async_scheduling: bool, async_tier_loads: bool) -> None:
+    """Issue 15: with a worker that copies inside submit_load, a tier hit needs no
+    extra engine step. Our connector reports the load as synchronous, so vLLM's
+    scheduler runs the request in the step that found the hit and has the model
+    runner submit the load before that step's forward pass. vLLM 0.32's own protocol
+    (the negative control) parks it in WAITING_FOR_REMOTE_KVS for a step."""
+    from vllm.v1.request import RequestStatus
+
+    harness = SchedulerHarness("offloading", async_scheduling, async_tier_loads=async_tier_loads)
+    manager = harness.connector.connector_scheduler.manager
+    prompt = list(range(1, 17))
+    harness.add_chunk("first", prompt)
+    assert harness.run([5, EOS_TOKEN_ID]) == [0, 1, 2, 3]
+    harness.end_session("first")
+    harness.run([])
+    assert harness.scheduler.reset_prefix_cache()
+    manager.serve_hits = True
+
+    harness.add_chunk("second", [*prompt, 95, 96, 97, 98, 99])
+    output = harness.scheduler.schedule()
+    request = harness.scheduler.requests["second"]
+    metadata = output.kv_connector_metadata
+    assert len(metadata.load_jobs) == 1
+    if async_tier_loads:
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert "second" not in output.num_scheduled_tokens and not output.has_sync_kv_loads
+    else:
+        assert request.status == RequestStatus.RUNNING and output.has_sync_kv_loads
+        # The 16 loaded tokens count as computed: only the 5 new ones are prefilled,
+        # and the block they complete is stored in the same step as the load (found
+        # by the correctness harness: upstream asserted a load never meets a store).
+        assert output.num_scheduled_tokens["second"] == 5
+        assert [len(job.src_spec.block_ids) for job in metadata.store_jobs.values()] == [1]
+    harness.scheduler.update_from_output(output, harness._model_output(list(harness.scheduler.running), 7))
+    harness.run([EOS_TOKEN_ID])  # the rest runs to the end without an assertion in vLLM
+    # All four chunks were loaded into the new request's own blocks: vLLM caches a
+    # synchronous hit's blocks at allocation, which must not hide them from the load.
+    assert len(manager.loaded_keys) == 4
+    assert request.num_computed_tokens >= len(prompt)
+
+
+def test_synchronous_hit_on_a_whole_prompt_computes_its_last_token() -> None:
+    """Found by test_seed_e2e: a prompt wholly in the tier left vLLM's scheduler
+    nothing to compute (its assert num_new_tokens > 0 killed the engine core). The
+    asynchronous protocol drops the last token from the hit when the load lands;
+    a synchronous hit must leave it out itself."""
+    harness = SchedulerHarness("offloading", async_scheduling=False)
+    manager = harness.connector.connector_scheduler.manager
+    prompt = list(range(1, 17))  # four full blocks
+    harness.add_chunk("first", prompt)
+    assert harness.run([5, EOS_TOKEN_ID]) == [0, 1, 2, 3]
+    harness.end_session("first")
+    harness.run([])
+    assert harness.scheduler.reset_prefix_cache()
+    manager.serve_hits = True
+
+    harness.add_chunk("second", prompt)
+    output = harness.scheduler.schedule()
+    assert output.has_sync_kv_loads and output.num_scheduled_tokens["second"] == 1
+    assert len(manager.loaded_keys) == 4  # the last chunk still loads whole
+    harness.scheduler.update_from_output(output, harness._model_output(list(harness.scheduler.running), 7))
+    harness.run([EOS_TOKEN_ID])
