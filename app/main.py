@@ -147,7 +147,8 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicor
     """How the app is served: its websocket message limit is uvicorn's (1009 over it)."""
     options: dict[str, Any] = {
         "host": settings.host, "port": settings.port, "log_level": settings.log_level,
-        "ws": "websockets-sansio", "ws_max_size": settings.ws_max_message_bytes, **overrides,
+        "ws": "websockets-sansio", "ws_max_size": settings.ws_max_message_bytes,
+        "ws_per_message_deflate": settings.ws_per_message_deflate, **overrides,
     }
     return uvicorn.Config(app, **options)
 

@@ -159,6 +159,12 @@ class Settings(BaseSettings):
         default=1024 * 1024, gt=0,
         description="Largest websocket message; a larger one closes the connection with 1009.",
     )
+    ws_per_message_deflate: bool = Field(
+        default=False,
+        description="Offer permessage-deflate on websockets. Off: session events are small JSON "
+        "frames, where compressing each one costs the server more time than it saves on the wire "
+        "(benchmarks/transport.py measures both).",
+    )
     ws_events_per_second: int = Field(
         default=100, ge=0,
         description="Client events per second per websocket connection; over it, an error event and "

@@ -4,6 +4,8 @@ For prefixes of 512, 1,024 and 2,048 tokens, time to first token (max_tokens=1) 
 - recompute: nothing cached (skip_reading_prefix_cache);
 - device: the prefix is in the device prefix cache;
 - cpu-tier: the device cache was reset and the prefix loads from our CPU tier.
+One random prompt per size: recomputed once, then ``--repeats`` rounds of a device hit,
+a reset and a tier hit; medians.
 
 Each load path runs on an engine of its own, one after the other, in one run:
 - synchronous (ours, the default): a tier hit is loaded and computed in the step that
@@ -28,6 +30,7 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import (
@@ -44,19 +47,19 @@ from benchmarks.common import (
 _ids = itertools.count()
 
 
-def host_memcpy_gbps(threads: int, mib: int = 512, repeats: int = 5) -> float:
+def host_memcpy_gbps(threads: int, num_bytes: int = 512 << 20, repeats: int = 5) -> float:
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        src = torch.ones(mib << 20, dtype=torch.int8)
+        src = torch.ones(num_bytes, dtype=torch.int8)
         dst = torch.empty_like(src)
         dst.copy_(src)  # fault the pages in first
         best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
     finally:
         torch.set_num_threads(previous)
-    return (mib << 20) / best / 1e9
+    return num_bytes / best / 1e9
 
 
 def _timed(work: Any) -> float:
@@ -76,8 +79,17 @@ def registry_total(name: str, model: str) -> float:
     )
 
 
-async def first_token(engine: Any, recorder: Any, prompt: list[int], recompute: bool = False) -> tuple[float, int, int]:
-    """(time to first token, cached tokens, of which from the CPU tier)."""
+@dataclass(frozen=True)
+class FirstToken:
+    elapsed_s: float
+    cached_tokens: int
+    cpu_tier_tokens: int
+    # Engine-core time from the request's arrival in the queue to its first step:
+    # where vLLM 0.32's asynchronous load protocol spends its extra step.
+    queued_to_scheduled_s: float | None
+
+
+async def first_token(engine: Any, recorder: Any, prompt: list[int], recompute: bool = False) -> FirstToken:
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
@@ -90,7 +102,9 @@ async def first_token(engine: Any, recorder: Any, prompt: list[int], recompute: 
     elapsed = time.perf_counter() - start
     sources = recorder.pop(request_id)
     assert final is not None
-    return elapsed, int(final.num_cached_tokens or 0), sources.cpu_tier_tokens if sources else 0
+    stats = final.metrics
+    wait = stats.scheduled_ts - stats.queued_ts if stats is not None and stats.scheduled_ts else None
+    return FirstToken(elapsed, int(final.num_cached_tokens or 0), sources.cpu_tier_tokens if sources else 0, wait)
 
 
 LOAD_PATHS = ("synchronous", "asynchronous")
@@ -104,31 +118,45 @@ async def measure_load_path(setup: EngineSetup, args: argparse.Namespace, load_p
         await first_token(engine, recorder, random_tokens(rng, 64))  # warm-up
         for length in args.sizes:
             samples: dict[str, list[float]] = {"recompute": [], "device": [], "cpu-tier": []}
+            waits: dict[str, list[float]] = {"device": [], "cpu-tier": []}
             tier_tokens: list[int] = []
             load_gbps: list[float] = []
+            load_bytes: list[float] = []
+            prompt = random_tokens(rng, length + 1)
+            # Recompute, the slow side, also fills both caches; its ratio needs no precision.
+            for _ in range(args.recompute_repeats):
+                samples["recompute"].append((await first_token(engine, recorder, prompt, recompute=True)).elapsed_s)
             for _ in range(args.repeats):
-                prompt = random_tokens(rng, length + 1)
-                samples["recompute"].append((await first_token(engine, recorder, prompt, recompute=True))[0])
-                samples["device"].append((await first_token(engine, recorder, prompt))[0])
+                # Each tier hit below brings the prompt back to the device cache.
+                device = await first_token(engine, recorder, prompt)
                 # A small request steps the engine once more so the deferred stores land.
                 await first_token(engine, recorder, random_tokens(rng, 8))
                 assert await engine.reset_prefix_cache(), "device cache reset refused"
                 bytes_before = registry_total("vllm:kv_offload_load_bytes_total", "tier-bench")
                 time_before = registry_total("vllm:kv_offload_load_time_total", "tier-bench")
-                elapsed, _, from_tier = await first_token(engine, recorder, prompt)
+                tier = await first_token(engine, recorder, prompt)
                 await asyncio.sleep(0.2)  # let the step's stats reach the registry
                 loaded = registry_total("vllm:kv_offload_load_bytes_total", "tier-bench") - bytes_before
                 load_time = registry_total("vllm:kv_offload_load_time_total", "tier-bench") - time_before
-                samples["cpu-tier"].append(elapsed)
-                tier_tokens.append(from_tier)
+                samples["device"].append(device.elapsed_s)
+                samples["cpu-tier"].append(tier.elapsed_s)
+                for side, sample in (("device", device), ("cpu-tier", tier)):
+                    if sample.queued_to_scheduled_s is not None:
+                        waits[side].append(sample.queued_to_scheduled_s)
+                tier_tokens.append(tier.cpu_tier_tokens)
                 if loaded > 0 and load_time > 0:
                     load_gbps.append(loaded / load_time / 1e9)
+                    load_bytes.append(loaded)
             medians = {side: statistics.median(values) for side, values in samples.items()}
             rows.append(
                 {
                     "prefix_tokens": length,
                     "ttft_s": medians,
+                    "queued_to_scheduled_ms": {
+                        side: 1000 * statistics.median(values) if values else None for side, values in waits.items()
+                    },
                     "cpu_tier_tokens": statistics.median(tier_tokens),
+                    "tier_load_bytes": statistics.median(load_bytes) if load_bytes else None,
                     "tier_load_gbps": statistics.median(load_gbps) if load_gbps else None,
                     "recompute_vs_tier": medians["recompute"] / medians["cpu-tier"],
                     "tier_vs_device": medians["cpu-tier"] / medians["device"],
@@ -146,7 +174,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     memcpy = host_memcpy_gbps(threads)
     for rows in by_load_path.values():
         for row in rows:
-            row["tier_load_vs_memcpy"] = row["tier_load_gbps"] / memcpy if row["tier_load_gbps"] else None
+            if not row["tier_load_gbps"]:
+                continue
+            row["tier_load_vs_memcpy"] = row["tier_load_gbps"] / memcpy
+            # The same bytes in one copy: a load this small may run from the caches.
+            same_size = host_memcpy_gbps(threads, num_bytes=int(row["tier_load_bytes"]))
+            row["memcpy_same_bytes_gbps"] = same_size
+            row["tier_load_vs_memcpy_same_bytes"] = row["tier_load_gbps"] / same_size
     return {
         "settings": {
             **setup.describe(), "repeats": args.repeats, "seed": args.seed, "worker_threads": threads,
@@ -184,7 +218,8 @@ def plot(result: dict[str, Any]) -> Any:
 def main() -> None:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--recompute-repeats", type=int, default=1, help="recomputes per size")
     parser.add_argument(
         "--load-paths", nargs="+", choices=LOAD_PATHS, default=list(LOAD_PATHS),
         help="tier load paths to measure, each on its own engine (the first one is 'rows')",

@@ -9,16 +9,30 @@ clients (keep-alive), so the client library adds nothing either. No store
 (store_url=none), so the figures are the transport's, not the database's
 (benchmarks/store.py measures that).
 
+The server offers permessage-deflate (``ws_per_message_deflate``, off by default), so
+one run measures the websocket both ways: ``websocket`` with a client that does not
+offer it (what every client gets from a default server) and ``websocket-deflate``
+with one that does (the websockets library's and browsers' default).
+
+``--profile DIR`` samples the API server with py-spy during each side and writes its
+collapsed stacks there, and each side's busiest functions (self time) to the result.
+
     python -m benchmarks.transport            # tiny model, float32, 60 chunks
+    python -m benchmarks.transport --profile benchmarks/results/profiles
     python -m benchmarks.transport --quick    # 8 chunks (the test suite's smoke run)
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import random
+import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +51,9 @@ from benchmarks.common import (
     quick_engine,
 )
 
-SIDES = ("in-process", "rest", "sse", "websocket")
+SIDES = ("in-process", "rest", "sse", "websocket", "websocket-deflate")
+SERVER_SIDES = SIDES[1:]
+PROFILE_RATE_HZ = 250
 
 
 def chunks(seed: int, count: int) -> list[list[int]]:
@@ -97,9 +113,12 @@ async def rest(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
     return times
 
 
-async def websocket(base: str, inputs: list[list[int]]) -> list[float]:
+async def websocket(base: str, inputs: list[list[int]], deflate: bool) -> list[float]:
     times = []
-    async with websockets.connect(base.replace("http://", "ws://") + "/v1/sessions/ws", additional_headers=API_HEADERS) as ws:
+    url = base.replace("http://", "ws://") + "/v1/sessions/ws"
+    async with websockets.connect(
+        url, additional_headers=API_HEADERS, compression="deflate" if deflate else None
+    ) as ws:
         json.loads(await ws.recv())  # session.created
         await ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "ignore_eos": True}}))
         json.loads(await ws.recv())
@@ -118,10 +137,18 @@ async def main_async(args: Any) -> dict[str, Any]:
                         dtype=args.dtype)
     inputs = chunks(args.seed, args.warmup + args.chunks)
     times: dict[str, list[float]] = {"in-process": (await in_process(setup, inputs))[args.warmup:]}
-    with our_server(setup, Path(args.out) / "logs", store_url="none") as server:
-        for side in ("rest", "sse", "websocket"):
-            run = await (websocket(server.base_url, inputs) if side == "websocket"
-                         else rest(server.base_url, inputs, stream=side == "sse"))
+    profiles: dict[str, Any] = {}
+    with our_server(setup, Path(args.out) / "logs", store_url="none", ws_per_message_deflate="true") as server:
+        for side in SERVER_SIDES:
+            with contextlib.ExitStack() as stack:
+                if args.profile:
+                    profile = stack.enter_context(sampled(server.process.pid, Path(args.profile) / f"{side}.txt"))
+                if side.startswith("websocket"):
+                    run = await websocket(server.base_url, inputs, deflate=side == "websocket-deflate")
+                else:
+                    run = await rest(server.base_url, inputs, stream=side == "sse")
+            if args.profile:
+                profiles[side] = summarize_profile(profile, chunks=len(inputs))
             times[side] = run[args.warmup:]
     floor = percentile(times["in-process"], 50)
     per_side = {
@@ -133,6 +160,44 @@ async def main_async(args: Any) -> dict[str, Any]:
         "settings": {**setup.describe(), "chunks": args.chunks, "warmup": args.warmup, "chunk_tokens": 1, "max_tokens": 1},
         "per_side": per_side,
         "samples_ms": {side: [round(1000 * t, 3) for t in values] for side, values in times.items()},
+        "profiles": profiles,
+    }
+
+
+@contextlib.contextmanager
+def sampled(pid: int, out: Path) -> Iterator[dict[str, Any]]:
+    """py-spy samples ``pid`` while the block runs (collapsed stacks into ``out``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile: dict[str, Any] = {"path": out}
+    command = ["py-spy", "record", "--pid", str(pid), "--rate", str(PROFILE_RATE_HZ), "--nonblocking",
+               "--format", "raw", "--output", str(out)]
+    sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # let py-spy attach before the side starts
+    start = time.perf_counter()
+    try:
+        yield profile
+    finally:
+        profile["seconds"] = time.perf_counter() - start
+        sampler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        sampler.wait(timeout=60)
+
+
+def summarize_profile(profile: dict[str, Any], chunks: int, top: int = 15) -> dict[str, Any]:
+    """Non-idle samples per chunk, and the functions with the most self time."""
+    self_samples: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in Path(profile["path"]).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")
+        self_samples[frames[-1]] += int(count)
+        total += int(count)
+    ms_per_sample = 1000 / PROFILE_RATE_HZ
+    return {
+        "seconds": profile["seconds"],
+        "busy_ms_per_chunk": total * ms_per_sample / chunks,
+        "top_self_ms_per_chunk": {frame: count * ms_per_sample / chunks for frame, count in self_samples.most_common(top)},
     }
 
 
@@ -153,6 +218,7 @@ def main() -> None:
     parser.set_defaults(preset="tiny", dtype="float32", cpu_tier_gib=0.5)
     parser.add_argument("--chunks", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile", metavar="DIR", help="sample the API server with py-spy, stacks into DIR")
     args = parser.parse_args()
     name = "transport"
     if args.quick:

@@ -81,7 +81,8 @@ class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
     streaming_fix = True
     session_tail_store = True
     synchronous_loads = False
-    # Loads booked complete when handed to the worker: job id -> worker reports due.
+    # Synchronous loads booked complete before the worker reports them: job id ->
+    # reports still due (one per worker), dropped as they arrive.
     # Set by the connector: instances get this class by a swap, so no __init__ runs.
     _early_completed_loads: dict[int, int]
 
@@ -249,7 +250,8 @@ class StreamingSafeOffloadingConnector(OffloadingConnector):
         tail_store = session_tail_store_wanted(extra_config)
         # Both roles decide from the same config: the scheduler's reports and the
         # worker's filter must agree, or a request waits forever for its load.
-        # Full attention only: the load region below is found for it alone.
+        # Full attention only: that is the layout our load-region fix in
+        # update_state_after_alloc knows (sliding windows and Mamba keep async loads).
         self.synchronous_loads = synchronous_loads_wanted(extra_config) and all(
             isinstance(group.kv_cache_spec, FullAttentionSpec) for group in kv_cache_config.kv_cache_groups
         )
