@@ -1,4 +1,9 @@
-"""Typed FastAPI dependencies: the service, the caller, the engine."""
+"""Typed FastAPI dependencies: the service, the caller, the engine.
+
+All ``async def``: FastAPI runs a plain ``def`` dependency in its thread pool, one
+thread hop per dependency per request (they cost more than a REST chunk's own work
+on a busy 2-core machine; benchmarks/transport.py).
+"""
 
 from __future__ import annotations
 
@@ -11,16 +16,16 @@ from app.limits import owner_of
 from app.sessions.service import SessionService
 
 
-def get_session_service(connection: HTTPConnection) -> SessionService:
+async def get_session_service(connection: HTTPConnection) -> SessionService:
     return connection.app.state.session_service
 
 
-def get_owner(connection: HTTPConnection) -> str:
+async def get_owner(connection: HTTPConnection) -> str:
     """The caller, as set by the API-key middleware."""
     return owner_of(connection.scope)
 
 
-def get_engine(connection: HTTPConnection) -> Any:
+async def get_engine(connection: HTTPConnection) -> Any:
     return connection.app.state.engine_client
 
 

@@ -1,11 +1,15 @@
 """What each transport adds to a chunk: REST, SSE and websocket against the same
 session driven in process on AsyncLLM (the floor: the engine's own streaming input).
 
-One session per side, --chunks chunks of one token each with max_tokens=1 (so the
-engine's work is as small as it gets and what is left is the transport), after
---warmup chunks; per side the p50 and p90 of the chunk's round trip (send to the
-chunk's end), and the p50 over the floor in milliseconds. Raw httpx and websockets
-clients (keep-alive), so the client library adds nothing either. No store
+--chunks chunks of one token each with max_tokens=1 (so the engine's work is as small
+as it gets and what is left is the transport), after --warmup chunks, in --rounds
+round-robin rounds over the sides (a session per side and round; the floor's engine
+and the server's run side by side, each idle while the other works); per side the p50
+and p90 of the chunk's round trip (send to the chunk's end), the p50 over the floor in
+milliseconds, and the client's own CPU time per chunk. Clients: aiohttp for REST and
+SSE, websockets for the websocket (keep-alive, no wrapper of ours); ``rest-httpx`` and
+``sse-httpx`` repeat REST and SSE with httpx, whose client costs several milliseconds
+of CPU per request here. No store
 (store_url=none), so the figures are the transport's, not the database's
 (benchmarks/store.py measures that).
 
@@ -51,7 +55,7 @@ from benchmarks.common import (
     quick_engine,
 )
 
-SIDES = ("in-process", "rest", "sse", "websocket", "websocket-deflate")
+SIDES = ("in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx")
 SERVER_SIDES = SIDES[1:]
 PROFILE_RATE_HZ = 250
 
@@ -61,39 +65,71 @@ def chunks(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(1, 700)] for _ in range(count)]
 
 
-async def in_process(setup: EngineSetup, inputs: list[list[int]]) -> list[float]:
-    from vllm import SamplingParams
-    from vllm.engine.protocol import StreamingInput
-    from vllm.inputs.engine import tokens_input
-    from vllm.sampling_params import RequestOutputKind
+class InProcessSession:
+    """The floor: one streaming session on an in-process AsyncLLM, fed chunk by chunk,
+    kept open across rounds."""
 
-    engine, _, _ = in_process_engine(setup, f"embedded-{setup.preset}")
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-    queue: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
+    def __init__(self, setup: EngineSetup):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-    async def feed() -> Any:
-        while (item := await queue.get()) is not None:
+        self.engine, _, _ = in_process_engine(setup, f"embedded-{setup.preset}")
+        self.params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.outputs = self.engine.generate(prompt=self._feed(), sampling_params=self.params, request_id="transport-floor")
+
+    async def _feed(self) -> Any:
+        while (item := await self.queue.get()) is not None:
             yield item
 
-    times = []
-    try:
-        outputs = engine.generate(prompt=feed(), sampling_params=params, request_id="transport-floor")
+    async def run(self, inputs: list[list[int]]) -> list[float]:
+        from vllm.engine.protocol import StreamingInput
+        from vllm.inputs.engine import tokens_input
+
+        times = []
         for chunk in inputs:
             start = time.perf_counter()
-            queue.put_nowait(StreamingInput(prompt=tokens_input(list(chunk)), sampling_params=params))
-            async for output in outputs:
+            self.queue.put_nowait(StreamingInput(prompt=tokens_input(list(chunk)), sampling_params=self.params))
+            async for output in self.outputs:
                 if output.outputs[0].finish_reason is not None:
                     break
             times.append(time.perf_counter() - start)
-        queue.put_nowait(None)
-        async for _ in outputs:
+        return times
+
+    async def close(self) -> None:
+        self.queue.put_nowait(None)
+        async for _ in self.outputs:
             pass
-    finally:
-        engine.shutdown()
-    return times
+        self.engine.shutdown()
 
 
 async def rest(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
+    """REST or SSE chunks with aiohttp's client (keep-alive)."""
+    import aiohttp
+
+    times = []
+    async with aiohttp.ClientSession(base, headers=API_HEADERS, timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async with http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}}) as response:
+            session_id = (await response.json())["id"]
+        for chunk in inputs:
+            body = {"input": chunk, "max_tokens": 1, "stream": stream}
+            start = time.perf_counter()
+            async with http.post(f"/v1/sessions/{session_id}/chunks", json=body) as response:
+                response.raise_for_status()
+                if stream:
+                    async for line in response.content:
+                        if line.rstrip() == b"data: [DONE]":
+                            break
+                else:
+                    await response.read()
+            times.append(time.perf_counter() - start)
+        async with http.delete(f"/v1/sessions/{session_id}"):
+            pass
+    return times
+
+
+async def rest_httpx(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
+    """The same with httpx's client, to show what a client library costs."""
     times = []
     async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=60) as http:
         session_id = (await http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}})).json()["id"]
@@ -136,32 +172,56 @@ async def main_async(args: Any) -> dict[str, Any]:
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
                         dtype=args.dtype)
     inputs = chunks(args.seed, args.warmup + args.chunks)
-    times: dict[str, list[float]] = {"in-process": (await in_process(setup, inputs))[args.warmup:]}
+    warmup, measured = inputs[:args.warmup], inputs[args.warmup:]
+    rounds = [measured[i::args.rounds] for i in range(args.rounds)]
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
     profiles: dict[str, Any] = {}
-    with our_server(setup, Path(args.out) / "logs", store_url="none", ws_per_message_deflate="true") as server:
-        for side in SERVER_SIDES:
-            with contextlib.ExitStack() as stack:
-                if args.profile:
-                    profile = stack.enter_context(sampled(server.process.pid, Path(args.profile) / f"{side}.txt"))
-                if side.startswith("websocket"):
-                    run = await websocket(server.base_url, inputs, deflate=side == "websocket-deflate")
-                else:
-                    run = await rest(server.base_url, inputs, stream=side == "sse")
-            if args.profile:
-                profiles[side] = summarize_profile(profile, chunks=len(inputs))
-            times[side] = run[args.warmup:]
-    floor = percentile(times["in-process"], 50)
+    # This process's CPU time while a side runs: the client's own work (the floor's
+    # engine here is idle meanwhile), which the round trip includes.
+    client_cpu: dict[str, float] = dict.fromkeys(SERVER_SIDES, 0.0)
+    floor = InProcessSession(setup)
+    try:
+        with our_server(setup, Path(args.out) / "logs", store_url="none", ws_per_message_deflate="true") as server:
+            await floor.run(warmup)
+            for side in SERVER_SIDES:
+                await run_side(server.base_url, side, warmup)
+            # Round-robin, every side in every round (the floor too, its engine idle
+            # meanwhile), so drift in this machine's speed hits all sides alike.
+            for round_inputs in rounds:
+                times["in-process"] += await floor.run(round_inputs)
+                for side in SERVER_SIDES:
+                    with contextlib.ExitStack() as stack:
+                        if args.profile:
+                            profile = stack.enter_context(sampled(server.process.pid, Path(args.profile) / f"{side}.txt"))
+                        cpu_before = time.process_time()
+                        times[side] += await run_side(server.base_url, side, round_inputs)
+                        client_cpu[side] += time.process_time() - cpu_before
+                    if args.profile:
+                        profiles.setdefault(side, []).append(summarize_profile(profile, chunks=len(round_inputs)))
+    finally:
+        await floor.close()
+    floor_p50 = percentile(times["in-process"], 50)
     per_side = {
         side: {"p50_ms": 1000 * percentile(values, 50), "p90_ms": 1000 * percentile(values, 90),
-               "p50_over_in_process_ms": 1000 * (percentile(values, 50) - floor)}
+               "p50_over_in_process_ms": 1000 * (percentile(values, 50) - floor_p50),
+               "client_cpu_ms_per_chunk": 1000 * client_cpu[side] / len(values) if side in client_cpu else None}
         for side, values in times.items()
     }
     return {
-        "settings": {**setup.describe(), "chunks": args.chunks, "warmup": args.warmup, "chunk_tokens": 1, "max_tokens": 1},
+        "settings": {**setup.describe(), "chunks": args.chunks, "warmup": args.warmup, "rounds": args.rounds,
+                     "chunk_tokens": 1, "max_tokens": 1},
         "per_side": per_side,
         "samples_ms": {side: [round(1000 * t, 3) for t in values] for side, values in times.items()},
         "profiles": profiles,
     }
+
+
+async def run_side(base: str, side: str, inputs: list[list[int]]) -> list[float]:
+    if side.startswith("websocket"):
+        return await websocket(base, inputs, deflate=side == "websocket-deflate")
+    if side.endswith("-httpx"):
+        return await rest_httpx(base, inputs, stream=side.startswith("sse"))
+    return await rest(base, inputs, stream=side == "sse")
 
 
 @contextlib.contextmanager
@@ -218,12 +278,13 @@ def main() -> None:
     parser.set_defaults(preset="tiny", dtype="float32", cpu_tier_gib=0.5)
     parser.add_argument("--chunks", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4, help="round-robin rounds over the sides")
     parser.add_argument("--profile", metavar="DIR", help="sample the API server with py-spy, stacks into DIR")
     args = parser.parse_args()
     name = "transport"
     if args.quick:
         quick_engine(args)
-        args.chunks, args.warmup = 8, 2
+        args.chunks, args.warmup, args.rounds = 8, 2, 2
         name = "transport-quick"
     result = asyncio.run(main_async(args))
     finish(name, result, args.out, plot)

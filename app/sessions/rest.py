@@ -164,8 +164,17 @@ async def _sse_events(service: SessionService, prepared: PreparedChunk, chunk_id
 
     producer = asyncio.create_task(produce())
     try:
-        while (frame := await frames.get()) is not None:
-            yield frame
+        ended = False
+        while not ended:
+            # Frames that are ready go out in one write (a chunk's last delta, its
+            # done event and [DONE] usually arrive together).
+            ready = [await frames.get()]
+            while not frames.empty():
+                ready.append(frames.get_nowait())
+            if None in ready:
+                ended, ready = True, ready[: ready.index(None)]
+            if ready:
+                yield "".join(frame for frame in ready if frame is not None)
     finally:
         if not producer.done():
             producer.cancel()

@@ -79,7 +79,7 @@ def test_store_quick(tmp_path: Path) -> None:
 
 def test_transport_quick(tmp_path: Path) -> None:
     result = run_quick("transport", tmp_path)
-    assert set(result["per_side"]) == {"in-process", "rest", "sse", "websocket", "websocket-deflate"}
+    assert set(result["per_side"]) == {"in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx"}
     assert all(len(samples) == 8 for samples in result["samples_ms"].values())
 
 
