@@ -157,15 +157,43 @@ def declare_error_codes(app: FastAPI) -> None:
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
         schema = build()
-        info = schema.get("components", {}).get("schemas", {}).get("ErrorInfo")
+        components = schema.get("components", {}).get("schemas", {})
+        info = components.get("ErrorInfo")
         if info is not None and "code" in info.get("properties", {}):
             info["properties"]["code"] = {
                 "anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}], "title": "Code",
             }
+        if "ErrorResponse" in components:
+            _declare_middleware_errors(schema)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+# What any route may answer besides its own responses: the middlewares' refusals
+# (key, body size, rate limits, a dead engine) and, where a path names a resource,
+# an unknown one (vLLM's /v1/responses/{response_id} answers 404).
+MIDDLEWARE_ERRORS = {
+    "401": "Missing or invalid API key",
+    "413": "Request body too large",
+    "429": "Rate limit of the API key reached (with Retry-After)",
+    "503": "The engine is unavailable (with Retry-After)",
+}
+
+
+def _declare_middleware_errors(schema: dict[str, Any]) -> None:
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for path, operations in schema.get("paths", {}).items():
+        declared = dict(MIDDLEWARE_ERRORS)
+        if "{" in path:
+            declared["404"] = "No such resource"
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            for status, description in declared.items():
+                responses.setdefault(status, {"description": description, **error})
 
 
 def allowed_methods(request: Request) -> list[str]:

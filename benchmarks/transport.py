@@ -266,7 +266,7 @@ def plot(result: dict[str, Any]) -> Any:
     figure, axis = plt.subplots(figsize=(7, 4))
     sides = list(result["per_side"])
     axis.boxplot([result["samples_ms"][side] for side in sides], showfliers=False)
-    axis.set_xticks(range(1, len(sides) + 1), sides)
+    axis.set_xticks(range(1, len(sides) + 1), sides, rotation=20)
     axis.set_ylabel("1-token chunk round trip (ms)")
     axis.set_title("per-chunk cost of each transport (max_tokens=1)")
     axis.grid(True, axis="y", alpha=0.3)

@@ -11,7 +11,10 @@ enforces). The run's report is kept beside the test's output on failure.
 Small sizes keep generated chunks cheap: every request that passes validation runs
 on the engine, so max_tokens is bounded by the server (max_chunk_output_tokens). The
 suite runs a few examples per operation; the long run recorded in docs/reliability.md
-is this test with STREAMSESS_FUZZ_EXAMPLES=100 (and its report kept).
+is this test with STREAMSESS_FUZZ_EXAMPLES=100 (and its report kept). vLLM's other
+routes (/v1/responses, /v1/messages, /tokenize...) are fuzzed by a recorded command in
+docs/reliability.md, not here: in this test's in-process server their coverage phase did
+not finish in 13 minutes (not diagnosed), while against a server process it takes a minute.
 """
 
 from __future__ import annotations
@@ -30,33 +33,40 @@ from tests.helpers import running_app
 
 pytestmark = pytest.mark.server
 
-CHECKS = ",".join([
+CHECKS = [
     "not_a_server_error", "status_code_conformance", "content_type_conformance",
     "response_schema_conformance", "negative_data_rejection",
-])
+]
 # Our session routes, and vLLM's routes this server exists beside.
 ROUTES = r"^/v1/(sessions|completions$|chat/completions$|models$)"
 EXAMPLES = os.environ.get("STREAMSESS_FUZZ_EXAMPLES", "6")
 REPORT_DIR = os.environ.get("STREAMSESS_FUZZ_REPORT_DIR")
 
 
-async def test_schemathesis_finds_no_server_errors_or_schema_violations(engine: Any, tmp_path: Path) -> None:
-    settings = make_settings(api_keys=list(API_KEYS), max_chunk_output_tokens=4, max_chunk_tokens=256)
+async def schemathesis(url: str, routes: str, checks: list[str], report_dir: Path) -> str:
+    """Run schemathesis's CLI against ``url``; its output, asserting it passed."""
     st = shutil.which("st", path=str(Path(sys.executable).parent))
     assert st is not None, "schemathesis is a dev dependency (pyproject.toml)"
-    async with running_app(settings, engine) as url:
-        process = await asyncio.create_subprocess_exec(
-            st, "run", f"{url}/openapi.json", "--checks", CHECKS,
-            "--include-path-regex", ROUTES,
-            "--phases", "examples,coverage,fuzzing", "--max-examples", EXAMPLES, "--workers", "1",
-            "--seed", "1", "--request-timeout", "60", "--suppress-health-check", "all",
-            "--header", f"Authorization: Bearer {API_KEYS[0]}",
-            "--report", "junit", "--report-dir", REPORT_DIR or str(tmp_path),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )
-        output, _ = await process.communicate()
+    await asyncio.to_thread(report_dir.mkdir, parents=True, exist_ok=True)
+    process = await asyncio.create_subprocess_exec(
+        st, "run", f"{url}/openapi.json", "--checks", ",".join(checks),
+        "--include-path-regex", routes,
+        "--phases", "examples,coverage,fuzzing", "--max-examples", EXAMPLES, "--workers", "1",
+        "--seed", "1", "--request-timeout", "60", "--suppress-health-check", "all",
+        "--header", f"Authorization: Bearer {API_KEYS[0]}",
+        "--report", "junit", "--report-dir", str(report_dir),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await process.communicate()
     text = output.decode(errors="replace")
-    if REPORT_DIR:
-        (Path(REPORT_DIR) / "schemathesis-output.txt").write_text(text)
+    await asyncio.to_thread((report_dir / "schemathesis-output.txt").write_text, text)
     assert process.returncode == 0, text[-8000:]
     assert "No issues found" in text or " passed" in text, text[-3000:]
+    return text
+
+
+async def test_schemathesis_finds_no_server_errors_or_schema_violations(engine: Any, tmp_path: Path) -> None:
+    settings = make_settings(api_keys=list(API_KEYS), max_chunk_output_tokens=4, max_chunk_tokens=256)
+    async with running_app(settings, engine) as url:
+        await schemathesis(url, ROUTES, CHECKS, Path(REPORT_DIR) / "ours" if REPORT_DIR else tmp_path)
+

@@ -214,6 +214,20 @@ def test_ended_session_stores_its_last_outputs(async_scheduling: bool, disable_t
         assert len(after_end) == 1 and len(manager.stored_keys) == 3
 
 
+def prompt_only_in_the_tier(harness: SchedulerHarness) -> tuple[Any, list[int]]:
+    """A 16-token prompt (four full blocks) computed, stored to the tier, and dropped
+    from the device cache; the recording manager then serves it as hits."""
+    manager = harness.connector.connector_scheduler.manager
+    prompt = list(range(1, 17))
+    harness.add_chunk("first", prompt)
+    assert harness.run([5, EOS_TOKEN_ID]) == [0, 1, 2, 3]
+    harness.end_session("first")
+    harness.run([])
+    assert harness.scheduler.reset_prefix_cache()
+    manager.serve_hits = True
+    return manager, prompt
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("async_tier_loads", [False, True], ids=["synchronous-loads", "vllm-0.32-protocol"])
 def test_tier_hit_is_scheduled_in_the_step_that_finds_it(async_scheduling: bool, async_tier_loads: bool) -> None:
@@ -225,14 +239,7 @@ def test_tier_hit_is_scheduled_in_the_step_that_finds_it(async_scheduling: bool,
     from vllm.v1.request import RequestStatus
 
     harness = SchedulerHarness("offloading", async_scheduling, async_tier_loads=async_tier_loads)
-    manager = harness.connector.connector_scheduler.manager
-    prompt = list(range(1, 17))
-    harness.add_chunk("first", prompt)
-    assert harness.run([5, EOS_TOKEN_ID]) == [0, 1, 2, 3]
-    harness.end_session("first")
-    harness.run([])
-    assert harness.scheduler.reset_prefix_cache()
-    manager.serve_hits = True
+    manager, prompt = prompt_only_in_the_tier(harness)
 
     harness.add_chunk("second", [*prompt, 95, 96, 97, 98, 99])
     output = harness.scheduler.schedule()
@@ -263,14 +270,7 @@ def test_synchronous_hit_on_a_whole_prompt_computes_its_last_token() -> None:
     asynchronous protocol drops the last token from the hit when the load lands;
     a synchronous hit must leave it out itself."""
     harness = SchedulerHarness("offloading", async_scheduling=False)
-    manager = harness.connector.connector_scheduler.manager
-    prompt = list(range(1, 17))  # four full blocks
-    harness.add_chunk("first", prompt)
-    assert harness.run([5, EOS_TOKEN_ID]) == [0, 1, 2, 3]
-    harness.end_session("first")
-    harness.run([])
-    assert harness.scheduler.reset_prefix_cache()
-    manager.serve_hits = True
+    manager, prompt = prompt_only_in_the_tier(harness)
 
     harness.add_chunk("second", prompt)
     output = harness.scheduler.schedule()
