@@ -52,14 +52,13 @@ def upstream_has_streaming_fix() -> bool:
 def upstream_has_sync_loads() -> bool:
     """True when vLLM's offloading scheduler offers synchronous loads itself (0.33's
     ``sync_load_budget_bytes``); then we leave loads to it."""
-    import inspect
+    from pathlib import Path
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler
+    from vllm.distributed.kv_transfer.kv_connector.v1 import offloading
 
-    try:
-        return UPSTREAM_SYNC_LOAD_BUDGET_KEY in inspect.getsource(scheduler)
-    except OSError:  # no source installed: assume the oldest behaviour
-        return False
+    # Wherever in the offloading package the key is read (scheduler, config).
+    sources = Path(offloading.__file__).parent.glob("*.py")
+    return any(UPSTREAM_SYNC_LOAD_BUDGET_KEY in source.read_text(errors="replace") for source in sources)
 
 
 def synchronous_loads_wanted(extra_config: dict[str, Any] | None) -> bool:

@@ -105,6 +105,8 @@ def test_detection_reads_the_installed_vllm(monkeypatch: pytest.MonkeyPatch) -> 
     assert compat.yield_req_data_reports_full_tables() is fixed_release
     assert compat.streaming_fix_wanted({}) is (not fixed_release)
     assert compat.streaming_fix_wanted({compat.DISABLE_FIX_KEY: "true"}) is False
+    # Synchronous loads came with 0.33 too (sync_load_budget_bytes).
+    assert compat.upstream_has_sync_loads() is fixed_release
 
     monkeypatch.setattr(utils, "yield_req_data", _yield_req_data_033)
     compat.upstream_has_streaming_fix.cache_clear()
