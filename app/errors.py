@@ -151,9 +151,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def declare_error_codes(app: FastAPI) -> None:
-    """State in the OpenAPI schema what error codes are: vLLM's ``ErrorInfo``
-    declares an integer (its own handlers send the HTTP status), while the errors
-    this app sends on the same routes carry OpenAI's string codes."""
+    """Make the OpenAPI schema state the errors as they are sent: vLLM's ``ErrorInfo``
+    declares an integer code (its own handlers send the HTTP status), while the errors
+    this app sends on the same routes carry OpenAI's string codes; and every operation
+    may get the middlewares' refusals, which vLLM's routes do not declare."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
