@@ -18,8 +18,9 @@ one run measures the websocket both ways: ``websocket`` with a client that does 
 offer it (what every client gets from a default server) and ``websocket-deflate``
 with one that does (the websockets library's and browsers' default).
 
-``--profile DIR`` samples the API server with py-spy during each side and writes its
-collapsed stacks there, and each side's busiest functions (self time) to the result.
+``--profile DIR`` samples the API server with py-spy during each side and round, writes
+the last round's collapsed stacks there, and per side and round the busiest functions
+(self time) to the result.
 
     python -m benchmarks.transport            # tiny model, float32, 60 chunks
     python -m benchmarks.transport --profile benchmarks/results/profiles
