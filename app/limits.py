@@ -145,7 +145,7 @@ class RateLimitMiddleware:
 
 
 def estimated_tokens(payload: dict[str, Any], default_max_tokens: int) -> int:
-    """An OpenAI request's tokens for rate limiting, before tokenizing it: token-id
+    """A generation request's tokens for rate limiting, before tokenizing it: token-id
     prompts exactly, text at 4 bytes a token (OpenAI's own rule of thumb), plus
     max_tokens (or the server's per-request default when it is absent)."""
     def text_tokens(value: Any) -> int:
@@ -159,7 +159,9 @@ def estimated_tokens(payload: dict[str, Any], default_max_tokens: int) -> int:
             return sum(text_tokens(value.get(field)) for field in ("content", "text"))
         return 0
 
-    prompt = text_tokens(payload.get("prompt")) + text_tokens(payload.get("messages"))
-    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    # Completions' prompt, chat's and Anthropic's messages and system, Responses' input
+    # and instructions.
+    prompt = sum(text_tokens(payload.get(field)) for field in ("prompt", "messages", "system", "input", "instructions"))
+    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or payload.get("max_output_tokens")
     return prompt + (max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else default_max_tokens)
 

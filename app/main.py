@@ -32,6 +32,7 @@ from app.middleware import (
     OpenAIRequestMiddleware,
     ReplicaHeaderMiddleware,
 )
+from app.openai_routes import drop_unserved_routes, openai_body_routes
 from app.openai_usage import UsageProvenanceMiddleware
 from app.sessions.service import SessionService
 from app.settings import Settings, load_settings
@@ -97,6 +98,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
                 llm.shutdown()
 
     app.router.lifespan_context = lifespan
+    drop_unserved_routes(app)
     app.include_router(api_router)
     install_error_handlers(app)
     declare_error_codes(app)
@@ -108,9 +110,12 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.add_middleware(UsageProvenanceMiddleware)
     app.add_middleware(EngineDeadMiddleware)
     salter = cache_salter(settings)
-    if salter is not None or limits.counts_tokens:
+    body_routes = openai_body_routes(app, strict=settings.openai_strict_validation)
+    if salter is None and not limits.counts_tokens:
+        body_routes = {path: route for path, route in body_routes.items() if route.strict_validator is not None}
+    if body_routes:
         app.add_middleware(
-            OpenAIRequestMiddleware, salter=salter, limits=limits if limits.counts_tokens else None,
+            OpenAIRequestMiddleware, routes=body_routes, salter=salter, limits=limits if limits.counts_tokens else None,
             max_bytes=settings.max_request_body_bytes, default_max_tokens=settings.max_chunk_output_tokens,
         )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)

@@ -1,15 +1,19 @@
 """Small ASGI middlewares: request size limit, replica naming, a dead engine, and
-the cache salt and token count of vLLM's OpenAI requests."""
+the strict validation, cache salt and token count of vLLM's OpenAI requests."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.cache_salt import CacheSalter
-from app.errors import APIError, send_http_error, send_refusal
+from app.errors import APIError, send_http_error, send_refusal, validation_error
 from app.limits import KeyLimits, estimated_tokens, owner_of
+from app.openai_routes import OpenAIBodyRoute
 
 
 class BodySizeLimitMiddleware:
@@ -80,29 +84,34 @@ class EngineDeadMiddleware:
         await send_refusal(scope, receive, send, engine_dead_error(), ws_close_code=1011)
 
 
-# vLLM's OpenAI routes whose bodies take a cache_salt and count tokens.
-OPENAI_GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-
-
 class OpenAIRequestMiddleware:
-    """Read each ``/v1/completions`` and ``/v1/chat/completions`` body once to give
-    it the caller's cache salt, in place of (and derived from) any the client sent
-    (``salter``), and to charge its estimated tokens to the caller's key
-    (``limits``). vLLM's own endpoints stay unchanged. Bodies that are not a JSON
-    object pass through untouched, for vLLM to refuse."""
+    """Read the body of each of vLLM's POST routes in ``routes`` once, before vLLM does:
+
+    - validate it in pydantic's strict mode where the route says so (no ``"1"`` for
+      ``1``, as OpenAI's API answers), so the published schema is what the server
+      enforces: 400 in the OpenAI shape otherwise;
+    - on routes that generate, give it the caller's cache salt, in place of (and
+      derived from) any the client sent (``salter``), and charge its estimated tokens
+      to the caller's key (``limits``).
+
+    Bodies that are not a JSON object pass through untouched, for vLLM to refuse, as
+    do bodies whose validation raises something other than a validation error (vLLM's
+    own validators raise their errors, which vLLM answers itself)."""
 
     def __init__(
-        self, app: ASGIApp, salter: CacheSalter | None, limits: KeyLimits | None, max_bytes: int,
-        default_max_tokens: int,
+        self, app: ASGIApp, routes: Mapping[str, OpenAIBodyRoute], salter: CacheSalter | None,
+        limits: KeyLimits | None, max_bytes: int, default_max_tokens: int,
     ):
         self.app = app
+        self.routes = routes
         self.salter = salter
         self.limits = limits
         self.max_bytes = max_bytes
         self.default_max_tokens = default_max_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in OPENAI_GENERATE_PATHS:
+        route = self.routes.get(scope.get("path", "")) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -121,19 +130,27 @@ class OpenAIRequestMiddleware:
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
-        owner = owner_of(scope)
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError):  # not JSON (nor UTF-8), or nested too deep: vLLM refuses it
             payload = None
         if isinstance(payload, dict):
-            if self.limits is not None:
+            if route.strict_validator is not None:
+                try:
+                    route.strict_validator.validate_json(body, strict=True)
+                except ValidationError as invalid:
+                    await send_http_error(send, validation_error(RequestValidationError(invalid.errors())))
+                    return
+                except (ValueError, RecursionError):
+                    pass  # raised by one of vLLM's own validators: vLLM answers it when it validates
+            owner = owner_of(scope)
+            if route.generates and self.limits is not None:
                 try:
                     await self.limits.charge_tokens(owner, estimated_tokens(payload, self.default_max_tokens))
                 except APIError as error:
                     await send_http_error(send, error)
                     return
-            if self.salter is not None:
+            if route.generates and self.salter is not None:
                 client_salt = payload.get("cache_salt")
                 payload["cache_salt"] = self.salter.salt(owner, client_salt if isinstance(client_salt, str) else None)
                 body = json.dumps(payload).encode()

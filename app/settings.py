@@ -138,6 +138,12 @@ class Settings(BaseSettings):
         "session, before it fails with 503 server_busy and Retry-After.",
     )
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    openai_strict_validation: bool = Field(
+        default=True,
+        description="Validate the bodies of vLLM's OpenAI routes in pydantic's strict mode, as OpenAI's API "
+        "does: a string is not an integer (\"1\" for 1) nor a boolean, so the published schema is what the "
+        "server enforces (400 otherwise). false: vLLM's own lax coercion.",
+    )
 
     # --- limits per API key (see app/limits.py) ------------------------------
     rate_limit_requests_per_minute: int = Field(

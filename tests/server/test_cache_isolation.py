@@ -5,7 +5,9 @@ The probe that found the leak: key A runs a session on a 256-token prompt and
 closes it; key B sends the same prompt to /v1/completions. Oracle: the usage's
 provenance, which is the scheduler's own count of cached tokens (device and CPU
 tier). B must see 0 of A's tokens, over REST sessions, /v1/completions, the
-websocket and Realtime; A itself still hits (the positive control); with
+websocket and Realtime, and over every other vLLM route that reports cached tokens
+(Responses, Anthropic Messages, SageMaker's /invocations), where the oracle is that
+route's own usage field; A itself still hits (the positive control); with
 ``cache_isolation=shared`` B hits again (the negative control). Timing is not
 asserted here (tests never assert wall-clock times); a cold prefill is what 0
 cached tokens means; the timing probe is a benchmark, benchmarks/isolation.py.
@@ -64,6 +66,45 @@ async def websocket_chunk(server: str, tokens: list[int], headers: dict[str, str
     return dict(event["usage"]["prompt_tokens_details"])
 
 
+def text_prompt(seed: int) -> str:
+    rng = random.Random(f"cache-isolation-text-{seed}")
+    return " ".join(rng.choice(("amber", "basalt", "cobalt", "dune", "ember", "fjord")) for _ in range(200))
+
+
+# vLLM's other generating routes: a body for a text prompt, and where the route's usage
+# says how many of its prompt tokens were cached.
+OTHER_ROUTES: dict[str, tuple[Any, Any]] = {
+    "/v1/responses": (
+        lambda text: {"input": text, "max_output_tokens": 1},
+        lambda usage: usage["input_tokens_details"]["cached_tokens"],
+    ),
+    "/v1/messages": (
+        lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 1},
+        lambda usage: usage["cache_read_input_tokens"],
+    ),
+    "/invocations": (
+        lambda text: {"prompt": text, "max_tokens": 1},
+        lambda usage: usage["prompt_tokens_details"]["cached_tokens"],
+    ),
+}
+
+
+async def cached_on(http: httpx.AsyncClient, path: str, text: str, headers: dict[str, str]) -> int:
+    body, cached = OTHER_ROUTES[path]
+    reply = await http.post(path, headers=headers, json={"model": "embedded-tiny", "temperature": 0, **body(text)})
+    assert reply.status_code == 200, reply.text
+    return int(cached(reply.json()["usage"]))
+
+
+@pytest.mark.parametrize("path", sorted(OTHER_ROUTES))
+async def test_every_generating_route_keeps_keys_apart(server: str, path: str) -> None:
+    text = text_prompt(sorted(OTHER_ROUTES).index(path))
+    async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+        await cached_on(http, path, text, ALICE)
+        assert await cached_on(http, path, text, ALICE) >= 192  # the positive control
+        assert await cached_on(http, path, text, BOB) == 0
+
+
 async def test_a_key_sees_none_of_another_keys_cached_prompt(server: str) -> None:
     # A prompt per probe: each of Bob's probes caches under Bob's own salt.
     by_completion, by_session, by_websocket, from_tier = (prompt(seed) for seed in (11, 12, 13, 14))
@@ -94,3 +135,6 @@ async def test_negative_control_shared_caches_let_keys_probe_each_other(engine: 
         await session_on(http, secret, ALICE)
         leaked = await completion_on(http, secret, BOB)
         assert leaked["cached_tokens"] >= 224, leaked
+        text = text_prompt(100)
+        await cached_on(http, "/v1/responses", text, ALICE)
+        assert await cached_on(http, "/v1/responses", text, BOB) >= 192

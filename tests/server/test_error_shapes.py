@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
-from tests.conftest import auth
+from tests.conftest import auth, make_settings
+from tests.helpers import running_app
 from tests.server.test_errors import assert_openai_error
 
 pytestmark = pytest.mark.server
@@ -27,3 +30,36 @@ async def test_405_names_every_method_the_path_serves(server: str) -> None:
         response = await http.patch("/v1/sessions/sess_x")
         assert_openai_error(response, 405)
         assert set(response.headers["allow"].split(", ")) == {"GET", "DELETE"}
+
+
+# Schema-invalid bodies that vLLM's models, in pydantic's lax mode, would coerce and
+# accept (schemathesis's negative_data_rejection found the last three).
+LAX_BODIES = {
+    "/v1/completions": {"model": "embedded-tiny", "prompt": [1, 2], "max_tokens": "1"},
+    "/detokenize": {"model": "embedded-tiny", "tokens": ["1", 2]},
+    "/tokenize": {"model": "embedded-tiny", "prompt": "hi", "add_special_tokens": "yes"},
+    "/v1/responses": {"model": "embedded-tiny", "input": "hi", "max_output_tokens": 1, "stream": "false"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(LAX_BODIES))
+async def test_vllm_routes_enforce_their_schema_strictly(server: str, path: str) -> None:
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        error = assert_openai_error(await http.post(path, json=LAX_BODIES[path]), 400, "invalid_request")
+        assert error["param"] in ("max_tokens", "tokens.0", "add_special_tokens", "stream"), error
+
+
+async def test_lax_validation_is_vllms_own_when_asked_for(engine: Any) -> None:
+    # The negative control: with strict validation off, vLLM coerces the same bodies.
+    async with running_app(make_settings(openai_strict_validation=False), engine) as url, \
+            httpx.AsyncClient(base_url=url, headers=auth(), timeout=60) as http:
+        for path in ("/v1/completions", "/detokenize"):
+            response = await http.post(path, json=LAX_BODIES[path])
+            assert response.status_code == 200, response.text
+
+
+async def test_data_parallel_rescaling_is_not_served(server: str) -> None:
+    # One engine per replica: a rescale could only fail, and any key could ask for it.
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=30) as http:
+        assert_openai_error(await http.post("/scale_elastic_ep", json={"new_data_parallel_size": 2}), 404)
+        assert_openai_error(await http.post("/is_scaling_elastic_ep"), 404)
