@@ -154,7 +154,8 @@ def declare_error_codes(app: FastAPI) -> None:
     """Make the OpenAPI schema state the errors as they are sent: vLLM's ``ErrorInfo``
     declares an integer code (its own handlers send the HTTP status), while the errors
     this app sends on the same routes carry OpenAI's string codes; and every operation
-    may get the middlewares' refusals, which vLLM's routes do not declare."""
+    may get the middlewares' refusals, which vLLM's routes do not declare, and its
+    validation errors as 400, not FastAPI's 422."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -193,6 +194,9 @@ def _declare_middleware_errors(schema: dict[str, Any]) -> None:
             declared["404"] = "No such resource"
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
+            # FastAPI declares its 422; this app answers validation errors 400, in the OpenAI shape.
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", {"description": "Invalid request", **error})
             for status, description in declared.items():
                 responses.setdefault(status, {"description": description, **error})
 

@@ -32,7 +32,11 @@ from app.middleware import (
     OpenAIRequestMiddleware,
     ReplicaHeaderMiddleware,
 )
-from app.openai_routes import drop_unserved_routes, openai_body_routes
+from app.openai_routes import (
+    drop_routes_the_model_cannot_serve,
+    drop_unserved_routes,
+    openai_body_routes,
+)
 from app.openai_usage import UsageProvenanceMiddleware
 from app.sessions.service import SessionService
 from app.settings import Settings, load_settings
@@ -81,6 +85,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         owns_engine = engine is None
         llm = engine if engine is not None else build_engine(settings)
         await init_app_state(llm, app.state, args, SUPPORTED_TASKS)
+        drop_routes_the_model_cannot_serve(app)
         service = SessionService.on_engine(llm, settings, limits=limits)
         app.state.settings = settings
         app.state.provenance = service.recorder

@@ -141,8 +141,8 @@ class OpenAIRequestMiddleware:
                 except ValidationError as invalid:
                     await send_http_error(send, validation_error(RequestValidationError(invalid.errors())))
                     return
-                except (ValueError, RecursionError):
-                    pass  # raised by one of vLLM's own validators: vLLM answers it when it validates
+                except Exception:  # one of vLLM's own validators raised its own error (VLLMValidationError):
+                    pass  # vLLM raises it again when it validates, and answers it in its own way
             owner = owner_of(scope)
             if route.generates and self.limits is not None:
                 try:

@@ -26,6 +26,9 @@ DISPATCHING_GENERATE_PATHS = frozenset({"/invocations"})
 # Data-parallel rescaling: this server runs one engine per replica, so a rescale
 # can only fail (vLLM answers 500), and any key could ask for it. Not served.
 UNSERVED_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep"})
+# Routes vLLM mounts for every model but answers 501 on models without their serving
+# handler (set in app.state by vLLM's init_app_state): served only where they work.
+MODEL_DEPENDENT_PATHS = {"/v1/systemone": "serving_structured_decisions"}
 
 
 @dataclass(frozen=True)
@@ -70,4 +73,15 @@ def openai_body_routes(app: FastAPI, strict: bool) -> dict[str, OpenAIBodyRoute]
 
 
 def drop_unserved_routes(app: FastAPI) -> None:
-    app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in UNSERVED_PATHS]
+    _drop_routes(app, UNSERVED_PATHS)
+
+
+def drop_routes_the_model_cannot_serve(app: FastAPI) -> None:
+    """Once vLLM's state is set up (in the lifespan, before the first request and so
+    before the schema is built)."""
+    _drop_routes(app, {path for path, handler in MODEL_DEPENDENT_PATHS.items()
+                       if getattr(app.state, handler, None) is None})
+
+
+def _drop_routes(app: FastAPI, paths: set[str] | frozenset[str]) -> None:
+    app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in paths]

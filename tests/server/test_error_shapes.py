@@ -58,8 +58,12 @@ async def test_lax_validation_is_vllms_own_when_asked_for(engine: Any) -> None:
             assert response.status_code == 200, response.text
 
 
-async def test_data_parallel_rescaling_is_not_served(server: str) -> None:
+async def test_routes_that_cannot_work_here_are_not_served(server: str) -> None:
     # One engine per replica: a rescale could only fail, and any key could ask for it.
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=30) as http:
         assert_openai_error(await http.post("/scale_elastic_ep", json={"new_data_parallel_size": 2}), 404)
         assert_openai_error(await http.post("/is_scaling_elastic_ep"), 404)
+        # Nor a route the model has no handler for (vLLM would answer 501 on every call).
+        assert_openai_error(await http.post("/v1/systemone", json={"questions": {}, "state": None}), 404)
+        paths = (await http.get("/openapi.json")).json()["paths"]
+        assert not {"/scale_elastic_ep", "/v1/systemone"} & set(paths)
