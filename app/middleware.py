@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from vllm.exceptions import VLLMValidationError
 
 from app.cache_salt import CacheSalter
 from app.errors import APIError, send_http_error, send_refusal, validation_error
@@ -141,8 +142,13 @@ class OpenAIRequestMiddleware:
                 except ValidationError as invalid:
                     await send_http_error(send, validation_error(RequestValidationError(invalid.errors())))
                     return
-                except Exception:  # one of vLLM's own validators raised its own error (VLLMValidationError):
-                    pass  # vLLM raises it again when it validates, and answers it in its own way
+                except VLLMValidationError as invalid:  # raised by one of vLLM's own validators
+                    reason = str(invalid.args[0]) if invalid.args else "Invalid request."
+                    error = APIError(400, reason, code="invalid_request", param=invalid.parameter)
+                    await send_http_error(send, error)
+                    return
+                except Exception:  # any other: vLLM raises it again and answers it its own way
+                    pass
             owner = owner_of(scope)
             if route.generates and self.limits is not None:
                 try:

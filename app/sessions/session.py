@@ -136,6 +136,8 @@ class StreamingSession:
         session.num_chunks = record.num_chunks
         session.status = "closed" if record.status == "closed" else "parked"
         session.close_reason = record.close_reason
+        if session.closed and not transcript:
+            session._num_tokens_at_close = record.num_tokens  # remembered without its transcript
         return session
 
     def record(self) -> SessionRecord:
