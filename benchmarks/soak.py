@@ -14,6 +14,8 @@ afterwards no session left open.
 
     python -m benchmarks.soak                 # 10 minutes, tiny model, float32
     python -m benchmarks.soak --quick         # 20 s (the test suite's smoke run)
+    python -m benchmarks.soak --duration-s 900 --chunks-per-session 4 --name soak-churn
+                                              # past the 1,024 closed sessions remembered
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Record:
     start: float = field(default_factory=time.monotonic)
     chunks: list[tuple[float, float]] = field(default_factory=list)
     errors: list[tuple[float, str]] = field(default_factory=list)
+    sessions: int = 0  # sessions opened (and closed) by the workers
 
     def now(self) -> float:
         return time.monotonic() - self.start
@@ -76,6 +79,7 @@ async def websocket_worker(url: str, args: Any, record: Record, seed: int, inter
         async with websockets.connect(f"{url}/v1/sessions/ws", additional_headers=API_HEADERS, max_size=2**22) as ws:
             created = json.loads(await ws.recv())
             assert created["type"] == "session.created", created
+            record.sessions += 1
             sent = 0
 
             async def step() -> None:
@@ -98,6 +102,7 @@ async def rest_worker(base: str, args: Any, record: Record, seed: int, interval_
     async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=120) as http:
         while time.monotonic() < deadline:
             session_id = (await http.post("/v1/sessions", json={})).json()["id"]
+            record.sessions += 1
 
             async def step(session_id: str = session_id) -> None:
                 body = {"input": random_tokens(rng, args.chunk), "max_tokens": args.gen, "ignore_eos": True}
@@ -188,7 +193,7 @@ async def main_async(args: Any) -> dict[str, Any]:
             "api_server_rss_after_warmup_mb": rows[0]["api_server_rss_mb"],
             "api_server_rss_end_mb": rows[-1]["api_server_rss_mb"],
             "rss_bound_pct": args.rss_bound_pct, "rss_within_bound": growth_pct <= args.rss_bound_pct,
-            "sessions_left_open": len(left_open),
+            "sessions_opened": record.sessions, "sessions_left_open": len(left_open),
         },
     }
 
@@ -224,8 +229,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--gen", type=int, default=8)
     parser.add_argument("--rss-bound-pct", type=float, default=5.0)
+    parser.add_argument("--name", default="soak", help="the result files' name")
     args = parser.parse_args()
-    name = "soak"
+    name = args.name
     if args.quick:
         quick_engine(args)
         args.duration_s, args.window_s, args.websocket_workers = 20.0, 5.0, 3
