@@ -7,14 +7,13 @@ import json
 from collections.abc import Mapping
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from vllm.exceptions import VLLMValidationError
 
 from app.cache_salt import CacheSalter
 from app.errors import APIError, send_http_error, send_refusal, validation_error
 from app.limits import KeyLimits, estimated_tokens, owner_of
-from app.openai_routes import OpenAIBodyRoute
+from app.openai_routes import OpenAIBodyRoute, strict_errors
 
 
 class BodySizeLimitMiddleware:
@@ -138,10 +137,9 @@ class OpenAIRequestMiddleware:
         if isinstance(payload, dict):
             if route.strict_validator is not None:
                 try:
-                    route.strict_validator.validate_json(body, strict=True)
-                except ValidationError as invalid:
-                    await send_http_error(send, validation_error(RequestValidationError(invalid.errors())))
-                    return
+                    if errors := strict_errors(route.strict_validator, body, payload):
+                        await send_http_error(send, validation_error(RequestValidationError(errors)))
+                        return
                 except VLLMValidationError as invalid:  # raised by one of vLLM's own validators
                     reason = str(invalid.args[0]) if invalid.args else "Invalid request."
                     error = APIError(400, reason, code="invalid_request", param=invalid.parameter)

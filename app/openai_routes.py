@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 # SageMaker's route reads its body itself and hands it to the chat or completion
 # handler, whichever model validates it: it generates, with no body model to check.
@@ -37,6 +38,51 @@ class OpenAIBodyRoute:
 
     strict_validator: TypeAdapter[Any] | None  # validate in strict mode (None: leave it to vLLM)
     generates: bool  # it reaches the prefix cache: salt it, charge its tokens
+
+
+def strict_errors(validator: TypeAdapter[Any], body: bytes, payload: Any) -> list[Any]:
+    """The body's validation errors in pydantic's strict mode, lazily validated
+    iterables included (``payload`` is the body parsed). Errors of vLLM's own
+    validators propagate (they are not pydantic's)."""
+    try:
+        validated = validator.validate_json(body, strict=True)
+    except ValidationError as invalid:
+        return list(invalid.errors())
+    return lazy_iterable_errors(validated, payload, ())
+
+
+def lazy_iterable_errors(value: Any, raw: Any, loc: tuple[Any, ...]) -> list[Any]:
+    """pydantic validates an ``Iterable[...]`` field lazily, when it is iterated, and
+    takes any iterable input (a JSON object too); vLLM's message types, from the
+    openai SDK's TypedDicts, have such fields (``content``). Exhaust each such
+    iterator in the validated ``value`` beside the ``raw`` JSON it came from: the
+    schema says array, and the items must validate."""
+    if isinstance(value, Iterator):
+        if not isinstance(raw, list):
+            return [{"type": "list_type", "loc": loc, "msg": "Input should be a valid array", "input": raw}]
+        try:
+            items = list(value)
+        except ValidationError as invalid:
+            return [{**error, "loc": (*loc, *error["loc"])} for error in invalid.errors()]
+        return _nested_errors(zip(range(len(items)), items, raw, strict=False), loc)
+    if isinstance(value, BaseModel) and isinstance(raw, dict):
+        return _nested_errors(((field.alias or name, getattr(value, name), raw.get(field.alias or name))
+                               for name, field in type(value).model_fields.items()), loc)
+    if isinstance(value, dict) and isinstance(raw, dict):
+        return _nested_errors(((key, item, raw.get(key)) for key, item in value.items()), loc)
+    if isinstance(value, list) and isinstance(raw, list):
+        return _nested_errors(zip(range(len(value)), value, raw, strict=False), loc)
+    return []
+
+
+# What cannot hold a lazy iterator, passed over by type (a fast test: prompts are
+# lists of thousands of token ids).
+_SCALARS = frozenset({int, str, float, bool, type(None)})
+
+
+def _nested_errors(children: typing.Iterable[tuple[Any, Any, Any]], loc: tuple[Any, ...]) -> list[Any]:
+    return [error for key, value, raw in children if type(value) not in _SCALARS
+            for error in lazy_iterable_errors(value, raw, (*loc, key))]
 
 
 def body_models(annotation: Any) -> list[type[BaseModel]]:
