@@ -150,29 +150,20 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(error, headers=headers)
 
 
-def declare_error_codes(app: FastAPI) -> None:
+def declare_error_codes(schema: dict[str, Any]) -> None:
     """Make the OpenAPI schema state the errors as they are sent: vLLM's ``ErrorInfo``
     declares an integer code (its own handlers send the HTTP status), while the errors
     this app sends on the same routes carry OpenAI's string codes; and every operation
     may get the middlewares' refusals, which vLLM's routes do not declare, and its
     validation errors as 400, not FastAPI's 422."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = build()
-        components = schema.get("components", {}).get("schemas", {})
-        info = components.get("ErrorInfo")
-        if info is not None and "code" in info.get("properties", {}):
-            info["properties"]["code"] = {
-                "anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}], "title": "Code",
-            }
-        if "ErrorResponse" in components:
-            _declare_middleware_errors(schema)
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    components = schema.get("components", {}).get("schemas", {})
+    info = components.get("ErrorInfo")
+    if info is not None and "code" in info.get("properties", {}):
+        info["properties"]["code"] = {
+            "anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}], "title": "Code",
+        }
+    if "ErrorResponse" in components:
+        _declare_middleware_errors(schema)
 
 
 # What any route may answer besides its own responses: the middlewares' refusals

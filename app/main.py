@@ -33,9 +33,11 @@ from app.middleware import (
     ReplicaHeaderMiddleware,
 )
 from app.openai_routes import (
+    declare_filled_in_fields,
     drop_routes_the_model_cannot_serve,
     drop_unserved_routes,
     openai_body_routes,
+    patch_openapi,
 )
 from app.openai_usage import UsageProvenanceMiddleware
 from app.sessions.service import SessionService
@@ -106,7 +108,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     drop_unserved_routes(app)
     app.include_router(api_router)
     install_error_handlers(app)
-    declare_error_codes(app)
+    patch_openapi(app, declare_error_codes, declare_filled_in_fields)
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
     # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.
     app.middleware_stack = None

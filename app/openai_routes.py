@@ -32,6 +32,11 @@ UNSERVED_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep"})
 MODEL_DEPENDENT_PATHS = {"/v1/systemone": "serving_structured_decisions"}
 
 
+# Fields the openai SDK's types (and so the schema) require, which vLLM's validators
+# fill in when a request leaves them out (a reasoning input item's id).
+FILLED_IN_BY_VLLM = {"ResponseReasoningItemParam": "id", "ResponseReasoningItem": "id"}
+
+
 @dataclass(frozen=True)
 class OpenAIBodyRoute:
     """What the server does with a vLLM route's JSON body before vLLM reads it."""
@@ -131,3 +136,27 @@ def drop_routes_the_model_cannot_serve(app: FastAPI) -> None:
 
 def _drop_routes(app: FastAPI, paths: set[str] | frozenset[str]) -> None:
     app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in paths]
+
+
+def declare_filled_in_fields(schema: dict[str, Any]) -> None:
+    """The published schema does not require what vLLM fills in."""
+    components = schema.get("components", {}).get("schemas", {})
+    for name, field in FILLED_IN_BY_VLLM.items():
+        required = components.get(name, {}).get("required", [])
+        if field in required:
+            required.remove(field)
+
+
+def patch_openapi(app: FastAPI, *patches: typing.Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``patches`` to the OpenAPI schema once, as FastAPI first builds it."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()  # FastAPI's own, which keeps it in app.openapi_schema
+        for patch in patches:
+            patch(schema)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
