@@ -7,6 +7,9 @@ generates on the shared prefix cache, so each must carry the caller's cache salt
 one key reads another's prompts through its usage (``cached_tokens``). The table is
 built from the app's own routes: a route whose body model declares ``cache_salt``
 generates, so routes a newer vLLM adds are salted by construction.
+
+The same table validates those bodies strictly (``strict_errors``), and the schema
+patches below make the published schema say what the server enforces, no more, no less.
 """
 
 from __future__ import annotations
