@@ -117,9 +117,9 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.add_middleware(UsageProvenanceMiddleware)
     app.add_middleware(EngineDeadMiddleware)
     salter = cache_salter(settings)
-    body_routes = openai_body_routes(app, strict=settings.openai_strict_validation)
-    if salter is None and not limits.counts_tokens:
-        body_routes = {path: route for path, route in body_routes.items() if route.strict_validator is not None}
+    body_routes = openai_body_routes(
+        app, strict=settings.openai_strict_validation, generating=salter is not None or limits.counts_tokens,
+    )
     if body_routes:
         app.add_middleware(
             OpenAIRequestMiddleware, routes=body_routes, salter=salter, limits=limits if limits.counts_tokens else None,

@@ -94,9 +94,10 @@ class OpenAIRequestMiddleware:
       derived from) any the client sent (``salter``), and charge its estimated tokens
       to the caller's key (``limits``).
 
-    Bodies that are not a JSON object pass through untouched, for vLLM to refuse, as
-    do bodies whose validation raises something other than a validation error (vLLM's
-    own validators raise their errors, which vLLM answers itself)."""
+    A validator of vLLM's own that refuses the body (``VLLMValidationError``) gets the
+    same 400, before any salting could mend the body. Bodies that are not a JSON object
+    pass through untouched, for vLLM to refuse, as do bodies whose validation raises
+    anything else (vLLM raises it again and answers it itself)."""
 
     def __init__(
         self, app: ASGIApp, routes: Mapping[str, OpenAIBodyRoute], salter: CacheSalter | None,

@@ -106,20 +106,24 @@ def _is_ours(route: APIRoute) -> bool:
     return route.endpoint.__module__.split(".")[0] == "app"
 
 
-def openai_body_routes(app: FastAPI, strict: bool) -> dict[str, OpenAIBodyRoute]:
-    """vLLM's POST routes with a JSON body, by path (ours validate strictly already)."""
+def openai_body_routes(app: FastAPI, strict: bool, generating: bool) -> dict[str, OpenAIBodyRoute]:
+    """vLLM's POST routes whose bodies the server reads first, by path: to validate
+    them strictly (``strict``; ours validate strictly already) and, where they
+    generate, to salt them and charge their tokens (``generating``: there is a salt
+    or a token limit to apply)."""
     routes: dict[str, OpenAIBodyRoute] = {}
     for route in app.routes:
         if not isinstance(route, APIRoute) or "POST" not in route.methods or _is_ours(route):
             continue
         if route.path in DISPATCHING_GENERATE_PATHS:
-            routes[route.path] = OpenAIBodyRoute(strict_validator=None, generates=True)
+            if generating:
+                routes[route.path] = OpenAIBodyRoute(strict_validator=None, generates=True)
             continue
         params = route.dependant.body_params
         annotation: Any = params[0].field_info.annotation if len(params) == 1 else None
         if not (models := body_models(annotation)):
             continue
-        generates = any("cache_salt" in model.model_fields for model in models)
+        generates = generating and any("cache_salt" in model.model_fields for model in models)
         validator = TypeAdapter(annotation) if strict else None
         if generates or validator is not None:
             routes[route.path] = OpenAIBodyRoute(strict_validator=validator, generates=generates)
