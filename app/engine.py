@@ -20,6 +20,7 @@ from connectors.compat import (
     ASYNC_TIER_LOADS_KEY,
     DISABLE_FIX_KEY,
     DISABLE_TAIL_STORE_KEY,
+    TIER_COPY_THREAD_KEY,
     UPSTREAM_SYNC_LOAD_BUDGET_KEY,
 )
 
@@ -52,11 +53,13 @@ def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
             block_size=settings.block_size * settings.blocks_per_chunk,
         )
         extra[ASYNC_TIER_LOADS_KEY] = settings.async_tier_loads
+        extra[TIER_COPY_THREAD_KEY] = settings.tier_copy_thread
         if not settings.async_tier_loads and HostTierOffloadingSpec.loads_synchronously():
             # vLLM 0.33+ loads synchronously up to this many bytes per step (0.32
-            # ignores the key; our connector does it there). Our host worker copies
-            # on the model's thread either way, so every tier hit may load in the
-            # step that finds it. Only on the CPU platform: CUDA keeps its streams.
+            # ignores the key; our connector does it there). Our host worker has every
+            # load in place before the forward pass reads it, so every tier hit may
+            # load in the step that finds it. Only on the CPU platform: CUDA keeps its
+            # streams.
             extra[UPSTREAM_SYNC_LOAD_BUDGET_KEY] = int(settings.cpu_tier_gib * GIB)
         name, module = OFFLOADING_CONNECTOR_NAME, OFFLOADING_CONNECTOR_MODULE
     else:

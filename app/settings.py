@@ -81,6 +81,12 @@ class Settings(BaseSettings):
         "for its load) instead of loading in the step that finds the hit. Only for benchmarks' "
         "before-and-after.",
     )
+    tier_copy_thread: bool = Field(
+        default=True,
+        description="Copy CPU-tier pages on a thread beside the forward pass (the CPU platform's "
+        "host tier): stores overlap the step, each layer waits only for its own loaded pages. "
+        "False copies inline before the forward pass (the benchmarks' before).",
+    )
     disable_session_tail_store: bool = Field(
         default=False,
         description="Keep vLLM's prompt-only clamp on an ended session's last outputs, so a parked "

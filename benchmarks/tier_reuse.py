@@ -9,15 +9,19 @@ a reset and a tier hit; medians.
 
 Each load path runs on an engine of its own, one after the other, in one run:
 - synchronous (ours, the default): a tier hit is loaded and computed in the step that
-  finds it;
-- asynchronous (vLLM 0.32's protocol, ``async_tier_loads``): the request waits a step for
-  its load.
+  finds it, its pages copied on the host tier's copy thread while the forward pass runs,
+  each layer waiting only for its own pages;
+- synchronous-inline (``tier_copy_thread=false``): the same step, with every page copied
+  before the forward pass starts (the path before the copy thread);
+- asynchronous (vLLM 0.32's protocol, ``async_tier_loads``, inline copies): the request
+  waits a step for its load.
 
 Also the tier's load bandwidth (vLLM's kv_offload_load_bytes / load_time, measured by our
 host-tier worker around its page copies) against this machine's host memcpy bandwidth
 (torch copy_ of 512 MiB), measured here with the same thread count as the model worker.
 
-    python -m benchmarks.tier_reuse --dtype float32   # bench model, both load paths
+    python -m benchmarks.tier_reuse                   # bench model, every load path
+    python -m benchmarks.tier_reuse --dtype float32   # where bf16 is slow (no AMX)
     python -m benchmarks.tier_reuse --quick           # tiny model, one size, synchronous only
 """
 
@@ -107,11 +111,16 @@ async def first_token(engine: Any, recorder: Any, prompt: list[int], recompute: 
     return FirstToken(elapsed, int(final.num_cached_tokens or 0), sources.cpu_tier_tokens if sources else 0, wait)
 
 
-LOAD_PATHS = ("synchronous", "asynchronous")
+# Load path -> the settings that select it.
+LOAD_PATHS: dict[str, dict[str, bool]] = {
+    "synchronous": {},
+    "synchronous-inline": {"tier_copy_thread": False},
+    "asynchronous": {"async_tier_loads": True, "tier_copy_thread": False},
+}
 
 
 async def measure_load_path(setup: EngineSetup, args: argparse.Namespace, load_path: str) -> list[dict[str, Any]]:
-    engine, recorder, _ = in_process_engine(setup, "tier-bench", async_tier_loads=load_path == "asynchronous")
+    engine, recorder, _ = in_process_engine(setup, "tier-bench", **LOAD_PATHS[load_path])
     rng = random.Random(args.seed)  # the same prompts on every path
     rows = []
     try:

@@ -10,6 +10,7 @@ way entirely there.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cache
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +24,9 @@ DISABLE_TAIL_STORE_KEY = "disable_session_tail_store"
 # kv_connector_extra_config key: set true to keep vLLM 0.32's asynchronous load
 # protocol on a tier whose worker copies synchronously (the benchmarks' baseline).
 ASYNC_TIER_LOADS_KEY = "async_tier_loads"
+# kv_connector_extra_config key: set false to copy tier pages on the model's thread,
+# inline (the benchmarks' baseline for the copy thread of connectors.host_tier).
+TIER_COPY_THREAD_KEY = "tier_copy_thread"
 # vLLM 0.33's own kv_connector_extra_config key for synchronous loads.
 UPSTREAM_SYNC_LOAD_BUDGET_KEY = "sync_load_budget_bytes"
 
@@ -113,3 +117,12 @@ def install_fix(
     if component is not None and (streaming_fix or also_when):
         component.__class__ = fixed_cls
         component.streaming_fix = streaming_fix
+
+
+def tier_copy_thread_wanted(extra_config: Mapping[str, Any] | None) -> bool:
+    """Whether our host tier copies on a thread of its own, beside the forward pass.
+    Off on a vLLM with sync loads of its own (0.33): its load path is untested with
+    our thread, so copies stay inline there, as before."""
+    if extra_config and not _as_bool(extra_config.get(TIER_COPY_THREAD_KEY, True)):
+        return False
+    return not upstream_has_sync_loads()

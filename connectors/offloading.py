@@ -38,6 +38,12 @@ so the model runner submits the loads before that step's forward pass. The worke
 then must not report them as received: the scheduler waits on no such request, and
 would assert on a running one (and a session id reused on resume would leave a
 stale entry).
+
+The sixth, with our host tier's copy thread (``connectors.host_tier``): a step's
+copies start when its metadata is bound, before the forward pass (vLLM starts
+them after it when no load is synchronous), so stores run beside the forward pass,
+and each attention layer waits only for its own pages' loads
+(``wait_for_layer_load``, a no-op upstream).
 """
 
 from __future__ import annotations
@@ -59,14 +65,17 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from connectors.compat import install_fix, session_tail_store_wanted, synchronous_loads_wanted
+from connectors.host_tier import HostTierWorker
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         RequestOffloadState,
     )
+    from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -265,6 +274,38 @@ class StreamingSafeOffloadingConnector(OffloadingConnector):
             self.connector_scheduler.session_tail_store = tail_store
             self.connector_scheduler.synchronous_loads = self.synchronous_loads
             self.connector_scheduler._early_completed_loads = {}
+        # Worker side, with the host tier's copy thread (register_kv_caches).
+        self._host_tier: HostTierWorker | None = None
+        self._tensor_of_layer: dict[str, int] = {}
+        self._transfers_started = False
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        worker = self.connector_worker.worker if self.connector_worker is not None else None
+        if isinstance(worker, HostTierWorker) and worker.copies_in_background:
+            self._host_tier = worker
+            self._tensor_of_layer = worker.tensor_index_by_layer(kv_caches)
+            worker.layerwise_loads = True  # wait_for_layer_load below waits for them
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._host_tier is not None:
+            # Hand this step's copies to the copy thread before the forward pass.
+            super().start_load_kv(None)  # type: ignore[arg-type]  # upstream does not read it
+            self._transfers_started = True
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if not self._transfers_started:
+            super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._host_tier is not None:
+            # A layer we cannot place waits for every load.
+            self._host_tier.wait_for_tensor(self._tensor_of_layer.get(layer_name))
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._transfers_started = False
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         finished_sending, finished_recving = super().get_finished(finished_req_ids)

@@ -10,6 +10,7 @@ tier hit loads against the KV the session computed, with no tolerance.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 
@@ -50,3 +51,32 @@ class KVInspector:
         rows = [host.view(-1, device.shape[1]) for host, device in zip(worker.host_pages, worker.device_pages)]
         used = rows[0].any(dim=1).nonzero().flatten().tolist()
         return [_digest([tensor[row] for tensor in rows]) for row in used]
+
+    def streamsess_slow_tier_copies(self, delay_s: float, skip_layer_waits: bool = False) -> bool:
+        """Delay every copy on the host tier's copy thread by ``delay_s``, so a layer
+        whose load wait does not hold would read its pages before they land; with
+        ``skip_layer_waits`` the connector's layer waits are dropped (the negative
+        control). Returns whether the engine runs the copy thread with layer waits."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = _host_tier_worker()
+        copier = worker._copier
+        if copier is None or not worker.layerwise_loads:
+            return False
+        copy = getattr(copier, "_unslowed_copy", copier._copy)
+        copier._unslowed_copy = copy
+
+        def slow_copy(*args: Any) -> float:
+            time.sleep(delay_s)
+            return float(copy(*args))
+
+        copier._copy = slow_copy
+        if skip_layer_waits:
+            get_kv_transfer_group().wait_for_layer_load = lambda layer_name: None
+        return True
+
+    def streamsess_zero_device_kv(self) -> None:
+        """Zero every device KV page (only with no request running), so stale pages
+        that happen to hold the right KV cannot hide a load that did not land."""
+        for pages in _host_tier_worker().device_pages:
+            pages.zero_()

@@ -497,10 +497,12 @@ BASE_CONFIG: dict[str, Any] = {
     "engine_args": {"max_num_batched_tokens": 64, "worker_extension_cls": "tests.kv_inspector.KVInspector"},
 }
 
+# Every config copies tier pages on the host tier's copy thread (the default) but one,
+# which keeps the inline copies (tier_copy_thread=false) covered.
 HARNESS_CONFIGS: dict[str, dict[str, Any]] = {
     "bpc1-sync": {"blocks_per_chunk": 1, "async_scheduling": False},
     "bpc1-async": {"blocks_per_chunk": 1, "async_scheduling": True},
-    "bpc2-sync": {"blocks_per_chunk": 2, "async_scheduling": False},
+    "bpc2-sync-inline": {"blocks_per_chunk": 2, "async_scheduling": False, "tier_copy_thread": False},
     "bpc2-async": {"blocks_per_chunk": 2, "async_scheduling": True},
 }
 

@@ -34,7 +34,7 @@ SEED = 20261130
 # chunk resumes from the transcript, its prefix from the device cache or the tier,
 # and must still equal its recompute, which in fp32 is what a session never parked
 # answers. The other two keep every session's engine request.
-PARK_RATES = {"bpc1-sync": 1.0, "bpc1-async": 0.0, "bpc2-sync": 0.0, "bpc2-async": 0.5}
+PARK_RATES = {"bpc1-sync": 1.0, "bpc1-async": 0.0, "bpc2-sync-inline": 0.0, "bpc2-async": 0.5}
 
 
 @pytest.mark.parametrize("config", list(HARNESS_CONFIGS))

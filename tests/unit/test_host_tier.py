@@ -1,6 +1,10 @@
-"""The CPU-platform tier worker: pages go to the host buffer and come back exactly."""
+"""The CPU-platform tier worker: pages go to the host buffer and come back exactly,
+copied inline or on its copy thread, and a layer's loaded pages are in place when the
+layer's wait returns."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -30,11 +34,17 @@ def make_caches(num_layers: int = 2) -> tuple[CanonicalKVCaches, list[torch.Tens
     return caches, tensors
 
 
+COPY_MODES = {"inline": (False, False), "thread": (True, False), "thread-layerwise": (True, True)}
+
+
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
 @pytest.mark.parametrize("blocks_per_chunk", [1, 3])
-def test_store_then_load_round_trips(blocks_per_chunk: int) -> None:
+def test_store_then_load_round_trips(blocks_per_chunk: int, copy_mode: str) -> None:
     caches, tensors = make_caches()
     original = [t.clone() for t in tensors]
-    worker = HostTierWorker(caches, blocks_per_chunk=blocks_per_chunk, num_chunks=8)
+    copy_thread, layerwise = COPY_MODES[copy_mode]
+    worker = HostTierWorker(caches, blocks_per_chunk=blocks_per_chunk, num_chunks=8, copy_thread=copy_thread)
+    worker.layerwise_loads = layerwise
     # Request blocks 1..5 (logical index 1: the first chunk is partial when bpc > 1)
     # live in device blocks 9, 10, 11, 4, 2.
     device_blocks = [9, 10, 11, 4, 2]
@@ -42,19 +52,63 @@ def test_store_then_load_round_trips(blocks_per_chunk: int) -> None:
     chunks = [7, 3, 5, 0, 1, 6][:num_chunks]
     store = GPULoadStoreSpec(device_blocks, group_sizes=[len(device_blocks)], block_indices=[1])
     assert worker.submit_store(1, store, CPULoadStoreSpec(chunks))
+    stored = worker.get_finished()  # the step's end: every copy of the step has landed
     for tensor in tensors:
         tensor.zero_()
     targets = [0, 1, 2, 3, 5]
     load = GPULoadStoreSpec(targets, group_sizes=[len(targets)], block_indices=[1])
     assert worker.submit_load(2, CPULoadStoreSpec(chunks), load)
+    results = stored + worker.get_finished()
     for tensor, before in zip(tensors, original):
         assert torch.equal(tensor[targets], before[device_blocks])
         untouched = [b for b in range(NUM_BLOCKS) if b not in targets]
         assert not tensor[untouched].any()
-    results = worker.get_finished()
     assert [r.job_id for r in results] == [1, 2] and all(r.success for r in results)
-    assert results[0].transfer_size == len(device_blocks) * PAGE * len(tensors)
+    assert [r.transfer_size for r in results] == [len(device_blocks) * PAGE * len(tensors)] * 2
     assert worker.get_finished() == []
+    worker.shutdown()
+
+
+def test_layerwise_load_copies_the_last_page_first_and_each_layer_on_demand() -> None:
+    """The copy thread held: submit_load has already written each load's last page
+    (the step's new tokens are written there before any layer waits), and a layer's
+    wait returns only once that layer's pages are in. Without the inline last page,
+    or with a wait that returns early, the asserts below see zeros."""
+    caches, tensors = make_caches(num_layers=3)
+    worker = HostTierWorker(caches, blocks_per_chunk=1, num_chunks=8, copy_thread=True)
+    worker.layerwise_loads = True
+    device_blocks = [3, 4, 5, 6]
+    worker.submit_store(1, GPULoadStoreSpec(device_blocks, group_sizes=[4], block_indices=[0]), CPULoadStoreSpec([0, 1, 2, 3]))
+    worker.get_finished()
+    original = [t.clone() for t in tensors]
+    for tensor in tensors:
+        tensor.zero_()
+
+    release = threading.Event()
+    copy = worker._copier._copy  # type: ignore[union-attr]
+
+    def held_copy(*args: object) -> float:
+        release.wait(timeout=30)
+        return copy(*args)  # type: ignore[arg-type]
+
+    worker._copier._copy = held_copy  # type: ignore[union-attr]
+    targets = [8, 9, 10, 11]
+    worker.submit_load(2, CPULoadStoreSpec([0, 1, 2, 3]), GPULoadStoreSpec(targets, group_sizes=[4], block_indices=[0]))
+    for tensor, before in zip(tensors, original):
+        assert torch.equal(tensor[11], before[6])  # the last page: inline
+        assert not tensor[8:11].any()  # the rest: still queued
+    waiter = threading.Thread(target=worker.wait_for_tensor, args=(0,))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive()  # layer 0's pages are not in yet
+    release.set()
+    waiter.join(timeout=30)
+    assert torch.equal(tensors[0][8:11], original[0][3:6])
+    worker.wait_for_tensor(None)
+    for tensor, before in zip(tensors, original):
+        assert torch.equal(tensor[targets], before[device_blocks])
+    assert [r.job_id for r in worker.get_finished()] == [2]
+    worker.shutdown()
 
 
 def test_contiguous_runs_merge_consecutive_rows() -> None:
