@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -37,6 +39,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from connectors.compat import tier_copy_thread_wanted
+
+# Under "vllm", so vLLM's log handler prints it in the engine's processes.
+logger = logging.getLogger("vllm.streamsess.host_tier")
 
 # (device_start, host_start, length): pages consecutive on both sides, one copy.
 Run = tuple[int, int, int]
@@ -76,10 +81,11 @@ class HostTierWorker(OffloadingWorker):
     one copy per run of blocks consecutive on both sides: row-wise ``index_select``
     ran at a tenth of memcpy speed on these machines, plain slice copies at full speed.
 
-    **Where copies run.** Inline (``copy_thread=False``), every transfer completes
-    inside ``submit_*``, on the model's thread. With a copy thread, the copies run
-    beside the forward pass instead (``np.copyto`` releases the GIL), the way vLLM's
-    CUDA worker uses streams:
+    **Where copies run.** Inline (``copy_thread=False``, or no spare CPU: see
+    ``spare_cpus``), every transfer completes inside ``submit_*``, on the model's
+    thread. With a copy thread, on a CPU no compute thread uses, the copies run beside
+    the forward pass instead (``np.copyto`` releases the GIL), the way vLLM's CUDA
+    worker uses streams:
 
     - stores go to the thread and overlap this step's forward pass;
     - loads go to the thread per tensor, first layers first, and the forward pass
@@ -120,20 +126,23 @@ class HostTierWorker(OffloadingWorker):
         # Set by a connector that waits for each layer's load before the layer runs.
         self.layerwise_loads = False
         self._finished: list[TransferResult] = []
-        self._copier = _CopyThread(self._copy) if copy_thread else None
+        spare = spare_cpus() if copy_thread else set()
+        self._copier = _CopyThread(self._copy, spare) if spare else None
+        if copy_thread:
+            logger.info(
+                "CPU-tier copies: %s", f"on a copy thread, on CPUs {sorted(spare)}" if spare
+                else "inline (every CPU of this engine runs a compute thread, so a copy thread would only take from them)",
+            )
 
     @property
     def copies_in_background(self) -> bool:
         return self._copier is not None
 
     def tensor_index_by_layer(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        """Which of our tensors holds each layer's KV (by the memory they share)."""
-        index = {device.untyped_storage().data_ptr(): i for i, device in enumerate(self.device_pages)}
-        return {
-            name: index[tensor.untyped_storage().data_ptr()]
-            for name, tensor in kv_caches.items()
-            if tensor.untyped_storage().data_ptr() in index
-        }
+        """Which of our tensors holds each layer's KV: the one that starts where the
+        layer's KV starts (on CPU, every layer's KV is a view into one allocation)."""
+        index = {device.data_ptr(): i for i, device in enumerate(self.device_pages)}
+        return {name: index[tensor.data_ptr()] for name, tensor in kv_caches.items() if tensor.data_ptr() in index}
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         return self._submit(job_id, src_spec, dst_spec, is_load=False)
@@ -246,11 +255,34 @@ def _split_last_pages(
     return rest, last
 
 
-class _CopyThread:
-    """One thread that runs page copies in ``_Copy`` order, and what waits on them."""
+def spare_cpus() -> set[int]:
+    """CPUs this engine may use that none of this worker's compute threads is bound to.
 
-    def __init__(self, copy: Callable[[int, list[Run], bool], float]):
+    vLLM's CPU worker binds each OpenMP thread to one CPU, and every other thread of
+    the process inherits the main thread's. With ``VLLM_CPU_NUM_OF_RESERVED_CPU`` the
+    CPUs it leaves to the engine core and the API server are mostly idle during a
+    forward pass; a copy thread there overlaps the pass (measured: a 2,048-token tier
+    hit's copy hidden), while a copy thread on a compute thread's CPU only slows the
+    pass down by as much as it copies (measured too, docs/benchmarks.md section 2)."""
+    try:
+        allowed = os.sched_getaffinity(os.getppid())  # the engine core's (or server's) CPUs
+        busy: set[int] = set()
+        for task in os.listdir("/proc/self/task"):
+            cpus = os.sched_getaffinity(int(task))
+            if len(cpus) < len(allowed):  # bound: a compute thread, or one that inherited its CPU
+                busy |= cpus
+    except (OSError, ValueError):  # not Linux, or a thread that ended meanwhile
+        return set()
+    return allowed - busy
+
+
+class _CopyThread:
+    """One thread that runs page copies in ``_Copy`` order, on ``cpus``, and what
+    waits on them."""
+
+    def __init__(self, copy: Callable[[int, list[Run], bool], float], cpus: set[int]):
         self._copy = copy
+        self._cpus = cpus
         self._cond = threading.Condition()
         self._queue: list[_Copy] = []
         self._seq = itertools.count()
@@ -304,6 +336,7 @@ class _CopyThread:
             raise RuntimeError("a CPU-tier copy failed") from self._error
 
     def _run(self) -> None:
+        os.sched_setaffinity(0, self._cpus)  # this thread only
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._stopped)

@@ -52,17 +52,18 @@ class KVInspector:
         used = rows[0].any(dim=1).nonzero().flatten().tolist()
         return [_digest([tensor[row] for tensor in rows]) for row in used]
 
-    def streamsess_slow_tier_copies(self, delay_s: float, skip_layer_waits: bool = False) -> bool:
+    def streamsess_slow_tier_copies(self, delay_s: float, skip_layer_waits: bool = False) -> int:
         """Delay every copy on the host tier's copy thread by ``delay_s``, so a layer
         whose load wait does not hold would read its pages before they land; with
         ``skip_layer_waits`` the connector's layer waits are dropped (the negative
-        control). Returns whether the engine runs the copy thread with layer waits."""
+        control). Returns how many distinct tensors the attention layers wait for
+        (one per layer when the waits are per layer; 0 without the copy thread)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         worker = _host_tier_worker()
         copier = worker._copier
         if copier is None or not worker.layerwise_loads:
-            return False
+            return 0
         copy = getattr(copier, "_unslowed_copy", copier._copy)
         copier._unslowed_copy = copy
 
@@ -71,9 +72,10 @@ class KVInspector:
             return float(copy(*args))
 
         copier._copy = slow_copy
+        connector = get_kv_transfer_group()
         if skip_layer_waits:
-            get_kv_transfer_group().wait_for_layer_load = lambda layer_name: None
-        return True
+            connector.wait_for_layer_load = lambda layer_name: None
+        return len(set(connector._tensor_of_layer.values()))
 
     def streamsess_zero_device_kv(self) -> None:
         """Zero every device KV page (only with no request running), so stale pages

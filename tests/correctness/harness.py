@@ -497,8 +497,9 @@ BASE_CONFIG: dict[str, Any] = {
     "engine_args": {"max_num_batched_tokens": 64, "worker_extension_cls": "tests.kv_inspector.KVInspector"},
 }
 
-# Every config copies tier pages on the host tier's copy thread (the default) but one,
-# which keeps the inline copies (tier_copy_thread=false) covered.
+# Every config copies tier pages on the host tier's copy thread (the default; the
+# harness leaves it a CPU, see InProcessHarness) but one, which keeps the inline
+# copies (tier_copy_thread=false) covered.
 HARNESS_CONFIGS: dict[str, dict[str, Any]] = {
     "bpc1-sync": {"blocks_per_chunk": 1, "async_scheduling": False},
     "bpc1-async": {"blocks_per_chunk": 1, "async_scheduling": True},
@@ -549,7 +550,9 @@ class InProcessHarness:
         from connectors.cpu_platform import ATTENTION_ENV
         from tests.helpers import environment, record_attention_kernels
 
-        with environment(**{ATTENTION_ENV: self.attention}):
+        # One CPU left to the engine core, as in the benchmarks: the host tier then
+        # copies on its copy thread there (with no CPU to spare it copies inline).
+        with environment(**{ATTENTION_ENV: self.attention, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}):
             self.engine = build_engine(self.settings)
         self.kernels = await record_attention_kernels(self.engine)
         self.service = SessionService.on_engine(self.engine, self.settings)

@@ -21,21 +21,25 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import make_settings
-from tests.helpers import generate_once, random_tokens, started_engine
+from tests.helpers import environment, generate_once, random_tokens, started_engine
 
 pytestmark = pytest.mark.engine
 
 PROMPT_TOKENS = 257  # 8 whole blocks in the tier, the 257th token computed
 OUTPUT_TOKENS = 8
 COPY_DELAY_S = 0.05
+TINY_MODEL_LAYERS = 4
 
 
 @pytest_asyncio.fixture(scope="module")
 async def engine_with_copy_thread() -> AsyncIterator[Any]:
     """One engine for both tests, in file order: the negative control drops the
     layer waits for good."""
-    async with started_engine(make_settings(tier_copy_thread=True)) as llm:
-        yield llm
+    # A CPU left to the engine core: the copy thread runs only on a CPU that no
+    # compute thread uses (connectors.host_tier.spare_cpus), as in the benchmarks.
+    with environment(VLLM_CPU_NUM_OF_RESERVED_CPU="1"):
+        async with started_engine(make_settings(tier_copy_thread=True)) as llm:
+            yield llm
 
 
 async def tier_hit_with_slow_copies(engine: Any, seed: int, skip_layer_waits: bool) -> tuple[Any, Any]:
@@ -45,8 +49,9 @@ async def tier_hit_with_slow_copies(engine: Any, seed: int, skip_layer_waits: bo
     await generate_once(engine, random_tokens(random.Random(seed + 1), 8), 1)  # one more step: stores land
     assert await engine.reset_prefix_cache(), "device prefix cache reset refused"
     await engine.collective_rpc("streamsess_zero_device_kv")
-    slowed = await engine.collective_rpc("streamsess_slow_tier_copies", args=(COPY_DELAY_S, skip_layer_waits))
-    assert all(slowed), "the engine does not run the host tier's copy thread with layer waits"
+    tensors_waited = await engine.collective_rpc("streamsess_slow_tier_copies", args=(COPY_DELAY_S, skip_layer_waits))
+    # The tiny model's 4 layers each wait for their own tensor (0: no copy thread).
+    assert tensors_waited == [TINY_MODEL_LAYERS], "layer waits are not per layer"
     from_tier = await generate_once(engine, prompt, OUTPUT_TOKENS)
     assert from_tier.num_cached_tokens == PROMPT_TOKENS - 1  # all from the tier: the device was reset
     return computed, from_tier

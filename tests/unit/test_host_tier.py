@@ -4,7 +4,10 @@ layer's wait returns."""
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from connectors.host_tier import HostTierWorker, _contiguous_runs
+from connectors.host_tier import HostTierWorker, _contiguous_runs, spare_cpus
 
 PAGE = 64
 NUM_BLOCKS = 16
@@ -114,3 +117,53 @@ def test_layerwise_load_copies_the_last_page_first_and_each_layer_on_demand() ->
 def test_contiguous_runs_merge_consecutive_rows() -> None:
     assert _contiguous_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
     assert _contiguous_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
+
+
+def test_layers_map_to_their_own_tensors_in_one_allocation() -> None:
+    """vLLM's CPU platform carves every layer's KV out of one allocation: each layer
+    must still map to the tensor that starts where its KV starts (mapping by the
+    shared storage sent every layer to one tensor, so each waited for all loads)."""
+    storage = torch.zeros(3 * NUM_BLOCKS * PAGE, dtype=torch.int8)
+    layers = {f"layer.{i}": storage[i * NUM_BLOCKS * PAGE : (i + 1) * NUM_BLOCKS * PAGE].view(NUM_BLOCKS, PAGE)
+              for i in range(3)}
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE) for t in layers.values()],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE) for i in range(3)]],
+    )
+    worker = HostTierWorker(caches, blocks_per_chunk=1, num_chunks=4)
+    assert worker.tensor_index_by_layer(layers) == {"layer.0": 0, "layer.1": 1, "layer.2": 2}
+
+
+@contextmanager
+def thread_bound_to(cpu: int) -> Iterator[None]:
+    """A thread of this process bound to one CPU, as vLLM binds its OpenMP threads."""
+    bound, done = threading.Event(), threading.Event()
+
+    def run() -> None:
+        os.sched_setaffinity(0, {cpu})
+        bound.set()
+        done.wait(timeout=30)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    bound.wait(timeout=30)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(os.getppid())) < 2, reason="needs two CPUs to leave one spare")
+def test_spare_cpus_are_those_no_bound_thread_uses() -> None:
+    """The copy thread goes only where no compute thread is bound: with one CPU
+    taken the other is spare; with every CPU taken none is (copies stay inline)."""
+    allowed = sorted(os.sched_getaffinity(os.getppid()))
+    with thread_bound_to(allowed[0]):
+        assert allowed[0] not in spare_cpus() and allowed[1] in spare_cpus()
+        with ExitStack() as others:
+            for cpu in allowed[1:]:
+                others.enter_context(thread_bound_to(cpu))
+            assert spare_cpus() == set()
+            caches, _ = make_caches()
+            assert not HostTierWorker(caches, blocks_per_chunk=1, num_chunks=2, copy_thread=True).copies_in_background
