@@ -106,7 +106,12 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
 
     app.router.lifespan_context = lifespan
     drop_unserved_routes(app)
+    # Our routes first: Starlette's router and vLLM's metrics instrumentator each walk
+    # the routes in order, matching every path pattern before ours otherwise. No path
+    # of ours is one of vLLM's (tests/server/test_openai_endpoints.py checks).
+    vllm_routes = list(app.router.routes)
     app.include_router(api_router)
+    app.router.routes[:] = [route for route in app.router.routes if route not in vllm_routes] + vllm_routes
     install_error_handlers(app)
     patch_openapi(app, declare_error_codes, declare_filled_in_fields)
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from

@@ -218,7 +218,7 @@ def plot(result: dict[str, Any]) -> Any:
     axis.set_xticks(range(len(rows)), [f"{row['prefix_tokens']} tokens" for row in rows])
     axis.set_yscale("log")
     axis.set_ylabel("time to first token (ms)")
-    axis.set_title(f"Prefix reuse ({result['settings']['model_preset']} model): recompute vs CPU tier vs device cache")
+    axis.set_title(f"Prefix reuse ({result['settings']['model_preset']} model, {result['settings']['dtype']}): recompute vs CPU tier vs device cache")
     axis.grid(True, axis="y", which="both", alpha=0.3)
     axis.legend()
     return figure
@@ -234,7 +234,8 @@ def main() -> None:
         help="tier load paths to measure, each on its own engine (the first one is 'rows')",
     )
     args = parser.parse_args()
-    name = "tier_reuse"
+    # bf16 is the embedded models' own dtype; other dtypes are recorded beside it.
+    name = "tier_reuse" if args.dtype == "bfloat16" else f"tier_reuse-{args.dtype}"
     if args.quick:
         args.sizes, args.repeats, args.load_paths = [256], 1, ["synchronous"]
         quick_engine(args)

@@ -3,10 +3,13 @@ session driven in process on AsyncLLM (the floor: the engine's own streaming inp
 
 --chunks chunks of one token each with max_tokens=1 (so the engine's work is as small
 as it gets and what is left is the transport), after --warmup chunks, in --rounds
-round-robin rounds over the sides (a session per side and round; the floor's engine
-and the server's run side by side, each idle while the other works); per side the p50
+round-robin rounds over the sides (a session per side and round, its first chunks
+unmeasured; the floor's engine and the server's run side by side, each idle while the
+other works, with a pause between them so that neither spins beside the other: see
+SWITCH_SETTLE_S); per side the p50
 and p90 of the chunk's round trip (send to the chunk's end), the p50 over the floor in
-milliseconds, and the client's own CPU time per chunk. Clients: aiohttp for REST and
+milliseconds, the client's own CPU time per chunk, and the API server process's CPU
+time per chunk (its engine's processes not counted). Clients: aiohttp for REST and
 SSE, websockets for the websocket (keep-alive, no wrapper of ours); ``rest-httpx`` and
 ``sse-httpx`` repeat REST and SSE with httpx, whose client costs several milliseconds
 of CPU per request here. No store
@@ -59,6 +62,13 @@ from benchmarks.common import (
 SIDES = ("in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx")
 SERVER_SIDES = SIDES[1:]
 PROFILE_RATE_HZ = 250
+# The floor's engine and the server's run side by side, and both model workers are
+# bound to the same CPU. vLLM's shared-memory readers keep spinning for 1 s after
+# their last read (SpinCondition.busy_loop_s), so an engine that has just worked
+# takes CPU from the other for a second. Between the floor and the server the
+# benchmark waits that out, then warms the next side up with unmeasured chunks.
+SWITCH_SETTLE_S = 1.5
+WARM_CHUNKS = 3
 
 
 def chunks(seed: int, count: int) -> list[list[int]]:
@@ -178,8 +188,10 @@ async def main_async(args: Any) -> dict[str, Any]:
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     profiles: dict[str, Any] = {}
     # This process's CPU time while a side runs: the client's own work (the floor's
-    # engine here is idle meanwhile), which the round trip includes.
+    # engine here is idle meanwhile), which the round trip includes; and the API
+    # server process's own (not its engine's): what the transport costs the server.
     client_cpu: dict[str, float] = dict.fromkeys(SERVER_SIDES, 0.0)
+    server_cpu: dict[str, float] = dict.fromkeys(SERVER_SIDES, 0.0)
     floor = InProcessSession(setup)
     try:
         with our_server(setup, Path(args.out) / "logs", store_url="none", ws_per_message_deflate="true") as server:
@@ -188,15 +200,19 @@ async def main_async(args: Any) -> dict[str, Any]:
                 await run_side(server.base_url, side, warmup)
             # Round-robin, every side in every round (the floor too, its engine idle
             # meanwhile), so drift in this machine's speed hits all sides alike.
+            warm = warmup[:WARM_CHUNKS]
             for round_inputs in rounds:
-                times["in-process"] += await floor.run(round_inputs)
+                await asyncio.sleep(SWITCH_SETTLE_S)
+                times["in-process"] += (await floor.run(warm + round_inputs))[len(warm):]
+                await asyncio.sleep(SWITCH_SETTLE_S)
                 for side in SERVER_SIDES:
                     with contextlib.ExitStack() as stack:
                         if args.profile:
                             profile = stack.enter_context(sampled(server.process.pid, Path(args.profile) / f"{side}.txt"))
-                        cpu_before = time.process_time()
-                        times[side] += await run_side(server.base_url, side, round_inputs)
+                        cpu_before, server_before = time.process_time(), process_cpu_s(server.process.pid)
+                        times[side] += (await run_side(server.base_url, side, warm + round_inputs))[len(warm):]
                         client_cpu[side] += time.process_time() - cpu_before
+                        server_cpu[side] += process_cpu_s(server.process.pid) - server_before
                     if args.profile:
                         profiles.setdefault(side, []).append(summarize_profile(profile, chunks=len(round_inputs)))
     finally:
@@ -205,7 +221,10 @@ async def main_async(args: Any) -> dict[str, Any]:
     per_side = {
         side: {"p50_ms": 1000 * percentile(values, 50), "p90_ms": 1000 * percentile(values, 90),
                "p50_over_in_process_ms": 1000 * (percentile(values, 50) - floor_p50),
-               "client_cpu_ms_per_chunk": 1000 * client_cpu[side] / len(values) if side in client_cpu else None}
+               "client_cpu_ms_per_chunk": 1000 * client_cpu[side] / len(values) if side in client_cpu else None,
+               # Warm-up chunks included: the server's CPU is counted over a whole side.
+               "server_cpu_ms_per_chunk": 1000 * server_cpu[side] / (len(values) + args.rounds * min(WARM_CHUNKS, args.warmup))
+               if side in server_cpu else None}
         for side, values in times.items()
     }
     return {
@@ -215,6 +234,16 @@ async def main_async(args: Any) -> dict[str, Any]:
         "samples_ms": {side: [round(1000 * t, 3) for t in values] for side, values in times.items()},
         "profiles": profiles,
     }
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds a process's threads have run, to the nanosecond (the scheduler's own
+    count in /proc/<pid>/task/*/schedstat; /proc's stat counts in 10 ms ticks)."""
+    total_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total_ns += int((task / "schedstat").read_text().split()[0])
+    return total_ns / 1e9
 
 
 async def run_side(base: str, side: str, inputs: list[list[int]]) -> list[float]:

@@ -84,3 +84,17 @@ def test_embedded_model_is_deterministic(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         ensure_model("huge", tmp_path)
     assert set(PRESETS) == {"tiny", "bench"}
+
+
+def test_our_routes_come_first_and_shadow_none_of_vllms() -> None:
+    """Our routes are matched first (the router and vLLM's metrics instrumentator walk
+    routes in order), which is only sound while none of ours has a vLLM path."""
+    from app.api import api_router
+    from app.main import create_app
+
+    routes = create_app(Settings(_env_file=None)).router.routes
+    ours = {(route.path, frozenset(getattr(route, "methods", None) or ())) for route in api_router.routes}
+    first = {(route.path, frozenset(getattr(route, "methods", None) or ())) for route in routes[: len(ours)]}
+    assert first == ours
+    vllm_paths = {getattr(route, "path", None) for route in routes[len(ours):]}
+    assert not {path for path, _ in ours} & vllm_paths
