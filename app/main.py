@@ -108,7 +108,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     drop_unserved_routes(app)
     # Our routes first: Starlette's router and vLLM's metrics instrumentator each walk
     # the routes in order, matching every path pattern before ours otherwise. No path
-    # of ours is one of vLLM's (tests/server/test_openai_endpoints.py checks).
+    # of ours is one of vLLM's (tests/unit/test_settings_and_models.py checks).
     vllm_routes = list(app.router.routes)
     app.include_router(api_router)
     app.router.routes[:] = [route for route in app.router.routes if route not in vllm_routes] + vllm_routes

@@ -85,7 +85,8 @@ class Settings(BaseSettings):
         default=True,
         description="Copy CPU-tier pages on a thread beside the forward pass (the CPU platform's "
         "host tier): stores overlap the step, each layer waits only for its own loaded pages. "
-        "False copies inline before the forward pass (the benchmarks' before).",
+        "Only on a CPU no model thread is bound to (VLLM_CPU_NUM_OF_RESERVED_CPU leaves one); "
+        "with none to spare, and with false, copies run inline before the forward pass.",
     )
     disable_session_tail_store: bool = Field(
         default=False,

@@ -14,6 +14,7 @@ and ``spec_module_path="connectors.host_tier"``.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -266,13 +267,15 @@ def spare_cpus() -> set[int]:
     pass down by as much as it copies (measured too, docs/benchmarks.md section 2)."""
     try:
         allowed = os.sched_getaffinity(os.getppid())  # the engine core's (or server's) CPUs
-        busy: set[int] = set()
-        for task in os.listdir("/proc/self/task"):
+        tasks = os.listdir("/proc/self/task")
+    except (OSError, AttributeError):  # not Linux
+        return set()
+    busy: set[int] = set()
+    for task in tasks:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
             cpus = os.sched_getaffinity(int(task))
             if len(cpus) < len(allowed):  # bound: a compute thread, or one that inherited its CPU
                 busy |= cpus
-    except (OSError, ValueError):  # not Linux, or a thread that ended meanwhile
-        return set()
     return allowed - busy
 
 
