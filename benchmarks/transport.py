@@ -6,13 +6,12 @@ as it gets and what is left is the transport), after --warmup chunks, in --round
 round-robin rounds over the sides (a session per side and round, its first chunks
 unmeasured; the floor's engine and the server's run side by side, each idle while the
 other works, with a pause between them so that neither spins beside the other: see
-SWITCH_SETTLE_S); per side the p50
-and p90 of the chunk's round trip (send to the chunk's end), the p50 over the floor in
-milliseconds, the client's own CPU time per chunk, and the API server process's CPU
-time per chunk (its engine's processes not counted). Clients: aiohttp for REST and
-SSE, websockets for the websocket (keep-alive, no wrapper of ours); ``rest-httpx`` and
-``sse-httpx`` repeat REST and SSE with httpx, whose client costs several milliseconds
-of CPU per request here. No store
+SWITCH_SETTLE_S); per side the p50 and p90 of the chunk's round trip (send to the
+chunk's end), the p50 over the floor in milliseconds, the client's own CPU time per
+chunk, and the API server process's CPU time per chunk (its engine's processes not
+counted). Clients: aiohttp for REST and SSE, websockets for the websocket (keep-alive,
+no wrapper of ours); ``rest-httpx`` and ``sse-httpx`` repeat REST and SSE with httpx,
+whose client costs several milliseconds of CPU per request here. No store
 (store_url=none), so the figures are the transport's, not the database's
 (benchmarks/store.py measures that).
 
@@ -184,6 +183,7 @@ async def main_async(args: Any) -> dict[str, Any]:
                         dtype=args.dtype)
     inputs = chunks(args.seed, args.warmup + args.chunks)
     warmup, measured = inputs[:args.warmup], inputs[args.warmup:]
+    warm = warmup[:WARM_CHUNKS]  # each side's unmeasured chunks in every round
     rounds = [measured[i::args.rounds] for i in range(args.rounds)]
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     profiles: dict[str, Any] = {}
@@ -200,7 +200,6 @@ async def main_async(args: Any) -> dict[str, Any]:
                 await run_side(server.base_url, side, warmup)
             # Round-robin, every side in every round (the floor too, its engine idle
             # meanwhile), so drift in this machine's speed hits all sides alike.
-            warm = warmup[:WARM_CHUNKS]
             for round_inputs in rounds:
                 await asyncio.sleep(SWITCH_SETTLE_S)
                 times["in-process"] += (await floor.run(warm + round_inputs))[len(warm):]
@@ -223,7 +222,7 @@ async def main_async(args: Any) -> dict[str, Any]:
                "p50_over_in_process_ms": 1000 * (percentile(values, 50) - floor_p50),
                "client_cpu_ms_per_chunk": 1000 * client_cpu[side] / len(values) if side in client_cpu else None,
                # Warm-up chunks included: the server's CPU is counted over a whole side.
-               "server_cpu_ms_per_chunk": 1000 * server_cpu[side] / (len(values) + args.rounds * min(WARM_CHUNKS, args.warmup))
+               "server_cpu_ms_per_chunk": 1000 * server_cpu[side] / (len(values) + args.rounds * len(warm))
                if side in server_cpu else None}
         for side, values in times.items()
     }
