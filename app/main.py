@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from app import vllm_fixes
 from app.api import api_router
 from app.auth import APIKeyMiddleware
 from app.cache_salt import cache_salter
@@ -72,6 +73,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
+    vllm_fixes.apply()
     model_path = settings.resolved_model()
     args = vllm_server_args(settings, model_path)
     app = build_app(args, supported_tasks=SUPPORTED_TASKS)

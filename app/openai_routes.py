@@ -36,8 +36,10 @@ MODEL_DEPENDENT_PATHS = {"/v1/systemone": "serving_structured_decisions"}
 
 
 # Fields the openai SDK's types (and so the schema) require, which vLLM's validators
-# fill in when a request leaves them out (a reasoning input item's id).
-FILLED_IN_BY_VLLM = {"ResponseReasoningItemParam": "id", "ResponseReasoningItem": "id"}
+# fill in when a Responses request's input item leaves them out: a reasoning item's
+# id; an assistant message's id and status, and its output texts' annotations.
+FILLED_IN_BY_VLLM = {"ResponseReasoningItemParam": ("id",), "ResponseReasoningItem": ("id",),
+                     "ResponseOutputMessageParam": ("id", "status"), "ResponseOutputTextParam": ("annotations",)}
 
 
 @dataclass(frozen=True)
@@ -49,22 +51,28 @@ class OpenAIBodyRoute:
 
 
 def strict_errors(validator: TypeAdapter[Any], body: bytes, payload: Any) -> list[Any]:
-    """The body's validation errors in pydantic's strict mode, lazily validated
-    iterables included (``payload`` is the body parsed). Errors of vLLM's own
-    validators propagate (they are not pydantic's)."""
+    """The body's validation errors in pydantic's strict mode, including what strict
+    validation alone misses (``missed_errors``; ``payload`` is the body parsed).
+    Errors of vLLM's own validators propagate (they are not pydantic's)."""
     try:
         validated = validator.validate_json(body, strict=True)
     except ValidationError as invalid:
         return list(invalid.errors())
-    return lazy_iterable_errors(validated, payload, ())
+    return missed_errors(validated, payload, ())
 
 
-def lazy_iterable_errors(value: Any, raw: Any, loc: tuple[Any, ...]) -> list[Any]:
-    """pydantic validates an ``Iterable[...]`` field lazily, when it is iterated, and
-    takes any iterable input (a JSON object too); vLLM's message types, from the
-    openai SDK's TypedDicts, have such fields (``content``). Exhaust each such
-    iterator in the validated ``value`` beside the ``raw`` JSON it came from: the
-    schema says array, and the items must validate."""
+def missed_errors(value: Any, raw: Any, loc: tuple[Any, ...]) -> list[Any]:
+    """Walk the validated ``value`` beside the ``raw`` JSON it came from, for two
+    things a strict validation lets through:
+
+    - pydantic validates an ``Iterable[...]`` field lazily, when it is iterated, and
+      takes any iterable input (a JSON object too); vLLM's message types, from the
+      openai SDK's TypedDicts, have such fields (``content``). Each such iterator is
+      exhausted here: the schema says array, and the items must validate;
+    - a model one of vLLM's before-validators built itself, in lax mode, may hold a
+      coerced scalar (a Responses ``function_call`` input item is built as
+      ``ResponseFunctionToolCall(**item)``, so ``"async": 0`` became ``False``): a
+      scalar whose JSON type differs from the body's is an error."""
     if isinstance(value, Iterator):
         if not isinstance(raw, list):
             return [{"type": "list_type", "loc": loc, "msg": "Input should be a valid array", "input": raw}]
@@ -72,25 +80,53 @@ def lazy_iterable_errors(value: Any, raw: Any, loc: tuple[Any, ...]) -> list[Any
             items = list(value)
         except ValidationError as invalid:
             return [{**error, "loc": (*loc, *error["loc"])} for error in invalid.errors()]
-        return _nested_errors(zip(range(len(items)), items, raw, strict=False), loc)
+        return _list_errors(items, raw, loc)
     if isinstance(value, BaseModel) and isinstance(raw, dict):
-        return _nested_errors(((field.alias or name, getattr(value, name), raw.get(field.alias or name))
-                               for name, field in type(value).model_fields.items()), loc)
+        return _nested_errors([(field.alias or name, getattr(value, name), raw.get(field.alias or name))
+                               for name, field in type(value).model_fields.items()], loc)
     if isinstance(value, dict) and isinstance(raw, dict):
-        return _nested_errors(((key, item, raw.get(key)) for key, item in value.items()), loc)
+        return _nested_errors([(key, item, raw.get(key)) for key, item in value.items()], loc)
     if isinstance(value, list) and isinstance(raw, list):
-        return _nested_errors(zip(range(len(value)), value, raw, strict=False), loc)
+        return _list_errors(value, raw, loc)
     return []
 
 
-# What cannot hold a lazy iterator, passed over by type (a fast test: prompts are
-# lists of thousands of token ids).
 _SCALARS = frozenset({int, str, float, bool, type(None)})
 
 
-def _nested_errors(children: typing.Iterable[tuple[Any, Any, Any]], loc: tuple[Any, ...]) -> list[Any]:
-    return [error for key, value, raw in children if type(value) not in _SCALARS
-            for error in lazy_iterable_errors(value, raw, (*loc, key))]
+def _list_errors(value: list[Any], raw: list[Any], loc: tuple[Any, ...]) -> list[Any]:
+    # Prompts are lists of thousands of token ids: where every item kept its type,
+    # only containers are walked (a test at C speed).
+    types = list(map(type, value))
+    if types == list(map(type, raw)):
+        if _SCALARS.issuperset(types):
+            return []
+        return _nested_errors([(index, item, raw[index]) for index, item in enumerate(value)
+                               if type(item) not in _SCALARS], loc)
+    return _nested_errors(list(zip(range(len(value)), value, raw, strict=False)), loc)
+
+
+def _nested_errors(children: list[tuple[Any, Any, Any]], loc: tuple[Any, ...]) -> list[Any]:
+    errors: list[Any] = []
+    for key, value, raw in children:
+        if type(value) not in _SCALARS:
+            errors += missed_errors(value, raw, (*loc, key))
+        elif _coerced(value, raw):
+            errors.append({"type": f"{_json_type(value)}_type", "loc": (*loc, key),
+                           "msg": f"Input should be a valid {_json_type(value)}", "input": raw})
+    return errors
+
+
+def _coerced(value: Any, raw: Any) -> bool:
+    # Nulls either side are not coercions: validators fill in or clear values on purpose.
+    return (value is not None and raw is not None and type(raw) in _SCALARS
+            and _json_type(value) != _json_type(raw))
+
+
+def _json_type(value: bool | int | float | str) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    return "string" if isinstance(value, str) else "number"
 
 
 def body_models(annotation: Any) -> list[type[BaseModel]]:
@@ -148,10 +184,9 @@ def _drop_routes(app: FastAPI, paths: set[str] | frozenset[str]) -> None:
 def declare_filled_in_fields(schema: dict[str, Any]) -> None:
     """The published schema does not require what vLLM fills in."""
     components = schema.get("components", {}).get("schemas", {})
-    for name, field in FILLED_IN_BY_VLLM.items():
+    for name, fields in FILLED_IN_BY_VLLM.items():
         required = components.get(name, {}).get("required", [])
-        if field in required:
-            required.remove(field)
+        required[:] = [field for field in required if field not in fields]
 
 
 def patch_openapi(app: FastAPI, *patches: typing.Callable[[dict[str, Any]], None]) -> None:
