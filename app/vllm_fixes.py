@@ -11,30 +11,42 @@ from typing import Any
 
 
 def apply() -> None:
-    _tool_output_item_with_list_output()
+    _model_items_vllm_cannot_convert_go_as_dicts()
 
 
-def _tool_output_item_with_list_output() -> None:
-    """vLLM 0.32's Responses API turns an input ``function_call_output`` item into a
-    chat tool message. An item that validates as the output-item model
-    (``ResponseFunctionToolCallOutputItem``: one sent back as a response returned it,
-    with ``id``, ``status`` or ``created_by``) keeps a list ``output`` as pydantic
-    models, which vLLM's chat parser asserts are dicts: AssertionError, 500. The same
-    item as a dict (the input-param form) works, so such an item is handed over as
-    its dict."""
+def _model_items_vllm_cannot_convert_go_as_dicts() -> None:
+    """vLLM 0.32's Responses API turns each input item into a chat message. Items that
+    validate as one of the SDK's output models (as sent back from a response that
+    returned them: with ``id`` and ``status``) take model branches that fail on valid
+    content (500s, schemathesis found both):
+
+    - a ``function_call_output`` item's list ``output`` stays pydantic models, which
+      vLLM's chat parser asserts are dicts (AssertionError);
+    - an assistant ``message`` whose content is empty, or starts with a refusal, is read
+      as ``content[0].text`` (IndexError, AttributeError).
+
+    The same items as dicts (the input-param form) take vLLM's dict branches, which
+    handle them, so such items are handed over as their dicts."""
     from vllm.entrypoints.openai.responses import utils
 
     try:
-        from openai.types.responses import ResponseFunctionToolCallOutputItem
-    except ImportError:  # an SDK without the model: nothing to mend
+        from openai.types.responses import ResponseFunctionToolCallOutputItem, ResponseOutputMessage
+    except ImportError:  # an SDK without these models: nothing to mend
         return
     construct = getattr(utils, "_construct_message_from_response_item", None)
     if construct is None or getattr(construct, "_streamsess_fixed", False):
         return
 
+    def unconvertible(item: Any) -> bool:
+        if isinstance(item, ResponseFunctionToolCallOutputItem):
+            return not isinstance(item.output, str)
+        if isinstance(item, ResponseOutputMessage):
+            return not item.content or not isinstance(getattr(item.content[0], "text", None), str)
+        return False
+
     @functools.wraps(construct)
     def construct_message(item: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(item, ResponseFunctionToolCallOutputItem) and not isinstance(item.output, str):
+        if unconvertible(item):
             item = item.model_dump(mode="json", exclude_none=True)
         return construct(item, *args, **kwargs)
 

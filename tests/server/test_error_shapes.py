@@ -109,12 +109,22 @@ async def test_the_schema_does_not_require_what_vllm_fills_in(server: str) -> No
         assert response.status_code == 200, response.text
 
 
-async def test_a_tool_output_item_sent_back_with_a_list_output_is_answered(server: str) -> None:
-    # vLLM 0.32 hands such an item's output to its chat parser as pydantic models and
-    # fails an assertion (500; schemathesis found it): app/vllm_fixes.py mends it.
-    item = {"type": "function_call_output", "call_id": "c", "id": "fco_1", "status": "completed",
-            "created_by": None, "output": [{"type": "input_text", "text": "42"}]}
+# Input items as a response returned them (with id, status, created_by), which vLLM 0.32
+# converts through model branches that fail on them (500s; schemathesis found them):
+# app/vllm_fixes.py hands them over as dicts.
+ITEMS_SENT_BACK = {
+    "tool-output-list": {"type": "function_call_output", "call_id": "c", "id": "fco_1", "status": "completed",
+                         "created_by": "tool", "output": [{"type": "input_text", "text": "42"}]},
+    "assistant-empty": {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed", "content": []},
+    "assistant-refusal": {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+                          "content": [{"type": "refusal", "refusal": "no"}]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(ITEMS_SENT_BACK))
+async def test_input_items_sent_back_as_returned_are_answered(server: str, case: str) -> None:
+    body = {"model": "embedded-tiny", "max_output_tokens": 1,
+            "input": [{"role": "user", "content": "hi"}, ITEMS_SENT_BACK[case], {"role": "user", "content": "go on"}]}
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
-        response = await http.post("/v1/responses", json={"model": "embedded-tiny", "max_output_tokens": 1,
-                                                          "input": [item]})
+        response = await http.post("/v1/responses", json=body)
         assert response.status_code == 200, response.text
