@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from app.auth import bearer_token
 from app.deps import EngineDep, ServiceDep
-from app.errors import APIError
+from app.errors import APIError, OpenAIErrorBody
 from app.sessions.protocol import ResetCacheResponse
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -24,7 +24,14 @@ def _require_admin(request: Request) -> None:
         raise APIError(403, "This route needs an admin API key.", code="admin_key_required")
 
 
-@router.post("/reset_device_cache", response_model=ResetCacheResponse)
+@router.post(
+    "/reset_device_cache",
+    response_model=ResetCacheResponse,
+    responses={
+        403: {"description": "Admin API keys are set, and this is not one", "model": OpenAIErrorBody},
+        409: {"description": "Requests or open sessions hold device blocks", "model": OpenAIErrorBody},
+    },
+)
 async def reset_device_cache(request: Request, engine: EngineDep, service: ServiceDep) -> ResetCacheResponse:
     """Drop the device prefix cache; the CPU tier keeps everything it holds.
 

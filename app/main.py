@@ -26,6 +26,7 @@ from app.api import api_router
 from app.auth import APIKeyMiddleware
 from app.cache_salt import cache_salter
 from app.errors import declare_error_codes, install_error_handlers
+from app.http_protocol import CoalescingHttpToolsProtocol
 from app.limits import KeyLimits, RateLimitMiddleware
 from app.middleware import (
     BodySizeLimitMiddleware,
@@ -167,7 +168,8 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicor
     options: dict[str, Any] = {
         "host": settings.host, "port": settings.port, "log_level": settings.log_level,
         "ws": "websockets-sansio", "ws_max_size": settings.ws_max_message_bytes,
-        "ws_per_message_deflate": settings.ws_per_message_deflate, **overrides,
+        "ws_per_message_deflate": settings.ws_per_message_deflate,
+        "http": CoalescingHttpToolsProtocol, **overrides,
     }
     return uvicorn.Config(app, **options)
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from app.deps import OwnerDep, ServiceDep
 from app.errors import APIError, OpenAIErrorBody
@@ -109,7 +109,7 @@ async def delete_session(session_id: str, service: ServiceDep, owner: OwnerDep) 
 )
 async def append_chunk(
     session_id: str, body: ChunkRequest, request: Request, service: ServiceDep, owner: OwnerDep
-) -> ChunkResponse | StreamingResponse:
+) -> Response:
     """Append one input chunk and generate after it: one JSON body, or SSE with ``stream``."""
     prepared = await service.prepare_chunk(
         owner, session_id, body.input, body, transport="sse" if body.stream else "rest", wait=False
@@ -122,7 +122,7 @@ async def append_chunk(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     result = await _unless_disconnected(request, service.run_chunk(prepared))
-    return ChunkResponse(
+    answer = ChunkResponse(
         id=chunk_id,
         session_id=session_id,
         index=result.index,
@@ -130,6 +130,9 @@ async def append_chunk(
         finish_reason=result.finish_reason,
         usage=result.usage,
     )
+    # Serialized here, in pydantic's core: FastAPI would validate the model again
+    # against response_model and encode it through jsonable_encoder and json.dumps.
+    return Response(answer.model_dump_json(), media_type="application/json")
 
 
 async def _sse_events(service: SessionService, prepared: PreparedChunk, chunk_id: str) -> AsyncIterator[str]:
