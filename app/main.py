@@ -169,7 +169,7 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicor
         "host": settings.host, "port": settings.port, "log_level": settings.log_level,
         "ws": "websockets-sansio", "ws_max_size": settings.ws_max_message_bytes,
         "ws_per_message_deflate": settings.ws_per_message_deflate,
-        "http": CoalescingHttpToolsProtocol, **overrides,
+        "http": CoalescingHttpToolsProtocol if settings.http_coalesce_writes else "auto", **overrides,
     }
     return uvicorn.Config(app, **options)
 

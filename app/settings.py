@@ -172,6 +172,11 @@ class Settings(BaseSettings):
         default=1024 * 1024, gt=0,
         description="Largest websocket message; a larger one closes the connection with 1009.",
     )
+    http_coalesce_writes: bool = Field(
+        default=True,
+        description="Send each HTTP connection's writes of one event-loop tick as one (a response's "
+        "headers and body together). false: uvicorn's own protocol, which writes them apart.",
+    )
     ws_per_message_deflate: bool = Field(
         default=False,
         description="Offer permessage-deflate on websockets. Off: session events are small JSON "

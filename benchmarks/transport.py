@@ -194,7 +194,8 @@ async def main_async(args: Any) -> dict[str, Any]:
     server_cpu: dict[str, float] = dict.fromkeys(SERVER_SIDES, 0.0)
     floor = InProcessSession(setup)
     try:
-        with our_server(setup, Path(args.out) / "logs", store_url="none", ws_per_message_deflate="true") as server:
+        settings = {"store_url": "none", "ws_per_message_deflate": "true", **dict(args.server_setting)}
+        with our_server(setup, Path(args.out) / "logs", **settings) as server:
             await floor.run(warmup)
             for side in SERVER_SIDES:
                 await run_side(server.base_url, side, warmup)
@@ -228,7 +229,7 @@ async def main_async(args: Any) -> dict[str, Any]:
     }
     return {
         "settings": {**setup.describe(), "chunks": args.chunks, "warmup": args.warmup, "rounds": args.rounds,
-                     "chunk_tokens": 1, "max_tokens": 1},
+                     "chunk_tokens": 1, "max_tokens": 1, "server_settings": dict(args.server_setting)},
         "per_side": per_side,
         "samples_ms": {side: [round(1000 * t, 3) for t in values] for side, values in times.items()},
         "profiles": profiles,
@@ -309,6 +310,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="round-robin rounds over the sides")
     parser.add_argument("--profile", metavar="DIR", help="sample the API server with py-spy, stacks into DIR")
+    parser.add_argument("--server-setting", metavar="NAME=VALUE", action="append", default=[],
+                        type=lambda text: tuple(text.split("=", 1)),
+                        help="a setting of the server (e.g. http_coalesce_writes=false); repeatable")
     args = parser.parse_args()
     name = "transport"
     if args.quick:

@@ -116,11 +116,7 @@ async def append_chunk(
     )
     chunk_id = f"chunk_{secrets.token_hex(12)}"
     if body.stream:
-        return StreamingResponse(
-            _sse_events(service, prepared, chunk_id),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return ChunkEventStream(service, prepared, chunk_id)
     result = await _unless_disconnected(request, service.run_chunk(prepared))
     answer = ChunkResponse(
         id=chunk_id,
@@ -135,14 +131,25 @@ async def append_chunk(
     return Response(answer.model_dump_json(), media_type="application/json")
 
 
-async def _sse_events(service: SessionService, prepared: PreparedChunk, chunk_id: str) -> AsyncIterator[str]:
-    """SSE frames of one chunk. The chunk runs in its own task from the start, so
-    its lock is released even if the response never begins streaming; if the
-    client goes away mid-stream, cancelling that task aborts the session."""
-    frames: asyncio.Queue[str | None] = asyncio.Queue()
-    session_id = prepared.session.id
+class ChunkEventStream(StreamingResponse):
+    """One chunk's answer as server-sent events.
 
-    async def produce() -> None:
+    The chunk runs in its own task from the start, so its lock is released even if
+    the response never begins. The headers wait for the first events and go out with
+    them (one write: a short chunk's whole answer, headers to ``[DONE]``, is one).
+    If the client goes away, the chunk's task is cancelled, which aborts its engine
+    request and undoes the chunk. (Starlette's StreamingResponse watches for the
+    disconnect through an anyio task group around the stream; one listener task
+    that cancels the chunk does the same here for less.)"""
+
+    def __init__(self, service: SessionService, prepared: PreparedChunk, chunk_id: str) -> None:
+        super().__init__(self._frames(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._producer = asyncio.create_task(self._produce(service, prepared, chunk_id))
+
+    async def _produce(self, service: SessionService, prepared: PreparedChunk, chunk_id: str) -> None:
+        session_id = prepared.session.id
         try:
             async with contextlib.aclosing(service.stream_chunk(prepared)) as events:
                 async for event in events:
@@ -157,32 +164,60 @@ async def _sse_events(service: SessionService, prepared: PreparedChunk, chunk_id
                             id=chunk_id, session_id=session_id, index=prepared.session.num_chunks,
                             delta=ChunkOutput(text=event.text, token_ids=event.token_ids),
                         )
-                    frames.put_nowait(f"data: {payload.model_dump_json()}\n\n")
+                    self._queue.put_nowait(f"data: {payload.model_dump_json()}\n\n")
         except APIError as exc:
             # Headers are gone already: the error travels as an SSE event.
-            frames.put_nowait(f"data: {json.dumps(exc.body())}\n\n")
+            self._queue.put_nowait(f"data: {json.dumps(exc.body())}\n\n")
         finally:
-            frames.put_nowait("data: [DONE]\n\n")
-            frames.put_nowait(None)
+            self._queue.put_nowait("data: [DONE]\n\n")
+            self._queue.put_nowait(None)
 
-    producer = asyncio.create_task(produce())
-    try:
-        ended = False
-        while not ended:
-            # Frames that are ready go out in one write (a chunk's last delta, its
-            # done event and [DONE] usually arrive together).
-            ready = [await frames.get()]
-            while not frames.empty():
-                ready.append(frames.get_nowait())
-            if None in ready:
-                ended, ready = True, ready[: ready.index(None)]
-            if ready:
-                yield "".join(frame for frame in ready if frame is not None)
-    finally:
-        if not producer.done():
-            producer.cancel()
+    async def _frames(self) -> AsyncIterator[bytes]:
+        """Frames that are ready go out in one write (a chunk's last delta, its done
+        event and [DONE] usually arrive together)."""
+        try:
+            ended = False
+            while not ended:
+                ready = [await self._queue.get()]
+                while not self._queue.empty():
+                    ready.append(self._queue.get_nowait())
+                if None in ready:
+                    ended, ready = True, ready[: ready.index(None)]
+                if ready:
+                    yield "".join(frame for frame in ready if frame is not None).encode()
+        finally:
+            await self._stop_producer()
+
+    async def _stop_producer(self) -> None:
+        if not self._producer.done():
+            self._producer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await producer
+                await self._producer
+
+    async def _cancel_on_disconnect(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._producer.cancel()  # its last frames end the stream
+
+    async def stream_response(self, send: Any) -> None:
+        start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        started = False
+        async for frames in self.body_iterator:
+            if not started:  # in the same tick as the first frames: one write
+                await send(start)
+                started = True
+            await send({"type": "http.response.body", "body": frames, "more_body": True})
+        if not started:
+            await send(start)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        listener = asyncio.create_task(self._cancel_on_disconnect(receive))
+        try:
+            await self.stream_response(send)
+        finally:
+            listener.cancel()
+            await self._stop_producer()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.2) -> T:
