@@ -9,6 +9,7 @@ reserving a core, and "offload on vs off" would really be 2 threads against 1.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -207,6 +208,53 @@ def vllm_server(
     ]
     label = label or f"vllm-prefix-{'on' if prefix_caching else 'off'}"
     return serve(label, command, engine_env(), port, name, log_dir / f"{label}.log")
+
+
+@contextlib.contextmanager
+def py_spy_sampled(pid: int, out: Path, rate_hz: int, subprocesses: bool = False) -> Iterator[dict[str, Any]]:
+    """py-spy samples ``pid`` (and its children, with ``subprocesses``) while the block
+    runs; collapsed stacks into ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile: dict[str, Any] = {"path": out, "rate_hz": rate_hz}
+    command = ["py-spy", "record", "--pid", str(pid), "--rate", str(rate_hz), "--nonblocking",
+               "--format", "raw", "--output", str(out), *(["--subprocesses"] if subprocesses else [])]
+    sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # let py-spy attach before the work starts
+    start = time.perf_counter()
+    try:
+        yield profile
+    finally:
+        profile["seconds"] = time.perf_counter() - start
+        sampler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        sampler.wait(timeout=60)
+
+
+def summarize_profile(profile: dict[str, Any], per: int, top: int = 15,
+                      functions: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Non-idle milliseconds per unit of work (``per`` units sampled), the frames with
+    the most self time, and the inclusive time of the named ``functions`` (a frame's
+    function name, e.g. ``HostTierWorker._copy``)."""
+    self_samples: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in Path(profile["path"]).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")
+        self_samples[frames[-1]] += int(count)
+        total += int(count)
+        names = {frame.split(" (")[0] for frame in frames}
+        for function in functions:
+            if function in names:
+                inclusive[function] += int(count)
+    ms_per_sample = 1000 / profile["rate_hz"]
+    return {
+        "seconds": profile["seconds"],
+        "busy_ms_per_unit": total * ms_per_sample / per,
+        "top_self_ms_per_unit": {frame: count * ms_per_sample / per for frame, count in self_samples.most_common(top)},
+        **({"inclusive_ms_per_unit": {f: inclusive[f] * ms_per_sample / per for f in functions}} if functions else {}),
+    }
 
 
 def benchmark_parser(doc: str | None, kv_cache_gib: float) -> argparse.ArgumentParser:

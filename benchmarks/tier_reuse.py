@@ -23,6 +23,13 @@ host-tier worker around its page copies) against this machine's host memcpy band
     python -m benchmarks.tier_reuse                   # bench model, every load path
     python -m benchmarks.tier_reuse --dtype float32   # where bf16 is slow (no AMX)
     python -m benchmarks.tier_reuse --quick           # tiny model, one size, synchronous only
+    python -m benchmarks.tier_reuse --profile benchmarks/results/profiles   # and where the time goes
+
+``--profile`` samples each load path's tier hits of the largest size with py-spy
+(this process and the engine's) after its measurements, so the profiler does not touch
+the figures above it; the result gets, per load path, the inclusive milliseconds per
+tier hit of the worker's copies, its waits for them, the forward pass and the engine
+core's step.
 """
 
 from __future__ import annotations
@@ -43,9 +50,11 @@ from benchmarks.common import (
     benchmark_parser,
     finish,
     in_process_engine,
+    py_spy_sampled,
     pyplot,
     quick_engine,
     random_tokens,
+    summarize_profile,
 )
 
 _ids = itertools.count()
@@ -171,9 +180,38 @@ async def measure_load_path(setup: EngineSetup, args: argparse.Namespace, load_p
                     "tier_vs_device": medians["cpu-tier"] / medians["device"],
                 }
             )
+        if args.profile:
+            rows[-1]["profile"] = await profile_tier_hits(engine, recorder, prompt, args, load_path)
     finally:
         engine.shutdown()
     return rows
+
+
+# Where a tier hit's time goes, by frame (inclusive): the worker's copies and its waits
+# for them, the forward pass, and the engine core's scheduling and step loop.
+PROFILED_FUNCTIONS = (
+    "HostTierWorker._copy", "HostTierWorker.wait_for_tensor", "_CopyThread._run",
+    "execute_model", "Scheduler.schedule", "EngineCore.step", "EngineCore.step_with_batch_queue",
+)
+PROFILE_RATE_HZ = 1000
+
+
+async def profile_tier_hits(
+    engine: Any, recorder: Any, prompt: list[int], args: argparse.Namespace, load_path: str
+) -> dict[str, Any]:
+    """py-spy over this process and the engine's (``--subprocesses``) during
+    ``--profile-hits`` tier hits of the largest prompt, each after a device-cache reset."""
+    from pathlib import Path
+
+    out = Path(args.profile) / f"tier-hit-{args.dtype}-{load_path}.txt"
+    elapsed = []
+    with py_spy_sampled(os.getpid(), out, PROFILE_RATE_HZ, subprocesses=True) as profile:
+        for _ in range(args.profile_hits):
+            assert await engine.reset_prefix_cache(), "device cache reset refused"
+            elapsed.append((await first_token(engine, recorder, prompt)).elapsed_s)
+    return {"prefix_tokens": len(prompt) - 1, "tier_hits": args.profile_hits,
+            "ttft_ms_under_profiler": 1000 * statistics.median(elapsed),
+            **summarize_profile(profile, per=args.profile_hits, functions=PROFILED_FUNCTIONS)}
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -233,6 +271,9 @@ def main() -> None:
         "--load-paths", nargs="+", choices=LOAD_PATHS, default=list(LOAD_PATHS),
         help="tier load paths to measure, each on its own engine (the first one is 'rows')",
     )
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also sample each load path's tier hits with py-spy (stacks into DIR)")
+    parser.add_argument("--profile-hits", type=int, default=30, help="tier hits sampled per load path")
     args = parser.parse_args()
     # bf16 is the embedded models' own dtype; other dtypes are recorded beside it.
     name = "tier_reuse" if args.dtype == "bfloat16" else f"tier_reuse-{args.dtype}"

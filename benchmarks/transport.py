@@ -32,14 +32,10 @@ the last round's collapsed stacks there, and per side and round the busiest func
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import random
-import signal
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +50,10 @@ from benchmarks.common import (
     in_process_engine,
     our_server,
     percentile,
+    py_spy_sampled,
     pyplot,
     quick_engine,
+    summarize_profile,
 )
 
 SIDES = ("in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx")
@@ -208,13 +206,13 @@ async def main_async(args: Any) -> dict[str, Any]:
                 for side in SERVER_SIDES:
                     with contextlib.ExitStack() as stack:
                         if args.profile:
-                            profile = stack.enter_context(sampled(server.process.pid, Path(args.profile) / f"{side}.txt"))
+                            profile = stack.enter_context(py_spy_sampled(server.process.pid, Path(args.profile) / f"{side}.txt", PROFILE_RATE_HZ))
                         cpu_before, server_before = time.process_time(), process_cpu_s(server.process.pid)
                         times[side] += (await run_side(server.base_url, side, warm + round_inputs))[len(warm):]
                         client_cpu[side] += time.process_time() - cpu_before
                         server_cpu[side] += process_cpu_s(server.process.pid) - server_before
                     if args.profile:
-                        profiles.setdefault(side, []).append(summarize_profile(profile, chunks=len(round_inputs)))
+                        profiles.setdefault(side, []).append(summarize_profile(profile, per=len(round_inputs)))
     finally:
         await floor.close()
     floor_p50 = percentile(times["in-process"], 50)
@@ -252,43 +250,6 @@ async def run_side(base: str, side: str, inputs: list[list[int]]) -> list[float]
     if side.endswith("-httpx"):
         return await rest_httpx(base, inputs, stream=side.startswith("sse"))
     return await rest(base, inputs, stream=side == "sse")
-
-
-@contextlib.contextmanager
-def sampled(pid: int, out: Path) -> Iterator[dict[str, Any]]:
-    """py-spy samples ``pid`` while the block runs (collapsed stacks into ``out``)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    profile: dict[str, Any] = {"path": out}
-    command = ["py-spy", "record", "--pid", str(pid), "--rate", str(PROFILE_RATE_HZ), "--nonblocking",
-               "--format", "raw", "--output", str(out)]
-    sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)  # let py-spy attach before the side starts
-    start = time.perf_counter()
-    try:
-        yield profile
-    finally:
-        profile["seconds"] = time.perf_counter() - start
-        sampler.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-        sampler.wait(timeout=60)
-
-
-def summarize_profile(profile: dict[str, Any], chunks: int, top: int = 15) -> dict[str, Any]:
-    """Non-idle samples per chunk, and the functions with the most self time."""
-    self_samples: collections.Counter[str] = collections.Counter()
-    total = 0
-    for line in Path(profile["path"]).read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        frames = stack.split(";")
-        self_samples[frames[-1]] += int(count)
-        total += int(count)
-    ms_per_sample = 1000 / PROFILE_RATE_HZ
-    return {
-        "seconds": profile["seconds"],
-        "busy_ms_per_chunk": total * ms_per_sample / chunks,
-        "top_self_ms_per_chunk": {frame: count * ms_per_sample / chunks for frame, count in self_samples.most_common(top)},
-    }
 
 
 def plot(result: dict[str, Any]) -> Any:
