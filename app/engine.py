@@ -21,6 +21,7 @@ from connectors.compat import (
     DISABLE_FIX_KEY,
     DISABLE_TAIL_STORE_KEY,
     TIER_COPY_THREAD_KEY,
+    TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY,
     UPSTREAM_SYNC_LOAD_BUDGET_KEY,
 )
 
@@ -54,6 +55,7 @@ def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
         )
         extra[ASYNC_TIER_LOADS_KEY] = settings.async_tier_loads
         extra[TIER_COPY_THREAD_KEY] = settings.tier_copy_thread
+        extra[TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY] = settings.tier_copy_thread_min_load_bytes
         if not settings.async_tier_loads and HostTierOffloadingSpec.loads_synchronously():
             # vLLM 0.33+ loads synchronously up to this many bytes per step (0.32
             # ignores the key; our connector does it there). Our host worker has every

@@ -88,6 +88,12 @@ class Settings(BaseSettings):
         "Only on a CPU no model thread is bound to (VLLM_CPU_NUM_OF_RESERVED_CPU leaves one); "
         "with none to spare, and with false, copies run inline before the forward pass.",
     )
+    tier_copy_thread_min_load_bytes: int = Field(
+        default=16 << 20, ge=0,
+        description="Smaller tier loads are copied inline even with a copy thread: a small "
+        "load gains little from overlapping the forward pass, and on the thread it shares the "
+        "memory bus with it (measured: benchmarks.tier_reuse). Stores always go to the thread.",
+    )
     disable_session_tail_store: bool = Field(
         default=False,
         description="Keep vLLM's prompt-only clamp on an ended session's last outputs, so a parked "

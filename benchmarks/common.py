@@ -233,7 +233,7 @@ def summarize_profile(profile: dict[str, Any], per: int, top: int = 15,
                       functions: tuple[str, ...] = ()) -> dict[str, Any]:
     """Non-idle milliseconds per unit of work (``per`` units sampled), the frames with
     the most self time, and the inclusive time of the named ``functions`` (a frame's
-    function name, e.g. ``HostTierWorker._copy``)."""
+    function name, e.g. ``HostTierWorker._copy``; ``execute_model`` matches any class's)."""
     self_samples: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     total = 0
@@ -246,7 +246,7 @@ def summarize_profile(profile: dict[str, Any], per: int, top: int = 15,
         total += int(count)
         names = {frame.split(" (")[0] for frame in frames}
         for function in functions:
-            if function in names:
+            if any(name == function or name.endswith("." + function) for name in names):
                 inclusive[function] += int(count)
     ms_per_sample = 1000 / profile["rate_hz"]
     return {

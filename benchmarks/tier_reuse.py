@@ -10,7 +10,9 @@ a reset and a tier hit; medians.
 Each load path runs on an engine of its own, one after the other, in one run:
 - synchronous (ours, the default): a tier hit is loaded and computed in the step that
   finds it, its pages copied on the host tier's copy thread while the forward pass runs,
-  each layer waiting only for its own pages;
+  each layer waiting only for its own pages, if the load is 16 MiB or more
+  (``tier_copy_thread_min_load_bytes``; smaller loads are copied inline);
+- synchronous-thread-every-load: the same with every load on the copy thread;
 - synchronous-inline (``tier_copy_thread=false``): the same step, with every page copied
   before the forward pass starts (the path before the copy thread);
 - asynchronous (vLLM 0.32's protocol, ``async_tier_loads``, inline copies): the request
@@ -121,8 +123,9 @@ async def first_token(engine: Any, recorder: Any, prompt: list[int], recompute: 
 
 
 # Load path -> the settings that select it.
-LOAD_PATHS: dict[str, dict[str, bool]] = {
+LOAD_PATHS: dict[str, dict[str, Any]] = {
     "synchronous": {},
+    "synchronous-thread-every-load": {"tier_copy_thread_min_load_bytes": 0},
     "synchronous-inline": {"tier_copy_thread": False},
     "asynchronous": {"async_tier_loads": True, "tier_copy_thread": False},
 }
@@ -187,11 +190,12 @@ async def measure_load_path(setup: EngineSetup, args: argparse.Namespace, load_p
     return rows
 
 
-# Where a tier hit's time goes, by frame (inclusive): the worker's copies and its waits
-# for them, the forward pass, and the engine core's scheduling and step loop.
+# Where a tier hit's time goes, by frame (inclusive): the worker's copies (inline or on
+# the copy thread) and its waits for them, the forward pass, the engine core's steps and
+# scheduling, and the worker's shared-memory wait for its next step (vLLM's spin).
 PROFILED_FUNCTIONS = (
     "HostTierWorker._copy", "HostTierWorker.wait_for_tensor", "_CopyThread._run",
-    "execute_model", "Scheduler.schedule", "EngineCore.step", "EngineCore.step_with_batch_queue",
+    "execute_model", "EngineCore.step", "Scheduler.schedule", "SpinCondition.wait",
 )
 PROFILE_RATE_HZ = 1000
 

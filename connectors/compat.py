@@ -27,6 +27,8 @@ ASYNC_TIER_LOADS_KEY = "async_tier_loads"
 # kv_connector_extra_config key: set false to copy tier pages on the model's thread,
 # inline (the benchmarks' baseline for the copy thread of connectors.host_tier).
 TIER_COPY_THREAD_KEY = "tier_copy_thread"
+# Loads smaller than this many bytes are copied inline even with a copy thread.
+TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY = "tier_copy_thread_min_load_bytes"
 # vLLM 0.33's own kv_connector_extra_config key for synchronous loads.
 UPSTREAM_SYNC_LOAD_BUDGET_KEY = "sync_load_budget_bytes"
 

@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from connectors.compat import tier_copy_thread_wanted
+from connectors.compat import TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY, tier_copy_thread_wanted
 
 # Under "vllm", so vLLM's log handler prints it in the engine's processes.
 logger = logging.getLogger("vllm.streamsess.host_tier")
@@ -89,7 +89,8 @@ class HostTierWorker(OffloadingWorker):
     worker uses streams:
 
     - stores go to the thread and overlap this step's forward pass;
-    - loads go to the thread per tensor, first layers first, and the forward pass
+    - loads of ``thread_min_load_bytes`` or more go to the thread per tensor (smaller
+      ones are copied inline), first layers first, and the forward pass
       waits for a layer's pages only when it reaches that layer
       (``wait_for_tensor``, from the connector's ``wait_for_layer_load``), once
       ``layerwise_loads`` says a connector makes those waits. The last page of each
@@ -102,7 +103,8 @@ class HostTierWorker(OffloadingWorker):
     """
 
     def __init__(
-        self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int, copy_thread: bool = False
+        self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int, copy_thread: bool = False,
+        thread_min_load_bytes: int = 0,
     ):
         self.blocks_per_chunk = blocks_per_chunk
         self.device_pages: list[torch.Tensor] = []
@@ -126,6 +128,7 @@ class HostTierWorker(OffloadingWorker):
         ]
         # Set by a connector that waits for each layer's load before the layer runs.
         self.layerwise_loads = False
+        self.thread_min_load_bytes = thread_min_load_bytes
         self._finished: list[TransferResult] = []
         spare = spare_cpus() if copy_thread else set()
         self._copier = _CopyThread(self._copy, spare) if spare else None
@@ -175,7 +178,9 @@ class HostTierWorker(OffloadingWorker):
         assert isinstance(host_spec, BlockIDsLoadStoreSpec)
         plan = self._plan(device_spec, host_spec)
         job = _Job(job_id, is_load, num_bytes=sum(self._bytes(t, runs) for t, runs in plan), remaining=0)
-        if self._copier is None or (is_load and not self.layerwise_loads):
+        if self._copier is None or (
+            is_load and (not self.layerwise_loads or job.num_bytes < self.thread_min_load_bytes)
+        ):
             for tensor_idx, runs in plan:
                 job.copy_seconds += self._copy(tensor_idx, runs, to_host=not is_load)
             self._finished.append(job.result())
@@ -401,6 +406,7 @@ class HostTierOffloadingSpec(CPUOffloadingSpec):
             self._host_worker = HostTierWorker(
                 kv_caches, self.blocks_per_chunk, self.num_chunks,
                 copy_thread=tier_copy_thread_wanted(self.extra_config),
+                thread_min_load_bytes=int((self.extra_config or {}).get(TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY, 0)),
             )
         return self._host_worker
 

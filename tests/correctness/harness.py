@@ -498,13 +498,15 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 # Every config copies tier pages on the host tier's copy thread (the default; the
-# harness leaves it a CPU, see InProcessHarness) but one, which keeps the inline
-# copies (tier_copy_thread=false) covered.
+# harness leaves it a CPU, see InProcessHarness), loads of every size included (the
+# tiny model's are all under the default size for the thread), but one, which keeps
+# the inline copies (tier_copy_thread=false) covered.
+ON_THE_COPY_THREAD = {"tier_copy_thread_min_load_bytes": 0}
 HARNESS_CONFIGS: dict[str, dict[str, Any]] = {
-    "bpc1-sync": {"blocks_per_chunk": 1, "async_scheduling": False},
-    "bpc1-async": {"blocks_per_chunk": 1, "async_scheduling": True},
+    "bpc1-sync": {"blocks_per_chunk": 1, "async_scheduling": False, **ON_THE_COPY_THREAD},
+    "bpc1-async": {"blocks_per_chunk": 1, "async_scheduling": True, **ON_THE_COPY_THREAD},
     "bpc2-sync-inline": {"blocks_per_chunk": 2, "async_scheduling": False, "tier_copy_thread": False},
-    "bpc2-async": {"blocks_per_chunk": 2, "async_scheduling": True},
+    "bpc2-async": {"blocks_per_chunk": 2, "async_scheduling": True, **ON_THE_COPY_THREAD},
 }
 
 

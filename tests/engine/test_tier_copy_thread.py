@@ -38,7 +38,8 @@ async def engine_with_copy_thread() -> AsyncIterator[Any]:
     # A CPU left to the engine core: the copy thread runs only on a CPU that no
     # compute thread uses (connectors.host_tier.spare_cpus), as in the benchmarks.
     with environment(VLLM_CPU_NUM_OF_RESERVED_CPU="1"):
-        async with started_engine(make_settings(tier_copy_thread=True)) as llm:
+        # Every load on the thread: the tiny model's are all under the default size for it.
+        async with started_engine(make_settings(tier_copy_thread=True, tier_copy_thread_min_load_bytes=0)) as llm:
             yield llm
 
 

@@ -114,6 +114,41 @@ def test_layerwise_load_copies_the_last_page_first_and_each_layer_on_demand() ->
     worker.shutdown()
 
 
+def test_a_load_under_the_thread_minimum_is_copied_inline_and_a_store_still_goes_to_the_thread() -> None:
+    """The copy thread held: a load smaller than ``thread_min_load_bytes`` is whole on
+    the device when submit_load returns, while a store waits for the thread."""
+    caches, tensors = make_caches()
+    worker = HostTierWorker(caches, blocks_per_chunk=1, num_chunks=8, copy_thread=True,
+                            thread_min_load_bytes=4 * PAGE * len(tensors) + 1)
+    worker.layerwise_loads = True
+    device_blocks = [3, 4, 5, 6]
+    worker.submit_store(1, GPULoadStoreSpec(device_blocks, group_sizes=[4], block_indices=[0]), CPULoadStoreSpec([0, 1, 2, 3]))
+    worker.get_finished()
+    original = [t.clone() for t in tensors]
+    for tensor in tensors:
+        tensor.zero_()
+
+    release = threading.Event()
+    copy = worker._copier._copy  # type: ignore[union-attr]
+
+    def held_copy(*args: object) -> float:
+        release.wait(timeout=30)
+        return copy(*args)  # type: ignore[arg-type]
+
+    worker._copier._copy = held_copy  # type: ignore[union-attr]
+    targets = [8, 9, 10, 11]
+    worker.submit_load(2, CPULoadStoreSpec([0, 1, 2, 3]), GPULoadStoreSpec(targets, group_sizes=[4], block_indices=[0]))
+    for tensor, before in zip(tensors, original):
+        assert torch.equal(tensor[targets], before[device_blocks])  # inline: all in already
+    tensors[0][12] = 7
+    worker.submit_store(3, GPULoadStoreSpec([12], group_sizes=[1], block_indices=[0]), CPULoadStoreSpec([4]))
+    assert not worker.host_pages[0][4].any()  # the store is queued on the held thread
+    release.set()
+    assert sorted(r.job_id for r in worker.get_finished()) == [2, 3]
+    assert (worker.host_pages[0][4] == 7).all()
+    worker.shutdown()
+
+
 def test_contiguous_runs_merge_consecutive_rows() -> None:
     assert _contiguous_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
     assert _contiguous_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
