@@ -197,7 +197,7 @@ PROFILED_FUNCTIONS = (
     "HostTierWorker._copy", "HostTierWorker.wait_for_tensor", "_CopyThread._run",
     "execute_model", "EngineCore.step", "Scheduler.schedule", "SpinCondition.wait",
 )
-PROFILE_RATE_HZ = 1000
+PROFILE_RATE_HZ = 250  # lower rates disturb the engine less (3 processes on 2 CPUs)
 
 
 async def profile_tier_hits(
@@ -277,7 +277,7 @@ def main() -> None:
     )
     parser.add_argument("--profile", metavar="DIR",
                         help="also sample each load path's tier hits with py-spy (stacks into DIR)")
-    parser.add_argument("--profile-hits", type=int, default=30, help="tier hits sampled per load path")
+    parser.add_argument("--profile-hits", type=int, default=60, help="tier hits sampled per load path")
     args = parser.parse_args()
     # bf16 is the embedded models' own dtype; other dtypes are recorded beside it.
     name = "tier_reuse" if args.dtype == "bfloat16" else f"tier_reuse-{args.dtype}"

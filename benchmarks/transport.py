@@ -24,7 +24,7 @@ with one that does (the websockets library's and browsers' default).
 the last round's collapsed stacks there, and per side and round the busiest functions
 (self time) to the result.
 
-    python -m benchmarks.transport            # tiny model, float32, 60 chunks
+    python -m benchmarks.transport            # tiny model, float32, 120 chunks in 8 rounds
     python -m benchmarks.transport --profile benchmarks/results/profiles
     python -m benchmarks.transport --quick    # 8 chunks (the test suite's smoke run)
 """
@@ -267,9 +267,10 @@ def plot(result: dict[str, Any]) -> Any:
 def main() -> None:
     parser = benchmark_parser(__doc__, kv_cache_gib=0.25)
     parser.set_defaults(preset="tiny", dtype="float32", cpu_tier_gib=0.5)
-    parser.add_argument("--chunks", type=int, default=60)
+    parser.add_argument("--chunks", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=4, help="round-robin rounds over the sides")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="round-robin rounds over the sides (more: less drift between sides)")
     parser.add_argument("--profile", metavar="DIR", help="sample the API server with py-spy, stacks into DIR")
     parser.add_argument("--server-setting", metavar="NAME=VALUE", action="append", default=[],
                         type=lambda text: tuple(text.split("=", 1)),
