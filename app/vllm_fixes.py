@@ -18,7 +18,7 @@ def _model_items_vllm_cannot_convert_go_as_dicts() -> None:
     """vLLM 0.32's Responses API turns each input item into a chat message. Items that
     validate as one of the SDK's output models (as sent back from a response that
     returned them: with ``id`` and ``status``) take model branches that fail on valid
-    content (500s, schemathesis found both):
+    content (500s; schemathesis found them):
 
     - a ``function_call_output`` item's list ``output`` stays pydantic models, which
       vLLM's chat parser asserts are dicts (AssertionError);
