@@ -33,7 +33,7 @@ async def _socket_pair() -> tuple[RecordingTransport, socket.socket]:
     ours, theirs = socket.socketpair()
     transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, ours)
     theirs.setblocking(False)
-    return RecordingTransport(transport), theirs  # type: ignore[arg-type]
+    return RecordingTransport(transport), theirs
 
 
 async def _read(sock: socket.socket, size: int) -> bytes:
