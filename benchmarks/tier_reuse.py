@@ -44,6 +44,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
@@ -205,8 +206,6 @@ async def profile_tier_hits(
 ) -> dict[str, Any]:
     """py-spy over this process and the engine's (``--subprocesses``) during
     ``--profile-hits`` tier hits of the largest prompt, each after a device-cache reset."""
-    from pathlib import Path
-
     out = Path(args.profile) / f"tier-hit-{args.dtype}-{load_path}.txt"
     elapsed = []
     with py_spy_sampled(os.getpid(), out, PROFILE_RATE_HZ, subprocesses=True) as profile:

@@ -175,18 +175,15 @@ class ChunkEventStream(StreamingResponse):
     async def _frames(self) -> AsyncIterator[bytes]:
         """Frames that are ready go out in one write (a chunk's last delta, its done
         event and [DONE] usually arrive together)."""
-        try:
-            ended = False
-            while not ended:
-                ready = [await self._queue.get()]
-                while not self._queue.empty():
-                    ready.append(self._queue.get_nowait())
-                if None in ready:
-                    ended, ready = True, ready[: ready.index(None)]
-                if ready:
-                    yield "".join(frame for frame in ready if frame is not None).encode()
-        finally:
-            await self._stop_producer()
+        ended = False
+        while not ended:
+            ready = [await self._queue.get()]
+            while not self._queue.empty():
+                ready.append(self._queue.get_nowait())
+            if None in ready:
+                ended, ready = True, ready[: ready.index(None)]
+            if ready:
+                yield "".join(frame for frame in ready if frame is not None).encode()
 
     async def _stop_producer(self) -> None:
         if not self._producer.done():

@@ -72,21 +72,22 @@ def test_store_then_load_round_trips(blocks_per_chunk: int, copy_mode: str) -> N
     worker.shutdown()
 
 
-def test_layerwise_load_copies_the_last_page_first_and_each_layer_on_demand() -> None:
-    """The copy thread held: submit_load has already written each load's last page
-    (the step's new tokens are written there before any layer waits), and a layer's
-    wait returns only once that layer's pages are in. Without the inline last page,
-    or with a wait that returns early, the asserts below see zeros."""
-    caches, tensors = make_caches(num_layers=3)
-    worker = HostTierWorker(caches, blocks_per_chunk=1, num_chunks=8, copy_thread=True)
-    worker.layerwise_loads = True
-    device_blocks = [3, 4, 5, 6]
-    worker.submit_store(1, GPULoadStoreSpec(device_blocks, group_sizes=[4], block_indices=[0]), CPULoadStoreSpec([0, 1, 2, 3]))
+# Pages 3-6 stored to chunks 0-3, then loaded back into pages 8-11.
+DEVICE_BLOCKS = [3, 4, 5, 6]
+TARGETS = [8, 9, 10, 11]
+
+
+def load_with_the_copy_thread_held(
+    worker: HostTierWorker, tensors: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], threading.Event]:
+    """Store DEVICE_BLOCKS to the tier, zero the device, hold the copy thread until the
+    returned event is set, and submit the load into TARGETS (job 2); returns the
+    device's tensors as they were before the zeroing."""
+    worker.submit_store(1, GPULoadStoreSpec(DEVICE_BLOCKS, group_sizes=[4], block_indices=[0]), CPULoadStoreSpec([0, 1, 2, 3]))
     worker.get_finished()
     original = [t.clone() for t in tensors]
     for tensor in tensors:
         tensor.zero_()
-
     release = threading.Event()
     copy = worker._copier._copy  # type: ignore[union-attr]
 
@@ -95,8 +96,19 @@ def test_layerwise_load_copies_the_last_page_first_and_each_layer_on_demand() ->
         return copy(*args)  # type: ignore[arg-type]
 
     worker._copier._copy = held_copy  # type: ignore[union-attr]
-    targets = [8, 9, 10, 11]
-    worker.submit_load(2, CPULoadStoreSpec([0, 1, 2, 3]), GPULoadStoreSpec(targets, group_sizes=[4], block_indices=[0]))
+    worker.submit_load(2, CPULoadStoreSpec([0, 1, 2, 3]), GPULoadStoreSpec(TARGETS, group_sizes=[4], block_indices=[0]))
+    return original, release
+
+
+def test_layerwise_load_copies_the_last_page_first_and_each_layer_on_demand() -> None:
+    """The copy thread held: submit_load has already written each load's last page
+    (the step's new tokens are written there before any layer waits), and a layer's
+    wait returns only once that layer's pages are in. Without the inline last page,
+    or with a wait that returns early, the asserts below see zeros."""
+    caches, tensors = make_caches(num_layers=3)
+    worker = HostTierWorker(caches, blocks_per_chunk=1, num_chunks=8, copy_thread=True)
+    worker.layerwise_loads = True
+    original, release = load_with_the_copy_thread_held(worker, tensors)
     for tensor, before in zip(tensors, original):
         assert torch.equal(tensor[11], before[6])  # the last page: inline
         assert not tensor[8:11].any()  # the rest: still queued
@@ -109,7 +121,7 @@ def test_layerwise_load_copies_the_last_page_first_and_each_layer_on_demand() ->
     assert torch.equal(tensors[0][8:11], original[0][3:6])
     worker.wait_for_tensor(None)
     for tensor, before in zip(tensors, original):
-        assert torch.equal(tensor[targets], before[device_blocks])
+        assert torch.equal(tensor[TARGETS], before[DEVICE_BLOCKS])
     assert [r.job_id for r in worker.get_finished()] == [2]
     worker.shutdown()
 
@@ -121,25 +133,9 @@ def test_a_load_under_the_thread_minimum_is_copied_inline_and_a_store_still_goes
     worker = HostTierWorker(caches, blocks_per_chunk=1, num_chunks=8, copy_thread=True,
                             thread_min_load_bytes=4 * PAGE * len(tensors) + 1)
     worker.layerwise_loads = True
-    device_blocks = [3, 4, 5, 6]
-    worker.submit_store(1, GPULoadStoreSpec(device_blocks, group_sizes=[4], block_indices=[0]), CPULoadStoreSpec([0, 1, 2, 3]))
-    worker.get_finished()
-    original = [t.clone() for t in tensors]
-    for tensor in tensors:
-        tensor.zero_()
-
-    release = threading.Event()
-    copy = worker._copier._copy  # type: ignore[union-attr]
-
-    def held_copy(*args: object) -> float:
-        release.wait(timeout=30)
-        return copy(*args)  # type: ignore[arg-type]
-
-    worker._copier._copy = held_copy  # type: ignore[union-attr]
-    targets = [8, 9, 10, 11]
-    worker.submit_load(2, CPULoadStoreSpec([0, 1, 2, 3]), GPULoadStoreSpec(targets, group_sizes=[4], block_indices=[0]))
+    original, release = load_with_the_copy_thread_held(worker, tensors)
     for tensor, before in zip(tensors, original):
-        assert torch.equal(tensor[targets], before[device_blocks])  # inline: all in already
+        assert torch.equal(tensor[TARGETS], before[DEVICE_BLOCKS])  # inline: all in already
     tensors[0][12] = 7
     worker.submit_store(3, GPULoadStoreSpec([12], group_sizes=[1], block_indices=[0]), CPULoadStoreSpec([4]))
     assert not worker.host_pages[0][4].any()  # the store is queued on the held thread

@@ -29,11 +29,13 @@ class RecordingTransport:
         return getattr(self.transport, name)
 
 
-async def _socket_pair() -> tuple[RecordingTransport, socket.socket]:
+async def _socket_pair() -> tuple[CoalescingTransport, RecordingTransport, socket.socket]:
+    """Our transport, the asyncio transport under it (recording), and the peer socket."""
     ours, theirs = socket.socketpair()
     transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, ours)
     theirs.setblocking(False)
-    return RecordingTransport(transport), theirs
+    recording = RecordingTransport(transport)
+    return CoalescingTransport(recording), recording, theirs  # type: ignore[arg-type]
 
 
 async def _read(sock: socket.socket, size: int) -> bytes:
@@ -45,8 +47,7 @@ async def _read(sock: socket.socket, size: int) -> bytes:
 
 
 async def test_writes_in_one_tick_go_out_as_one() -> None:
-    recording, peer = await _socket_pair()
-    transport = CoalescingTransport(recording)  # type: ignore[arg-type]
+    transport, recording, peer = await _socket_pair()
     transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
     transport.write(b"{}")
     assert recording.writes == []  # nothing before the tick ends
@@ -58,8 +59,7 @@ async def test_writes_in_one_tick_go_out_as_one() -> None:
 
 
 async def test_writes_in_different_ticks_are_not_held() -> None:
-    recording, peer = await _socket_pair()
-    transport = CoalescingTransport(recording)  # type: ignore[arg-type]
+    transport, recording, peer = await _socket_pair()
     transport.write(b"a")
     await asyncio.sleep(0)
     transport.write(b"b")
@@ -71,8 +71,7 @@ async def test_writes_in_different_ticks_are_not_held() -> None:
 
 
 async def test_close_sends_what_was_written_first() -> None:
-    recording, peer = await _socket_pair()
-    transport = CoalescingTransport(recording)  # type: ignore[arg-type]
+    transport, recording, peer = await _socket_pair()
     transport.write(b"bye")
     assert transport.get_write_buffer_size() == 3
     transport.close()
