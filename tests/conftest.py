@@ -15,6 +15,10 @@ from app.settings import Settings
 # Every server and service of a test run keeps its sessions in a fresh SQLite store
 # (the default store), never in the user's own state directory.
 os.environ.setdefault("STREAMSESS_STATE_DIR", tempfile.mkdtemp(prefix="streamsess-test-state-"))
+# Mechanics tests run on the random-weight `tiny` preset, here and in every server
+# process a test starts; tests about text and templates ask for the real default
+# model by name (tests/server/test_fresh_server.py starts it as ./scripts/serve does).
+os.environ.setdefault("STREAMSESS_MODEL_PRESET", "tiny")
 
 # Small enough for 2 cores, large enough that no test evicts by accident.
 # float32: the shared engine's outputs are compared token for token with recomputes,

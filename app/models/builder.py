@@ -1,4 +1,5 @@
-"""Build the embedded models: small random-weight Llamas with a byte-level BPE tokenizer.
+"""Build the embedded models: small random-weight Llamas with a byte-level BPE tokenizer
+(and, through ``app.models.smollm2``, the real default model).
 
 Nothing is downloaded. Each preset is built deterministically from this file and
 ``tokenizer_corpus.txt`` into a cache directory whose name carries a hash of both,
@@ -18,6 +19,8 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from app.models import smollm2
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +102,12 @@ def model_dir_for(preset_name: str, cache_dir: Path | None = None) -> Path:
 
 
 def ensure_model(preset_name: str = "tiny", cache_dir: Path | None = None) -> Path:
-    """Return the directory of the preset's model, building it on first use."""
+    """Return the directory of the preset's model, building (or converting) it on first use."""
+    if preset_name == smollm2.PRESET_NAME:
+        return smollm2.ensure_smollm2(cache_dir or default_cache_dir())
     if preset_name not in PRESETS:
-        raise ValueError(f"unknown model preset {preset_name!r}; known: {sorted(PRESETS)}")
+        known = sorted([*PRESETS, smollm2.PRESET_NAME])
+        raise ValueError(f"unknown model preset {preset_name!r}; known: {known}")
     target = model_dir_for(preset_name, cache_dir)
     if (target / "config.json").exists():
         return target

@@ -32,7 +32,7 @@ def test_cpu_dockerfile() -> None:
     assert parsed[0].cmd == "FROM" and parsed[0].value[0].startswith("python:3.11-slim")
     runs = " ".join(" ".join(c.value) for c in parsed if c.cmd == "RUN")
     assert "scripts/bootstrap.sh" in runs  # the README's install
-    assert "ensure_model('tiny')" in runs  # the embedded model, built at build time
+    assert "ensure_model('smollm2-135m-instruct')" in runs  # the default model, converted at build time
     users = [c.value[0] for c in parsed if c.cmd == "USER"]
     assert users and users[-1] not in ("root", "0")
     assert by_cmd.index("USER") < by_cmd.index("ENTRYPOINT")
