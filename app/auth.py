@@ -13,7 +13,8 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.errors import send_refusal, unauthorized
+from app.errors import unauthorized
+from app.http_errors import send_refusal
 
 ANONYMOUS = "anonymous"
 ALWAYS_OPEN_PATHS = frozenset({"/health"})

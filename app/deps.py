@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
-from app.limits import owner_of
+from app.middleware import owner_of
 from app.sessions.service import SessionService
 
 

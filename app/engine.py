@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import TYPE_CHECKING, Any
 
-from app.sessions.admission import SchedulerObserver
+from app.sessions.admission import OBSERVER_ATTRIBUTE, SchedulerObserver
 from app.settings import GIB, Settings
 from connectors import (
     HOST_TIER_SPEC_MODULE,
@@ -106,15 +105,6 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
     return AsyncEngineArgs(**args)
 
 
-# Each engine's scheduler observer (the admission backstop), by engine.
-_observers: weakref.WeakKeyDictionary[Any, SchedulerObserver] = weakref.WeakKeyDictionary()
-
-
-def scheduler_observer(engine: Any) -> SchedulerObserver | None:
-    """The observer ``build_engine`` gave this engine (None for engines built elsewhere)."""
-    return _observers.get(engine)
-
-
 def build_engine(settings: Settings) -> AsyncLLM:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -132,5 +122,6 @@ def build_engine(settings: Settings) -> AsyncLLM:
     engine = AsyncLLM.from_engine_args(
         engine_args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=[observer.logger_factory]
     )
-    _observers[engine] = observer
+    # The admission backstop reads it (app.sessions.admission.observer_of).
+    setattr(engine, OBSERVER_ATTRIBUTE, observer)
     return engine

@@ -24,10 +24,8 @@ from limits import RateLimitItem, RateLimitItemPerMinute, RateLimitItemPerSecond
 from limits.aio.storage import Storage
 from limits.aio.strategies import MovingWindowRateLimiter
 from limits.storage import storage_from_string
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.auth import ANONYMOUS
-from app.errors import APIError, send_refusal
+from app.errors import APIError
 from app.settings import Settings
 
 # Probes and scrapes are never limited.
@@ -111,37 +109,6 @@ class KeyLimits:
             self._connections[owner] -= 1
             if not self._connections[owner]:
                 del self._connections[owner]
-
-
-def owner_of(scope: Scope) -> str:
-    """The caller, as the API-key middleware named it in the scope."""
-    return str(scope.get("state", {}).get("owner", ANONYMOUS))
-
-
-class RateLimitMiddleware:
-    """Every HTTP request and websocket connection counts against its key's
-    requests per minute; websocket connections against its open-connection limit.
-    Runs inside the API-key middleware, which names the key."""
-
-    def __init__(self, app: ASGIApp, limits: KeyLimits):
-        self.app = app
-        self.limits = limits
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope.get("path") in UNLIMITED_PATHS:
-            await self.app(scope, receive, send)
-            return
-        owner = owner_of(scope)
-        close_code = 1008  # policy violation
-        try:
-            await self.limits.admit_request(owner)
-            if scope["type"] == "http":
-                await self.app(scope, receive, send)
-                return
-            with self.limits.connection(owner):
-                await self.app(scope, receive, send)
-        except APIError as error:
-            await send_refusal(scope, receive, send, error, ws_close_code=close_code)
 
 
 def estimated_tokens(payload: dict[str, Any], default_max_tokens: int) -> int:

@@ -25,13 +25,14 @@ from app import vllm_fixes
 from app.api import api_router
 from app.auth import APIKeyMiddleware
 from app.cache_salt import cache_salter
-from app.errors import declare_error_codes, install_error_handlers
+from app.http_errors import declare_error_codes, install_error_handlers
 from app.http_protocol import CoalescingHttpToolsProtocol
-from app.limits import KeyLimits, RateLimitMiddleware
+from app.limits import KeyLimits
 from app.middleware import (
     BodySizeLimitMiddleware,
     EngineDeadMiddleware,
     OpenAIRequestMiddleware,
+    RateLimitMiddleware,
     ReplicaHeaderMiddleware,
 )
 from app.models.smollm2 import ModelUnavailable

@@ -10,9 +10,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from vllm.exceptions import VLLMValidationError
 
+from app.auth import ANONYMOUS
 from app.cache_salt import CacheSalter
-from app.errors import APIError, send_http_error, send_refusal, validation_error
-from app.limits import KeyLimits, estimated_tokens, owner_of
+from app.errors import APIError
+from app.http_errors import send_http_error, send_refusal, validation_error
+from app.limits import UNLIMITED_PATHS, KeyLimits, estimated_tokens
 from app.openai_routes import OpenAIBodyRoute, strict_errors
 
 
@@ -171,3 +173,34 @@ class OpenAIRequestMiddleware:
             return await receive()
 
         await self.app({**scope, "headers": headers}, replay, send)
+
+
+def owner_of(scope: Scope) -> str:
+    """The caller, as the API-key middleware named it in the scope."""
+    return str(scope.get("state", {}).get("owner", ANONYMOUS))
+
+
+class RateLimitMiddleware:
+    """Every HTTP request and websocket connection counts against its key's
+    requests per minute; websocket connections against its open-connection limit.
+    Runs inside the API-key middleware, which names the key."""
+
+    def __init__(self, app: ASGIApp, limits: KeyLimits):
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("path") in UNLIMITED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        owner = owner_of(scope)
+        close_code = 1008  # policy violation
+        try:
+            await self.limits.admit_request(owner)
+            if scope["type"] == "http":
+                await self.app(scope, receive, send)
+                return
+            with self.limits.connection(owner):
+                await self.app(scope, receive, send)
+        except APIError as error:
+            await send_refusal(scope, receive, send, error, ws_close_code=close_code)

@@ -23,7 +23,14 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import EngineSetup, benchmark_parser, finish, in_process_engine, pyplot, random_tokens
+from benchmarks.common import (
+    EngineSetup,
+    benchmark_parser,
+    finish,
+    in_process_engine,
+    pyplot,
+    random_tokens,
+)
 
 PRESETS = ("tiny", "bench", "smollm2-135m-instruct")
 DTYPES = ("bfloat16", "float32")

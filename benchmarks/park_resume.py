@@ -54,10 +54,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     defaults = SessionDefaults(temperature=0.0, ignore_eos=True)
 
     async def chunk(session_id: str, ids: list[int]) -> Any:
-        prepared = await service.prepare_chunk(
+        run = await service.start_chunk(
             OWNER, session_id, ids, SamplingOptions(max_tokens=1), transport="bench", wait=True
         )
-        return await service.run_chunk(prepared)
+        return await run.result()
 
     async def resume(context: int, side: str) -> tuple[float, int]:
         """(time to first token of the next chunk, its CPU-tier tokens)."""

@@ -77,10 +77,10 @@ class Bench:
     async def chunk(service: Any, session_id: str, ids: list[int]) -> Any:
         from app.sessions.protocol import SamplingOptions
 
-        prepared = await service.prepare_chunk(
+        run = await service.start_chunk(
             OWNER, session_id, ids, SamplingOptions(max_tokens=1), transport="bench", wait=True
         )
-        return await service.run_chunk(prepared)
+        return await run.result()
 
     async def per_chunk(self, store_url: str, chunks: int) -> dict[str, float]:
         async with self.service(store_url) as service:

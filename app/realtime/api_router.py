@@ -32,10 +32,7 @@ async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep) -
         if model is not None and model != service.model_name:
             raise APIError(404, f"The model {model!r} does not exist.", code="model_not_found", param="model")
         if (session_id := query.get("session_id")) is not None:
-            session = await service.current(owner, session_id)
-            if session.closed:
-                raise APIError(409, f"Session {session_id} is closed ({session.close_reason}).",
-                               code="session_closed", param="session_id")
+            session = await service.attach(owner, session_id)
             owns_session = False
         else:
             session = await service.create(owner, SessionCreateRequest())

@@ -3,19 +3,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
-from fastapi import WebSocket, WebSocketDisconnect
+from fastapi import WebSocket
 from openai.types import realtime as rt
 from pydantic import BaseModel
 
 from app.errors import APIError
-from app.realtime.protocol import ClientEventError, dump, new_id, parse_client_event
+from app.realtime.protocol import ClientEventError, dump, parse_client_event
 from app.realtime.serving import Conversation
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
+from app.transport.websocket import EventChannel
 
 logger = logging.getLogger(__name__)
 
@@ -27,16 +27,14 @@ class RealtimeConnection:
         self.service = service
         self.owner = owner
         self.owns_session = owns_session  # a session opened here ends with the connection
-        self._send_lock = asyncio.Lock()
-        self._connection_id = new_id("conn")
+        self.channel = EventChannel(websocket, service.limits, owner, self._refuse)
         self.conversation = Conversation(service, owner, session, service.tokenizer, self.send)
 
     async def send(self, event: BaseModel) -> None:
-        async with self._send_lock:
-            try:
-                await self.websocket.send_text(dump(event))
-            except (WebSocketDisconnect, RuntimeError):
-                logger.debug("realtime %s: connection closed, event dropped", self.conversation.session.id)
+        await self.channel.send_text(dump(event))
+
+    async def _refuse(self, error: APIError) -> None:
+        await self.send_error(ClientEventError(error.message, error.code))
 
     async def send_error(self, error: ClientEventError) -> None:
         await self.send(rt.RealtimeErrorEvent(
@@ -50,30 +48,17 @@ class RealtimeConnection:
         await self.send(rt.SessionCreatedEvent(type="session.created", event_id=conversation.event_id(),
                                                session=conversation.session_config()))
         try:
-            while True:
+            async for raw in self.channel.frames():
                 try:
-                    raw = await self.websocket.receive_text()
-                except (WebSocketDisconnect, RuntimeError):
-                    return
-                except KeyError:  # a binary frame
-                    await self.send_error(ClientEventError("Client events are JSON text frames.", "invalid_event"))
-                    continue
-                try:
-                    await self._admit_event()
                     await self.handle(raw)
                 except ClientEventError as error:
                     await self.send_error(error)
         finally:
             await conversation.close()
-            if self.owns_session and not conversation.session.closed:
+            # A server stop is not the client leaving: the session is parked, not closed.
+            client_left = not (self.channel.server_stopping or self.service.stopping)
+            if self.owns_session and client_left and not conversation.session.closed:
                 await self.service.close(self.owner, conversation.session.id, reason="connection_closed")
-
-    async def _admit_event(self) -> None:
-        """The per-connection event rate (frame size is uvicorn's ws_max_size)."""
-        try:
-            await self.service.limits.admit_event(self.owner, self._connection_id)
-        except APIError as exc:
-            raise ClientEventError(exc.message, exc.code) from None
 
     async def handle(self, raw: str) -> None:
         try:

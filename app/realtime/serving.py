@@ -22,7 +22,8 @@ from pydantic import BaseModel
 from app.errors import APIError
 from app.realtime.protocol import ClientEventError, new_id
 from app.sessions.protocol import SamplingOptions
-from app.sessions.service import PreparedChunk, SessionService
+from app.sessions.run import ChunkRun
+from app.sessions.service import SessionService
 from app.sessions.session import CANCELLED, ChunkDelta, ChunkResult, StreamingSession
 
 # A stand-in conversation whose rendering is the prefix that ours continues: what
@@ -65,7 +66,7 @@ class Conversation:
     items: dict[str, rt.ConversationItem] = field(default_factory=dict)
     pending: list[dict[str, str]] = field(default_factory=list)
     response: asyncio.Task[None] | None = None
-    prepared: PreparedChunk | None = None
+    run: ChunkRun | None = None
     _event_ids: int = 0
     _event_prefix: str = ""
 
@@ -174,7 +175,7 @@ class Conversation:
         options = SamplingOptions(max_tokens=max_tokens or self.service.max_chunk_output_tokens)
         try:
             await self.service.limits.admit_request(self.owner)
-            self.prepared = await self.service.prepare_chunk(
+            self.run = await self.service.start_chunk(
                 self.owner, self.session.id, input_ids, options, transport="realtime", wait=True
             )
         except APIError as exc:
@@ -182,21 +183,24 @@ class Conversation:
         # The turn is on its way to the model: its items and instructions are sent.
         self.pending.clear()
         self.config.instructions_sent = True
-        self.response = asyncio.create_task(self._respond(self.prepared), name=f"realtime-{self.session.id}")
+        self.response = asyncio.create_task(self._respond(self.run), name=f"realtime-{self.session.id}")
 
     async def cancel_response(self, event: rt.ResponseCancelEvent) -> None:
-        if self.response is None or self.response.done() or self.prepared is None:
+        if self.response is None or self.response.done() or self.run is None:
             raise ClientEventError("No response is in progress.", "response_cancel_not_active", None, event.event_id)
-        self.prepared.stop.set()
+        self.run.stop()
 
     async def close(self) -> None:
-        """The connection is gone: a running response is aborted."""
+        """The connection is gone: a running response is aborted, and its chunk undone
+        (the run releases the session whether or not the response began streaming)."""
+        if self.run is not None:
+            self.run.cancel()
         if self.response is not None and not self.response.done():
             self.response.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.response
 
-    async def _respond(self, prepared: PreparedChunk) -> None:
+    async def _respond(self, run: ChunkRun) -> None:
         response_id, item_id = new_id("resp"), new_id("item")
         response = rt.RealtimeResponse(id=response_id, object="realtime.response", status="in_progress",
                                        output=[], output_modalities=["text"], conversation_id=self.session.id)
@@ -217,7 +221,7 @@ class Conversation:
         result: ChunkResult | None = None
         error: APIError | None = None
         try:
-            async with contextlib.aclosing(self.service.stream_chunk(prepared)) as events:
+            async with contextlib.aclosing(run.events()) as events:
                 async for chunk_event in events:
                     if isinstance(chunk_event, ChunkDelta):
                         if chunk_event.text:

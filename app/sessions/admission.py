@@ -79,6 +79,15 @@ class DeviceCapacity:
         return load.slots > self.slots or load.blocks > self.blocks
 
 
+# The attribute of an engine that holds its observer (set by app.engine.build_engine).
+OBSERVER_ATTRIBUTE = "streamsess_scheduler_observer"
+
+
+def observer_of(engine: Any) -> SchedulerObserver | None:
+    """The observer ``build_engine`` gave this engine (None for engines built elsewhere)."""
+    return getattr(engine, OBSERVER_ATTRIBUTE, None)
+
+
 class SchedulerObserver:
     """The engine scheduler's own view, as its stat loggers see it each step.
 

@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import json
 import logging
-import secrets
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -37,6 +36,7 @@ from app.sessions.protocol import (
 )
 from app.sessions.service import SessionService
 from app.sessions.session import ChunkResult, StreamingSession
+from app.transport.websocket import EventChannel
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +55,13 @@ class SessionConnection:
         self.owns_session = owns_session
         self._event_ids = itertools.count()
         self._appends: asyncio.Queue[InputAppendEvent] = asyncio.Queue(MAX_QUEUED_APPENDS)
-        self._send_lock = asyncio.Lock()
-        self._connection_id = f"conn_{secrets.token_hex(8)}"
+        self.channel = EventChannel(websocket, service.limits, owner, self.send_error)
 
     def _event_id(self) -> str:
         return f"event_{next(self._event_ids)}"
 
     async def send(self, event: ServerEvent) -> None:
-        async with self._send_lock:
-            try:
-                await self.websocket.send_text(event.model_dump_json())
-            except (WebSocketDisconnect, RuntimeError):
-                # The client went away; the reader sees the disconnect and cleans up.
-                logger.debug("session %s: dropped %s, connection closed", self.session.id, event.type)
+        await self.channel.send_text(event.model_dump_json())
 
     async def send_error(self, error: APIError, client_event_id: str | None = None) -> None:
         await self.send(
@@ -93,23 +87,13 @@ class SessionConnection:
             worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
-            if self.owns_session and not self.session.closed:
+            # A server stop is not the client leaving: the session is parked, not closed.
+            client_left = not (self.channel.server_stopping or self.service.stopping)
+            if self.owns_session and client_left and not self.session.closed:
                 await self.service.close(self.owner, self.session.id, reason="connection_closed")
 
     async def _read_events(self) -> None:
-        while True:
-            try:
-                raw = await self.websocket.receive_text()
-            except WebSocketDisconnect:
-                return
-            except KeyError:  # a binary frame
-                await self.send_error(APIError(400, "Client events are JSON text frames.", code="invalid_event"))
-                continue
-            try:
-                await self.service.limits.admit_event(self.owner, self._connection_id)
-            except APIError as exc:
-                await self.send_error(exc)
-                continue
+        async for raw in self.channel.frames():
             event = await self._parse(raw)
             if event is None:
                 continue
@@ -172,10 +156,10 @@ class SessionConnection:
                     await self.send(SessionClosedEvent(event_id=self._event_id(), reason=self.session.close_reason or "closed"))
 
     async def _append(self, event: InputAppendEvent) -> None:
-        prepared = await self.service.prepare_chunk(
+        run = await self.service.start_chunk(
             self.owner, self.session.id, event.input, event, transport="websocket", wait=True
         )
-        async with contextlib.aclosing(self.service.stream_chunk(prepared)) as events:
+        async with contextlib.aclosing(run.events()) as events:
             async for item in events:
                 if isinstance(item, ChunkResult):
                     await self.send(

@@ -27,7 +27,7 @@ from app.sessions.protocol import (
     SessionObject,
     TranscriptResponse,
 )
-from app.sessions.service import PreparedChunk, SessionService
+from app.sessions.run import ChunkRun
 from app.sessions.session import ChunkResult
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -111,13 +111,13 @@ async def append_chunk(
     session_id: str, body: ChunkRequest, request: Request, service: ServiceDep, owner: OwnerDep
 ) -> Response:
     """Append one input chunk and generate after it: one JSON body, or SSE with ``stream``."""
-    prepared = await service.prepare_chunk(
+    run = await service.start_chunk(
         owner, session_id, body.input, body, transport="sse" if body.stream else "rest", wait=False
     )
     chunk_id = f"chunk_{secrets.token_hex(12)}"
     if body.stream:
-        return ChunkEventStream(service, prepared, chunk_id)
-    result = await _unless_disconnected(request, service.run_chunk(prepared))
+        return ChunkEventStream(run, chunk_id)
+    result = await _unless_disconnected(request, run.result())
     answer = ChunkResponse(
         id=chunk_id,
         session_id=session_id,
@@ -134,24 +134,24 @@ async def append_chunk(
 class ChunkEventStream(StreamingResponse):
     """One chunk's answer as server-sent events.
 
-    The chunk runs in its own task from the start, so its lock is released even if
-    the response never begins. The headers wait for the first events and go out with
+    The chunk runs in its own task (a ``ChunkRun``) from the start, so its lock is
+    released even if the response never begins. The headers wait for the first events and go out with
     them (one write: a short chunk's whole answer, headers to ``[DONE]``, is one).
     If the client goes away, the chunk's task is cancelled, which aborts its engine
     request and undoes the chunk. (Starlette's StreamingResponse watches for the
     disconnect through an anyio task group around the stream; one listener task
     that cancels the chunk does the same here for less.)"""
 
-    def __init__(self, service: SessionService, prepared: PreparedChunk, chunk_id: str) -> None:
+    def __init__(self, run: ChunkRun, chunk_id: str) -> None:
         super().__init__(self._frames(), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
-        self._producer = asyncio.create_task(self._produce(service, prepared, chunk_id))
+        self._producer = asyncio.create_task(self._produce(run, chunk_id))
 
-    async def _produce(self, service: SessionService, prepared: PreparedChunk, chunk_id: str) -> None:
-        session_id = prepared.session.id
+    async def _produce(self, run: ChunkRun, chunk_id: str) -> None:
+        session_id = run.session.id
         try:
-            async with contextlib.aclosing(service.stream_chunk(prepared)) as events:
+            async with contextlib.aclosing(run.events()) as events:
                 async for event in events:
                     payload: ChunkDoneEvent | ChunkDeltaEvent
                     if isinstance(event, ChunkResult):
@@ -161,7 +161,7 @@ class ChunkEventStream(StreamingResponse):
                         )
                     else:
                         payload = ChunkDeltaEvent(
-                            id=chunk_id, session_id=session_id, index=prepared.session.num_chunks,
+                            id=chunk_id, session_id=session_id, index=run.session.num_chunks,
                             delta=ChunkOutput(text=event.text, token_ids=event.token_ids),
                         )
                     self._queue.put_nowait(f"data: {payload.model_dump_json()}\n\n")

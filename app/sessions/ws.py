@@ -29,9 +29,7 @@ async def attach_session_ws(websocket: WebSocket, session_id: str, service: Serv
     """Attach to an existing session; it stays open when the connection ends."""
     await websocket.accept()
     try:
-        session = await service.current(owner, session_id)
-        if session.closed:
-            raise APIError(409, f"Session {session_id} is closed ({session.close_reason}).", code="session_closed")
+        session = await service.attach(owner, session_id)
     except APIError as exc:
         await _refuse(websocket, exc)
         return

@@ -89,3 +89,10 @@ def test_soak_quick(tmp_path: Path) -> None:
     assert summary["errors"] == 0, result["errors_sample"]
     assert summary["chunks"] > 0 and summary["sessions_left_open"] == 0
     assert all(row["rss_mb"] > 0 for row in result["windows"])
+
+
+def test_models_quick(tmp_path: Path) -> None:
+    result = run_quick("models", tmp_path)
+    (row,) = result["rows"]
+    assert (row["preset"], row["dtype"]) == ("tiny", "float32")
+    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0

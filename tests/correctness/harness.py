@@ -180,10 +180,10 @@ class InProcessBackend:
     async def session_chunk(self, session_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
         from app.sessions.protocol import SamplingOptions
 
-        prepared = await self._service.prepare_chunk(
+        run = await self._service.start_chunk(
             "harness", session_id, token_ids, SamplingOptions(max_tokens=max_tokens), transport="harness", wait=True
         )
-        return list((await self._service.run_chunk(prepared)).token_ids)
+        return list((await run.result()).token_ids)
 
     async def close_session(self, session_id: str) -> None:
         await self._service.close("harness", session_id)

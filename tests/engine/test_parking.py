@@ -44,10 +44,10 @@ async def open_session(service: SessionService) -> StreamingSession:
 
 
 async def send(service: SessionService, session: StreamingSession, ids: list[int], max_tokens: int) -> ChunkResult:
-    prepared = await service.prepare_chunk(
+    run = await service.start_chunk(
         OWNER, session.id, ids, SamplingOptions(max_tokens=max_tokens), transport="test", wait=True
     )
-    return await service.run_chunk(prepared)
+    return await run.result()
 
 
 def counter(metric: Any, label: str) -> float:
@@ -127,7 +127,7 @@ async def test_negative_control_without_the_tail_store_the_resume_misses_the_tie
 
 async def test_parking_keeps_closed_and_failed_rules(service: SessionService) -> None:
     session = await open_session(service)
-    assert not await service._park([session], "test")  # no engine request yet: nothing to park
+    assert not await service.parking.park([session], "test")  # no engine request yet: nothing to park
     await send(service, session, [5, 6, 7], 2)
     await service.close(OWNER, session.id)
     with pytest.raises(APIError) as closed:
@@ -229,7 +229,7 @@ async def test_backstop_parks_when_vllm_stalls_whatever_the_estimate(small_engin
     running. vLLM's own scheduler stats show the stall; the service parks the least
     recently used idle session, and the chunk answers."""
     service = make_service(small_engine, **SMALL_DEVICE)
-    service.capacity = DeviceCapacity(slots=10**6, blocks=10**6, block_size=BLOCK)
+    service.parking.capacity = DeviceCapacity(slots=10**6, blocks=10**6, block_size=BLOCK)
     await service.start()
     metrics = session_metrics()
     stalled_before = counter(metrics.session_parks, "stalled")

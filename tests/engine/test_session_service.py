@@ -24,10 +24,10 @@ async def test_idle_session_expires_and_frees_its_request(engine: Any) -> None:
     await service.start()
     try:
         session = await service.create("owner", SessionCreateRequest())
-        prepared = await service.prepare_chunk(
+        run = await service.start_chunk(
             "owner", session.id, [1, 2, 3], SamplingOptions(max_tokens=2), transport="test", wait=False
         )
-        await service.run_chunk(prepared)
+        await run.result()
         assert session.id in live_request_ids(engine)  # waiting for its next chunk
         for _ in range(100):
             if session.closed:
@@ -45,10 +45,10 @@ async def test_stop_ends_every_engine_request_and_keeps_durable_sessions(engine:
     await service.start()
     sessions = [await service.create("owner", SessionCreateRequest()) for _ in range(3)]
     for session in sessions:
-        prepared = await service.prepare_chunk(
+        run = await service.start_chunk(
             "owner", session.id, "hello", SamplingOptions(max_tokens=1), transport="test", wait=False
         )
-        await service.run_chunk(prepared)
+        await run.result()
     await service.stop()
     assert all(s.close_reason == "server_shutdown" for s in sessions)
     for session in sessions:
@@ -84,11 +84,11 @@ async def test_engine_failure_fails_the_chunk_and_closes_the_session(engine: Any
     await service.start()
     try:
         session = await service.create("owner", SessionCreateRequest())
-        prepared = await service.prepare_chunk(
+        run = await service.start_chunk(
             "owner", session.id, [1, 2], SamplingOptions(max_tokens=2), transport="test", wait=False
         )
         with pytest.raises(APIError) as failed:
-            await service.run_chunk(prepared)
+            await run.result()
         assert failed.value.status == 500 and failed.value.code == "session_failed"
         assert session.close_reason == "engine_error" and not session.lock.locked()
         assert session.id not in {s.id for s in await service.list_sessions("owner")}

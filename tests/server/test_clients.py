@@ -122,7 +122,8 @@ def readme_python_blocks() -> list[str]:
 
 
 async def run_python(code: str, server: str, *args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
-    env = {**os.environ, "STREAMSESS_BASE_URL": server, "STREAMSESS_API_KEY": API_KEYS[0], "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "STREAMSESS_BASE_URL": server, "STREAMSESS_API_KEY": API_KEYS[0],
+           "STREAMSESS_MODEL": "embedded-tiny", "PYTHONPATH": str(REPO)}
     process = await asyncio.create_subprocess_exec(
         sys.executable, *(("-c", code) if code else ()), *args,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

@@ -1,0 +1,147 @@
+"""Errors over HTTP: FastAPI's handlers and raw ASGI refusals, in the OpenAI shape."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Receive, Scope, Send
+
+from app.errors import APIError, error_param
+
+
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers={**(error.headers or {}), **(headers or {})})
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if not isinstance(first, dict):
+        # vLLM's own routes raise it with plain strings.
+        return APIError(400, str(first) or "Invalid request.", code="invalid_request")
+    if first.get("type") == "json_invalid":
+        return APIError(400, "The request body is not valid JSON.", code="invalid_json")
+    message = first.get("msg", "Invalid request.")
+    loc = first.get("loc", ())
+    param = "X-Session-ID" if list(loc)[:2] == ["header", "x-session-id"] else error_param(loc)
+    return APIError(400, f"{param}: {message}" if param else message, code="invalid_request", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error our routes raise to the OpenAI shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug (ours or vLLM's): still the OpenAI shape, and no detail that could
+        # carry request text; the traceback goes to the log (Starlette re-raises it).
+        return error_response(APIError(500, "The server failed on this request.", code="internal_error"))
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return error_response(APIError(400, "The request body is not valid JSON.", code="invalid_json"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
+        error = APIError(exc.status_code, str(exc.detail or phrase), code=phrase.lower().replace(" ", "_") or "error")
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        return error_response(error, headers=headers)
+
+
+def declare_error_codes(schema: dict[str, Any]) -> None:
+    """Make the OpenAPI schema state the errors as they are sent: vLLM's ``ErrorInfo``
+    declares an integer code (its own handlers send the HTTP status), while the errors
+    this app sends on the same routes carry OpenAI's string codes; and every operation
+    may get the middlewares' refusals, which vLLM's routes do not declare, and its
+    validation errors as 400, not FastAPI's 422."""
+    components = schema.get("components", {}).get("schemas", {})
+    info = components.get("ErrorInfo")
+    if info is not None and "code" in info.get("properties", {}):
+        info["properties"]["code"] = {
+            "anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}], "title": "Code",
+        }
+    if "ErrorResponse" in components:
+        _declare_middleware_errors(schema)
+
+
+# What any route may answer besides its own responses: the middlewares' refusals
+# (key, body size, rate limits, a dead engine) and, where a path names a resource,
+# an unknown one (vLLM's /v1/responses/{response_id} answers 404).
+MIDDLEWARE_ERRORS = {
+    "401": "Missing or invalid API key",
+    "413": "Request body too large",
+    "429": "Rate limit of the API key reached (with Retry-After)",
+    "503": "The engine is unavailable (with Retry-After)",
+}
+
+
+def _declare_middleware_errors(schema: dict[str, Any]) -> None:
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for path, operations in schema.get("paths", {}).items():
+        declared = dict(MIDDLEWARE_ERRORS)
+        if "{" in path:
+            declared["404"] = "No such resource"
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            # FastAPI declares its 422; this app answers validation errors 400, in the OpenAI shape.
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", {"description": "Invalid request", **error})
+            for status, description in declared.items():
+                responses.setdefault(status, {"description": description, **error})
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's own 405 names only
+    the first route's, where several routes share a path)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches({**request.scope, "type": "http"})[0] != Match.NONE:
+            methods |= set(route_methods)
+    return sorted(methods)
+
+
+async def send_http_error(
+    send: Send, error: APIError, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """Answer an HTTP request from ASGI middleware with an OpenAI-shaped error."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode(), value.encode()) for name, value in (error.headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers + (extra_headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_refusal(
+    scope: Scope, receive: Receive, send: Send, error: APIError, *,
+    ws_close_code: int, extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """Refuse a request from ASGI middleware: HTTP gets the error response; a
+    websocket is accepted, told why in an error event, and closed with
+    ``ws_close_code`` (browsers cannot read an HTTP refusal of a handshake)."""
+    if scope["type"] == "http":
+        await send_http_error(send, error, extra_headers)
+        return
+    if (await receive())["type"] != "websocket.connect":
+        return
+    await send({"type": "websocket.accept"})
+    event = {"type": "error", "event_id": f"event_{error.code}", "error": {**error.body()["error"], "event_id": None}}
+    await send({"type": "websocket.send", "text": json.dumps(event)})
+    await send({"type": "websocket.close", "code": ws_close_code, "reason": error.code})

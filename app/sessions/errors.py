@@ -1,0 +1,62 @@
+"""Every error a session operation answers, one constructor each, in the OpenAI shape."""
+
+from __future__ import annotations
+
+from app.errors import APIError
+
+
+def session_closed(session_id: str, reason: str | None) -> APIError:
+    return APIError(
+        409, f"Session {session_id} is closed ({reason}); open a new session.",
+        code="session_closed", param="session_id",
+    )
+
+
+def closed_while_answering(reason: str | None) -> APIError:
+    return APIError(409, f"The session was closed ({reason}) while answering this chunk.", code="session_closed")
+
+
+def chunk_in_flight() -> APIError:
+    return APIError(
+        409, "This session is already answering a chunk; send the next one when it is done.",
+        code="chunk_in_flight",
+    )
+
+
+def chunk_undone() -> APIError:
+    return APIError(
+        503, "This chunk was undone before it completed (the server is stopping); the session is as it "
+        "was before it: send the chunk again.", code="chunk_undone", headers={"Retry-After": "1"},
+    )
+
+
+def session_exists(session_id: str) -> APIError:
+    return APIError(409, f"A session with id {session_id!r} exists already.", code="session_exists",
+                    param="X-Session-ID")
+
+
+def session_failed(detail: object) -> APIError:
+    return APIError(500, f"The session failed and was closed: {detail}", code="session_failed")
+
+
+def store_unavailable() -> APIError:
+    return APIError(
+        503, "The session store is unavailable; nothing was changed. Retry later.",
+        code="store_unavailable", headers={"Retry-After": "1"},
+    )
+
+
+def chunk_not_kept() -> APIError:
+    return APIError(
+        503, "The session store is unavailable: this chunk was not kept, and the session is as "
+        "it was before it. Retry later.", code="store_unavailable", headers={"Retry-After": "1"},
+    )
+
+
+def server_busy(retry_after_s: float) -> APIError:
+    return APIError(
+        503,
+        "The engine has no room for this chunk now: every slot or KV block is held by "
+        "requests in flight. The session is unchanged; retry later.",
+        code="server_busy", headers={"Retry-After": str(max(1, round(retry_after_s)))},
+    )

@@ -1,0 +1,83 @@
+"""A chunk's input and sampling checks: pure functions, every refusal an ``APIError``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from app.errors import APIError
+from app.sessions.protocol import (
+    SAMPLING_FIELDS,
+    SESSION_ID_PATTERN,
+    SamplingOptions,
+    SessionDefaults,
+)
+
+DEFAULT_MAX_TOKENS = 16
+SESSION_ID = re.compile(SESSION_ID_PATTERN)
+
+
+def check_session_id(session_id: str) -> None:
+    if not SESSION_ID.fullmatch(session_id):
+        raise APIError(
+            400, "A session id is 1 to 128 letters, digits, '_', '-' or '.', starting with a letter or digit.",
+            code="invalid_session_id", param="X-Session-ID",
+        )
+
+
+def encode(tokenizer: Any, vocab_size: int, chunk_input: str | list[int]) -> list[int]:
+    """A chunk's token ids: text encoded without special tokens (chunks concatenate into
+    one context), or token ids checked against the vocabulary."""
+    if isinstance(chunk_input, str):
+        ids = list(tokenizer.encode(chunk_input, add_special_tokens=False))
+        if not ids:
+            raise APIError(400, "The chunk's text encodes to no tokens.", code="empty_input", param="input")
+        return ids
+    bad = next((t for t in chunk_input if t >= vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400, f"Token id {bad} is outside the vocabulary (size {vocab_size}).",
+            code="invalid_token_id", param="input",
+        )
+    return list(chunk_input)
+
+
+def check_sampling(options: SamplingOptions, param: str, max_output_tokens: int) -> None:
+    if options.max_tokens is not None and options.max_tokens > max_output_tokens:
+        raise APIError(
+            400, f"max_tokens may be at most {max_output_tokens} per chunk.", code="max_tokens_too_large",
+            param=f"{param}.max_tokens" if param != "chunk" else "max_tokens",
+        )
+
+
+def check_chunk(context_tokens: int, max_context: int, input_ids: list[int], params: SamplingParams,
+                max_chunk_tokens: int) -> None:
+    if len(input_ids) > max_chunk_tokens:
+        raise APIError(
+            400, f"The chunk has {len(input_ids)} tokens; the limit is {max_chunk_tokens}.",
+            code="chunk_too_large", param="input",
+        )
+    if context_tokens + len(input_ids) + (params.max_tokens or 0) > max_context:
+        raise APIError(
+            400,
+            f"The session holds {context_tokens} tokens; this chunk ({len(input_ids)} tokens) "
+            f"plus max_tokens ({params.max_tokens}) would exceed the maximum context of "
+            f"{max_context} tokens. Open a new session.",
+            code="context_length_exceeded", param="input",
+        )
+
+
+def sampling_params(defaults: SessionDefaults, options: SamplingOptions, max_output_tokens: int) -> SamplingParams:
+    """The chunk's options over the session's defaults, as vLLM's streaming input takes them."""
+    check_sampling(options, "chunk", max_output_tokens)
+    chosen: dict[str, Any] = defaults.model_dump(exclude_none=True)
+    chosen.update({k: v for k in SAMPLING_FIELDS if (v := getattr(options, k)) is not None})
+    chosen.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    try:
+        # Streaming input needs n == 1, no stop strings and a non-final output kind.
+        return SamplingParams(output_kind=RequestOutputKind.DELTA, **chosen)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"Invalid sampling parameters: {exc}", code="invalid_sampling_params") from exc

@@ -1,0 +1,1 @@
+"""Transport helpers that know nothing of sessions: websocket event channels."""
