@@ -1,0 +1,159 @@
+"""The session service's own logic on a fake engine (tests/fake_engine.py), in milliseconds:
+the chunk's lock, lease and reservation, undo on a consumer leaving, store failures,
+and a server stop. Oracle: the service's own state (locks, transcripts, the store's
+rows); nothing here is about the engine's numerics, which the engine tier checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.errors import APIError
+from app.metrics import session_metrics
+from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
+from app.sessions.service import SessionService
+from app.settings import Settings
+from app.store import StoreUnavailableError, open_store
+from tests.fake_engine import FakeEngine
+
+# Each test takes milliseconds: a hang is a failure, not a wait.
+pytestmark = pytest.mark.timeout(30)
+
+OWNER = "owner"
+GREEDY = SessionCreateRequest(defaults=SessionDefaults(temperature=0.0, ignore_eos=True))
+
+
+@contextlib.asynccontextmanager
+async def running_service(tmp_path: Path, **settings: Any) -> AsyncIterator[tuple[SessionService, FakeEngine]]:
+    engine = FakeEngine()
+    config = Settings(_env_file=None, state_dir=str(tmp_path / "state"), **settings)
+    service = SessionService(engine, config, "fake", engine.get_tokenizer(), session_metrics(),
+                             store=open_store(config))
+    await service.start()
+    try:
+        yield service, engine
+    finally:
+        engine.flow()
+        await service.stop()
+
+
+async def chunk(service: SessionService, session_id: str, ids: list[int], max_tokens: int = 3,
+                wait: bool = False) -> Any:
+    run = await service.start_chunk(OWNER, session_id, ids, SamplingOptions(max_tokens=max_tokens),
+                                    transport="test", wait=wait)
+    return await run.result()
+
+
+async def test_a_chunk_cancelled_before_its_first_step_releases_everything(tmp_path: Path) -> None:
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        run = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3),
+                                        transport="test", wait=False)
+        assert session.lock.locked()
+        run.cancel()  # before the run's task has taken a single step
+        await run.released
+        assert not session.lock.locked() and session.device_tokens == 0
+        assert (session.num_chunks, session.token_ids) == (0, [])
+        assert (await chunk(service, session.id, [1, 2])).index == 0
+
+
+async def test_a_consumer_that_leaves_mid_chunk_undoes_it(tmp_path: Path) -> None:
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        first = await chunk(service, session.id, [5, 6, 7])
+        before = list(session.token_ids)
+        engine.hold()
+        run = await service.start_chunk(OWNER, session.id, [8, 9], SamplingOptions(max_tokens=50),
+                                        transport="test", wait=False)
+        events = run.events()
+        engine.allow(1)
+        assert (await anext(events)).token_ids  # the first delta arrived; the rest is held
+        await events.aclose()  # the consumer leaves: the chunk is cancelled
+        await run.released
+        engine.flow()
+        assert not session.lock.locked()
+        assert session.token_ids == before and session.num_chunks == 1 and session.status == "parked"
+        again = await chunk(service, session.id, [8, 9])
+        assert again.index == 1 and first.index == 0
+
+
+async def test_a_second_chunk_in_flight_is_409_and_the_first_goes_on(tmp_path: Path) -> None:
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        engine.hold()
+        run = await service.start_chunk(OWNER, session.id, [1], SamplingOptions(max_tokens=2),
+                                        transport="test", wait=False)
+        with pytest.raises(APIError) as refused:
+            await chunk(service, session.id, [2])
+        assert (refused.value.status, refused.value.code) == (409, "chunk_in_flight")
+        engine.flow()
+        assert (await run.result()).index == 0
+        # The result is told once the session is free: the next chunk is taken at once.
+        assert (await chunk(service, session.id, [2])).index == 1
+
+
+async def test_a_commit_the_store_refuses_undoes_the_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        await chunk(service, session.id, [1, 2])
+        before = list(session.token_ids)
+
+        async def store_down(*args: Any, **kwargs: Any) -> bool:
+            raise StoreUnavailableError("disk full")
+
+        monkeypatch.setattr(service.store, "commit_chunk", store_down)
+        with pytest.raises(APIError) as failed:
+            await chunk(service, session.id, [3])
+        assert (failed.value.status, failed.value.code) == (503, "store_unavailable")
+        assert session.token_ids == before and not session.lock.locked()
+        monkeypatch.undo()
+        assert (await chunk(service, session.id, [3])).index == 1
+
+
+async def test_an_engine_failure_closes_the_session_and_frees_it(tmp_path: Path) -> None:
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        engine.fail_next = RuntimeError("engine exploded")
+        with pytest.raises(APIError) as failed:
+            await chunk(service, session.id, [1])
+        assert (failed.value.status, failed.value.code) == (500, "session_failed")
+        assert session.closed and not session.lock.locked()
+        record = await service.store.get(session.id)
+        assert record is not None and record.status == "closed"
+
+
+async def test_a_server_stop_parks_and_closes_nothing_in_the_store(tmp_path: Path) -> None:
+    """Chunks in flight are undone, every session parked; the store keeps them open."""
+    async with running_service(tmp_path) as (service, engine):
+        idle = await service.create(OWNER, GREEDY)
+        await chunk(service, idle.id, [1, 2])
+        busy = await service.create(OWNER, GREEDY)
+        engine.hold()
+        run = await service.start_chunk(OWNER, busy.id, [3], SamplingOptions(max_tokens=5),
+                                        transport="test", wait=False)
+        consumer = asyncio.create_task(run.result())
+        engine.allow(1)
+        await asyncio.sleep(0.01)  # let the first token out; the rest are held
+        await service.stop()
+        with pytest.raises(APIError) as undone:
+            await consumer
+        assert (undone.value.status, undone.value.code) == (503, "chunk_undone")
+        assert not busy.lock.locked() and not engine.requests
+        restarted = open_store(service._settings)
+        await restarted.start()
+        try:
+            for session, chunks in ((idle, 1), (busy, 0)):
+                record = await restarted.get(session.id)
+                assert record is not None and record.status != "closed" and record.num_chunks == chunks, record
+                # No lease is left behind: another replica takes the session at once.
+                leased = await restarted.acquire_lease(session.id, "another-replica", 30)
+                assert getattr(leased, "num_chunks", None) == chunks, leased
+        finally:
+            await restarted.close()
+        await service.store.start()  # running_service stops it once more
