@@ -51,7 +51,7 @@ async def chunk(service: SessionService, session_id: str, ids: list[int], max_to
 
 
 async def test_a_chunk_cancelled_before_its_first_step_releases_everything(tmp_path: Path) -> None:
-    async with running_service(tmp_path) as (service, engine):
+    async with running_service(tmp_path) as (service, _engine):
         session = await service.create(OWNER, GREEDY)
         run = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3),
                                         transport="test", wait=False)
@@ -99,7 +99,7 @@ async def test_a_second_chunk_in_flight_is_409_and_the_first_goes_on(tmp_path: P
 
 
 async def test_a_commit_the_store_refuses_undoes_the_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    async with running_service(tmp_path) as (service, engine):
+    async with running_service(tmp_path) as (service, _engine):
         session = await service.create(OWNER, GREEDY)
         await chunk(service, session.id, [1, 2])
         before = list(session.token_ids)

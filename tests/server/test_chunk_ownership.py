@@ -1,12 +1,13 @@
 """One owner for every chunk: a client that hangs up at the worst moment leaves no
 session locked, whatever transport it used.
 
-Each scenario sends a chunk and hangs up at once (in the same burst of writes), then
+Each scenario sends a chunk and drops the connection at once (in the same burst of
+writes, with no closing handshake), then
 sends the session a REST chunk: it must be answered 200 within a bounded time, every
 time, over ``REPETITIONS`` tries. 409 ``chunk_in_flight`` is allowed only while the
-abandoned chunk is being undone (bounded by ``RELEASED_WITHIN_S``); before the
-ChunkRun, the Realtime scenario answered 409 for good (the lock of a response that
-never started streaming was never released). Oracle: the session's own answers (a
+abandoned chunk is being undone (bounded by ``RELEASED_WITHIN_S``). Before the ChunkRun
+the Realtime scenario failed here at once ("still locked after 10 s", run on commit
+723a2ae): the lock of a response that never started streaming was never released. Oracle: the session's own answers (a
 lock either is released or it is not); no engine numerics are compared.
 """
 
@@ -42,6 +43,13 @@ async def next_chunk_answered(http: httpx.AsyncClient, session_id: str) -> None:
         await asyncio.sleep(0.05)
 
 
+def hang_up(transport: asyncio.BaseTransport) -> None:
+    """Drop the connection at once, as a client that dies does: no closing handshake.
+    (With a websocket closing handshake the old code happened to survive; dropped, the
+    Realtime session stayed locked.)"""
+    transport.abort()  # type: ignore[attr-defined]
+
+
 async def raw_post_and_hang_up(server: str, path: str, body: dict[str, Any]) -> None:
     """A whole request in one write, then the socket closed at once."""
     host, port = server.removeprefix("http://").split(":")
@@ -52,8 +60,7 @@ async def raw_post_and_hang_up(server: str, path: str, body: dict[str, Any]) -> 
         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload
     )
     await writer.drain()
-    writer.close()
-    await writer.wait_closed()
+    hang_up(writer.transport)
 
 
 async def realtime_burst(server: str, session_id: str) -> None:
@@ -62,13 +69,14 @@ async def realtime_burst(server: str, session_id: str) -> None:
         item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
         await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
         await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 64}}))
-    # The context manager closed the socket right after the two sends.
+        hang_up(ws.transport)
 
 
 async def websocket_burst(server: str, session_id: str) -> None:
     url = server.replace("http://", "ws://") + f"/v1/sessions/{session_id}/ws"
     async with websockets.connect(url, additional_headers=auth()) as ws:
         await ws.send(json.dumps({"type": "input.append", "input": [7, 8, 9], "max_tokens": 64}))
+        hang_up(ws.transport)
 
 
 async def rest_hang_up(server: str, session_id: str) -> None:
