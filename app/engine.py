@@ -14,6 +14,7 @@ from connectors import (
     OFFLOADING_CONNECTOR_NAME,
     SIMPLE_CONNECTOR_MODULE,
     SIMPLE_CONNECTOR_NAME,
+    vllm_surface,
 )
 from connectors.compat import (
     ASYNC_TIER_LOADS_KEY,
@@ -36,9 +37,14 @@ class EngineConfigError(ValueError):
 
 
 def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
-    """The connector part of the engine arguments, or None for no offloading."""
+    """The connector part of the engine arguments, or None for no offloading. Refuses
+    (``EngineConfigError``) a vLLM that lacks a member our connector relies on."""
     if settings.connector == "none":
         return None
+    try:
+        vllm_surface.check(settings.connector)
+    except RuntimeError as exc:
+        raise EngineConfigError(str(exc)) from None
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": int(settings.cpu_tier_gib * GIB),
         DISABLE_FIX_KEY: settings.disable_streaming_session_fix,

@@ -25,6 +25,7 @@ from app import vllm_fixes
 from app.api import api_router
 from app.auth import APIKeyMiddleware
 from app.cache_salt import cache_salter
+from app.engine import EngineConfigError, kv_transfer_config
 from app.http_errors import declare_error_codes, install_error_handlers
 from app.http_protocol import CoalescingHttpToolsProtocol
 from app.limits import KeyLimits
@@ -182,6 +183,7 @@ class AppServer(uvicorn.Server):
     exit_status = 0
 
 
+# The exit status when the model or the engine cannot be had (a one-line reason on stderr).
 MODEL_UNAVAILABLE_EXIT = 2
 
 
@@ -193,9 +195,11 @@ def cli(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         app = create_app(settings)
-    except ModelUnavailable as error:
-        # One line that names the cause and the fix, not a traceback from transformers.
-        print(f"streamsess-server: cannot load the model: {error}", file=sys.stderr)
+        kv_transfer_config(settings)  # the connector's vLLM surface, before the engine starts
+    except (ModelUnavailable, EngineConfigError) as error:
+        # One line that names the cause and the fix, not a traceback from deep inside.
+        what = "load the model" if isinstance(error, ModelUnavailable) else "start the engine"
+        print(f"streamsess-server: cannot {what}: {error}", file=sys.stderr)
         sys.exit(MODEL_UNAVAILABLE_EXIT)
     app.state.uvicorn_server = server = AppServer(uvicorn_config(app, settings))
     server.run()
