@@ -112,30 +112,32 @@ def test_sessions_survive_sigkill_between_and_during_chunks(tmp_path: Path) -> N
         assert send(http, during, CHUNKS[1])["output"]["token_ids"] == expected[1]
         kill_hard(server)  # and once more, right after a resumed chunk
 
-    with durable_server("again", state_dir, port, tmp_path) as server, \
-            httpx.Client(base_url=server.base_url, timeout=120) as http:
-        assert http.get(f"/v1/sessions/{during}").json()["num_chunks"] == 2
-        assert send(http, during, CHUNKS[2])["output"]["token_ids"] == expected[2]
-        assert http.delete(f"/v1/sessions/{control}").status_code == 200
-        closed = http.get(f"/v1/sessions/{control}").json()
-        assert closed["status"] == "closed"
-        # A graceful stop (SIGTERM, as a restart or a scale-in sends) with a REST session
-        # and a websocket-owned session open: a server stop is not a client leaving.
-        over_rest = open_session(http)
-        send(http, over_rest, CHUNKS[0])
-        ws_url = server.base_url.replace("http://", "ws://") + "/v1/sessions/ws"
-        owned_ws = ws_connect(ws_url)
-        over_ws = json.loads(owned_ws.recv())["session"]["id"]
-        owned_ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "ignore_eos": True}}))
-        assert json.loads(owned_ws.recv())["type"] == "session.updated"
-        owned_ws.send(json.dumps({"type": "input.append", "input": CHUNKS[0], "max_tokens": MAX_TOKENS}))
-        while json.loads(owned_ws.recv())["type"] != "response.done":
-            pass
-        kept = {session: transcript_ids(http, session) for session in (over_rest, over_ws)}
-    # Leaving the block sent SIGTERM; the server stopped with the websocket open.
-    with pytest.raises(ConnectionClosed) as closed_by_server:
-        owned_ws.recv(timeout=30)
-    assert closed_by_server.value.rcvd is not None and closed_by_server.value.rcvd.code == 1012
+    # The websocket outlives the server block: it is open while the server stops.
+    with contextlib.ExitStack() as outlives_the_server:
+        with durable_server("again", state_dir, port, tmp_path) as server, \
+                httpx.Client(base_url=server.base_url, timeout=120) as http:
+            assert http.get(f"/v1/sessions/{during}").json()["num_chunks"] == 2
+            assert send(http, during, CHUNKS[2])["output"]["token_ids"] == expected[2]
+            assert http.delete(f"/v1/sessions/{control}").status_code == 200
+            closed = http.get(f"/v1/sessions/{control}").json()
+            assert closed["status"] == "closed"
+            # A graceful stop (SIGTERM, as a restart or a scale-in sends) with a REST session
+            # and a websocket-owned session open: a server stop is not a client leaving.
+            over_rest = open_session(http)
+            send(http, over_rest, CHUNKS[0])
+            ws_url = server.base_url.replace("http://", "ws://") + "/v1/sessions/ws"
+            owned_ws = outlives_the_server.enter_context(ws_connect(ws_url))
+            over_ws = json.loads(owned_ws.recv(timeout=60))["session"]["id"]
+            owned_ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "ignore_eos": True}}))
+            assert json.loads(owned_ws.recv(timeout=60))["type"] == "session.updated"
+            owned_ws.send(json.dumps({"type": "input.append", "input": CHUNKS[0], "max_tokens": MAX_TOKENS}))
+            while json.loads(owned_ws.recv(timeout=60))["type"] != "response.done":
+                pass
+            kept = {session: transcript_ids(http, session) for session in (over_rest, over_ws)}
+        # Leaving the block sent SIGTERM; the server stopped with the websocket open.
+        with pytest.raises(ConnectionClosed) as closed_by_server:
+            owned_ws.recv(timeout=30)
+        assert closed_by_server.value.rcvd is not None and closed_by_server.value.rcvd.code == 1012
 
     with durable_server("after-sigterm", state_dir, port, tmp_path) as server, \
             httpx.Client(base_url=server.base_url, timeout=120) as http:
