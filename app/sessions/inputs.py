@@ -70,10 +70,20 @@ def check_chunk(context_tokens: int, max_context: int, input_ids: list[int], par
         )
 
 
-def sampling_params(defaults: SessionDefaults, options: SamplingOptions, max_output_tokens: int) -> SamplingParams:
-    """The chunk's options over the session's defaults, as vLLM's streaming input takes them."""
+def model_sampling_defaults(model_config: Any) -> dict[str, Any]:
+    """The model's own sampling defaults (its generation_config.json, as vLLM reads it for
+    its routes), limited to what a chunk may set."""
+    read = getattr(model_config, "get_diff_sampling_param", None)
+    defaults = read() if callable(read) else {}
+    return {name: value for name, value in defaults.items() if name in SAMPLING_FIELDS and name != "max_tokens"}
+
+
+def sampling_params(defaults: SessionDefaults, options: SamplingOptions, max_output_tokens: int,
+                    model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The chunk's options over the session's defaults over the model's, as vLLM's
+    streaming input takes them."""
     check_sampling(options, "chunk", max_output_tokens)
-    chosen: dict[str, Any] = defaults.model_dump(exclude_none=True)
+    chosen: dict[str, Any] = {**(model_defaults or {}), **defaults.model_dump(exclude_none=True)}
     chosen.update({k: v for k in SAMPLING_FIELDS if (v := getattr(options, k)) is not None})
     chosen.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     try:

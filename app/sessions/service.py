@@ -58,6 +58,7 @@ class SessionService:
         self._salter = salter
         self.limits = limits if limits is not None else KeyLimits(settings)
         self._vocab_size = engine.model_config.get_vocab_size()
+        self._model_sampling = inputs.model_sampling_defaults(engine.model_config)
         self.registry = SessionRegistry(
             engine, settings, model_name, metrics, store if store is not None else NullStore(), recorder,
             self.cache_salt, min(settings.max_model_len, engine.model_config.max_model_len),
@@ -226,7 +227,8 @@ class SessionService:
         with self._counted():
             session = await self.registry.open_session(owner, session_id)
             input_ids = inputs.encode(self.tokenizer, self._vocab_size, chunk_input)
-            params = inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens)
+            params = inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens,
+                                            self._model_sampling)
             self._check_chunk(session, input_ids, params)
             await self.limits.charge_tokens(owner, len(input_ids) + (params.max_tokens or 0))
             if not wait and session.answering:
@@ -238,7 +240,8 @@ class SessionService:
                 if session.closed:
                     raise errors.session_closed(session.id, session.close_reason)
                 leased = await self.registry.take_lease(session)
-                params = inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens)
+                params = inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens,
+                                            self._model_sampling)
                 self._check_chunk(session, input_ids, params)
                 await self.parking.admit(session, len(session.token_ids) + len(input_ids) + (params.max_tokens or 0))
             except BaseException:

@@ -34,12 +34,13 @@ def test_converted_once_then_reused_keyed_by_hash_and_converter(
     monkeypatch.setattr(smollm2, "_convert", fake_conversion(calls))
     caplog.set_level("INFO")
     first = ensure_smollm2(tmp_path)
-    assert len(calls) == 1 and first.name == f"smollm2-135m-instruct-{smollm2.GGUF_SHA256[:16]}-c1"
+    version = smollm2.CONVERTER_VERSION
+    assert len(calls) == 1 and first.name == f"smollm2-135m-instruct-{smollm2.GGUF_SHA256[:16]}-c{version}"
     assert ensure_smollm2(tmp_path) == first and len(calls) == 1
     assert "(no conversion)" in caplog.text
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no staging left behind
-    monkeypatch.setattr(smollm2, "CONVERTER_VERSION", 2)
-    assert ensure_smollm2(tmp_path).name.endswith("-c2") and len(calls) == 2
+    monkeypatch.setattr(smollm2, "CONVERTER_VERSION", version + 1)
+    assert ensure_smollm2(tmp_path).name.endswith(f"-c{version + 1}") and len(calls) == 2
 
 
 def test_an_interrupted_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
