@@ -29,6 +29,7 @@ from app.sessions.protocol import (
 )
 from app.sessions.run import ChunkRun
 from app.sessions.session import ChunkResult
+from app.transport.disconnect import cancel_on_disconnect
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -191,11 +192,6 @@ class ChunkEventStream(StreamingResponse):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._producer
 
-    async def _cancel_on_disconnect(self, receive: Any) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self._producer.cancel()  # its last frames end the stream
-
     async def stream_response(self, send: Any) -> None:
         start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         started = False
@@ -209,7 +205,8 @@ class ChunkEventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        listener = asyncio.create_task(self._cancel_on_disconnect(receive))
+        # The producer's last frames end the stream when the client leaves.
+        listener = asyncio.create_task(cancel_on_disconnect(receive, self._producer))
         try:
             await self.stream_response(send)
         finally:
@@ -217,20 +214,18 @@ class ChunkEventStream(StreamingResponse):
             await self._stop_producer()
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.2) -> T:
-    """Await ``work``, cancelling it if the client disconnects first, so an
-    abandoned chunk aborts its engine request instead of running on."""
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first, so an abandoned
+    chunk aborts its engine request instead of running on."""
     task = asyncio.ensure_future(work)
+    listener = asyncio.create_task(cancel_on_disconnect(request.receive, task))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, APIError):
-                    await task
-                raise APIError(499, "The client closed the connection.", code="client_disconnected")
+        return await task
+    except asyncio.CancelledError:
+        if listener.done() and not listener.cancelled():
+            raise APIError(499, "The client closed the connection.", code="client_disconnected") from None
+        raise
     finally:
+        listener.cancel()
         if not task.done():
             task.cancel()
