@@ -11,8 +11,12 @@ only later cache hits went wrong. So the harness checks both:
   and counts the tokens it got from the CPU tier, so that a run without tier hits
   cannot pass for a success.
 
-All decoding is greedy. A recompute is a request that can hit no cache
-(``skip_reading_prefix_cache`` in process, a fresh ``cache_salt`` over HTTP).
+All decoding is greedy. A recompute is a request that can hit no cache and leaves
+nothing under the session's block hashes: a fresh ``cache_salt`` (in process with
+``skip_reading_prefix_cache`` too). vLLM 0.32 stores a request's blocks even when it
+reads none, so an unsalted recompute could put its own KV in the tier under the
+session's hashes before the session's outputs got there, and a later probe would
+compare the recompute with itself.
 Comparisons with a recompute are sound only in float32: in bf16 a session's KV,
 computed chunk by chunk, differs in its low bits from a one-pass prefill, and
 greedy decoding on random weights turns that into other tokens.
@@ -201,8 +205,9 @@ class InProcessBackend:
             skip_reading_prefix_cache=True if recompute else None,
         )
         final = None
+        salt = uuid.uuid4().hex if recompute else None  # see the module's docstring
         async for output in self._engine.generate(
-            prompt=tokens_input(list(prompt_ids)), sampling_params=params, request_id=request_id
+            prompt=tokens_input(list(prompt_ids), cache_salt=salt), sampling_params=params, request_id=request_id
         ):
             final = output
         assert final is not None
