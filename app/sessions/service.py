@@ -227,8 +227,7 @@ class SessionService:
         with self._counted():
             session = await self.registry.open_session(owner, session_id)
             input_ids = inputs.encode(self.tokenizer, self._vocab_size, chunk_input)
-            params = inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens,
-                                            self._model_sampling)
+            params = self._sampling_params(session, options)
             self._check_chunk(session, input_ids, params)
             await self.limits.charge_tokens(owner, len(input_ids) + (params.max_tokens or 0))
             if not wait and session.answering:
@@ -240,8 +239,7 @@ class SessionService:
                 if session.closed:
                     raise errors.session_closed(session.id, session.close_reason)
                 leased = await self.registry.take_lease(session)
-                params = inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens,
-                                            self._model_sampling)
+                params = self._sampling_params(session, options)  # defaults may have changed elsewhere
                 self._check_chunk(session, input_ids, params)
                 await self.parking.admit(session, len(session.token_ids) + len(input_ids) + (params.max_tokens or 0))
             except BaseException:
@@ -257,6 +255,9 @@ class SessionService:
         )
         self._runs.add(run)
         return run
+
+    def _sampling_params(self, session: StreamingSession, options: SamplingOptions) -> Any:
+        return inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens, self._model_sampling)
 
     def _check_chunk(self, session: StreamingSession, input_ids: list[int], params: Any) -> None:
         inputs.check_chunk(len(session.token_ids), session.max_tokens, input_ids, params,
