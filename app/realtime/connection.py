@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import logging
 
 from fastapi import WebSocket
 from openai.types import realtime as rt
@@ -16,8 +15,6 @@ from app.realtime.serving import Conversation
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
 from app.transport.websocket import EventChannel
-
-logger = logging.getLogger(__name__)
 
 
 class RealtimeConnection:

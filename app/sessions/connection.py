@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import logging
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -37,8 +36,6 @@ from app.sessions.protocol import (
 from app.sessions.service import SessionService
 from app.sessions.session import ChunkResult, StreamingSession
 from app.transport.websocket import EventChannel
-
-logger = logging.getLogger(__name__)
 
 _client_events: TypeAdapter[Any] = TypeAdapter(ClientEvent)
 # Appends waiting behind the one generating; more is a client bug, not a queue.
