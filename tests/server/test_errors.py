@@ -250,10 +250,13 @@ async def test_delete_during_a_chunk_ends_that_chunk(http: httpx.AsyncClient, en
     chunk = asyncio.create_task(
         http.post(f"/v1/sessions/{session_id}/chunks", json={"input": [5] * 20, "max_tokens": 1000})
     )
+    # The delete must land while the chunk generates, or this checks nothing.
     for _ in range(500):
         if (await http.get(f"/v1/sessions/{session_id}")).json()["status"] == "generating":
             break
         await asyncio.sleep(0.01)
+    else:
+        pytest.fail("the chunk never started generating within 5 s")
     assert (await http.delete(f"/v1/sessions/{session_id}")).status_code == 200
     response = await asyncio.wait_for(chunk, 30)
     assert_openai_error(response, 409, "session_closed")
