@@ -39,6 +39,7 @@ from app.middleware import (
 from app.models.smollm2 import ModelUnavailable
 from app.openai_routes import (
     declare_filled_in_fields,
+    declare_vllm_input_rules,
     drop_routes_the_model_cannot_serve,
     drop_unserved_routes,
     openai_body_routes,
@@ -119,7 +120,10 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.include_router(api_router)
     app.router.routes[:] = [route for route in app.router.routes if route not in vllm_routes] + vllm_routes
     install_error_handlers(app)
-    patch_openapi(app, declare_error_codes, declare_filled_in_fields)
+    patch_openapi(
+        app, declare_error_codes, declare_filled_in_fields, declare_vllm_input_rules,
+        lambda schema: app.state.session_service.declare_bounds(schema),
+    )
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
     # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.
     app.middleware_stack = None

@@ -148,6 +148,12 @@ class OpenAIRequestMiddleware:
                     error = APIError(400, reason, code="invalid_request", param=invalid.parameter)
                     await send_http_error(send, error)
                     return
+                except (AttributeError, TypeError, KeyError, IndexError) as crash:
+                    # One of vLLM's before-validators read a field of the wrong shape
+                    # (``structured_outputs: []``): FastAPI's own validation would hit
+                    # the same and answer 500. The body is what is wrong.
+                    await send_http_error(send, APIError(400, f"Invalid request body: {crash}", code="invalid_request"))
+                    return
                 except Exception:  # any other: vLLM raises it again and answers it its own way
                     pass
             owner = owner_of(scope)

@@ -57,8 +57,15 @@ def strict_errors(validator: TypeAdapter[Any], body: bytes, payload: Any) -> lis
     try:
         validated = validator.validate_json(body, strict=True)
     except ValidationError as invalid:
-        return list(invalid.errors())
+        # JSON Schema's integers include 35148.0, which strict mode refuses; vLLM's
+        # own (lax) validation takes it as 35148.
+        return [error for error in invalid.errors() if not _integral_float_as_int(error)]
     return missed_errors(validated, payload, ())
+
+
+def _integral_float_as_int(error: Any) -> bool:
+    value = error.get("input")
+    return error.get("type") == "int_type" and isinstance(value, float) and value.is_integer()
 
 
 def missed_errors(value: Any, raw: Any, loc: tuple[Any, ...]) -> list[Any]:
@@ -187,6 +194,33 @@ def declare_filled_in_fields(schema: dict[str, Any]) -> None:
     for name, fields in FILLED_IN_BY_VLLM.items():
         required = components.get(name, {}).get("required", [])
         required[:] = [field for field in required if field not in fields]
+
+
+def declare_vllm_input_rules(schema: dict[str, Any]) -> None:
+    """Rules vLLM's handlers enforce beyond their body models, in the published schema
+    (schemathesis's positive_data_acceptance found each refused while schema-valid):
+    ``tools`` is absent or non-empty, ``messages`` non-empty; a completion needs a non-empty ``prompt``
+    (``prompt_embeds`` is off unless the server enables it, and a null prompt is
+    refused either way)."""
+    components = schema.get("components", {}).get("schemas", {})
+    chat = components.get("ChatCompletionRequest", {}).get("properties", {})
+    for variant in chat.get("tools", {}).get("anyOf", []):
+        if variant.get("type") == "array":
+            variant["minItems"] = 1
+    if chat.get("messages", {}).get("type") == "array":
+        chat["messages"]["minItems"] = 1  # no template renders an empty conversation
+    completion = components.get("CompletionRequest")
+    if completion is None or "prompt" not in completion.get("properties", {}):
+        return
+    prompt = completion["properties"]["prompt"]
+    prompt["anyOf"] = [variant for variant in prompt.get("anyOf", []) if variant.get("type") != "null"]
+    for variant in prompt["anyOf"]:
+        variant["minLength" if variant.get("type") == "string" else "minItems"] = 1
+        if variant.get("items", {}).get("type") == "array":
+            variant["items"]["minItems"] = 1
+    prompt.pop("default", None)
+    if "prompt" not in (required := completion.setdefault("required", [])):
+        required.append("prompt")
 
 
 def patch_openapi(app: FastAPI, *patches: typing.Callable[[dict[str, Any]], None]) -> None:

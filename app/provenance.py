@@ -22,6 +22,13 @@ class PrefillSources:
     cpu_tier_tokens: int
 
 
+def resume_source(sources: PrefillSources) -> str:
+    """Where most of a resumed request's prefix came from: cpu_tier, device or recompute."""
+    if sources.cpu_tier_tokens and sources.cpu_tier_tokens >= sources.device_tokens:
+        return "cpu_tier"
+    return "device" if sources.device_tokens else "recompute"
+
+
 class ProvenanceRecorder:
     """Bounded map from external request id to its prefill sources."""
 

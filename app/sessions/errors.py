@@ -1,8 +1,13 @@
-"""Every error a session operation answers, one constructor each, in the OpenAI shape."""
+"""Every error a session operation answers, one constructor each, in the OpenAI shape;
+and the two a session raises to the service."""
 
 from __future__ import annotations
 
 from app.errors import APIError
+
+# The close reason of a session its client deleted: it is then "not found", as
+# OpenAI's deleted objects are.
+DELETED = "deleted"
 
 
 def session_closed(session_id: str, reason: str | None) -> APIError:
@@ -35,6 +40,11 @@ def session_exists(session_id: str) -> APIError:
                     param="X-Session-ID")
 
 
+def chunk_refused(detail: object) -> APIError:
+    return APIError(400, f"The engine refused this chunk: {detail}. The chunk was undone; the session "
+                    "is as it was before it.", code="invalid_request")
+
+
 def session_failed(detail: object) -> APIError:
     return APIError(500, f"The session failed and was closed: {detail}", code="session_failed")
 
@@ -60,3 +70,18 @@ def server_busy(retry_after_s: float) -> APIError:
         "requests in flight. The session is unchanged; retry later.",
         code="server_busy", headers={"Retry-After": str(max(1, round(retry_after_s)))},
     )
+
+
+class SessionFailedError(RuntimeError):
+    """The engine request behind a session ended or failed mid-chunk."""
+
+
+class ChunkRefusedError(ValueError):
+    """The engine refused the chunk's input or parameters before its first token (what
+    vLLM's input processing raises: ValueError, TypeError, OverflowError). The chunk is
+    undone and the session goes on; the engine itself is fine."""
+
+
+def is_input_error(error: BaseException) -> bool:
+    # EngineDeadError and EngineGenerateError are engine failures, not the chunk's.
+    return isinstance(error, (ValueError, TypeError, OverflowError)) and "Engine" not in type(error).__name__

@@ -70,6 +70,22 @@ def check_chunk(context_tokens: int, max_context: int, input_ids: list[int], par
         )
 
 
+def declare_bounds(schema: dict[str, Any], vocab_size: int, max_output_tokens: int, max_chunk_tokens: int) -> None:
+    """Put this server's bounds in its published OpenAPI schema, so that the schema says
+    what the checks above accept: token ids below the vocabulary, at most
+    ``max_chunk_tokens`` of them, and ``max_tokens`` up to the per-chunk cap."""
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("ChunkRequest", "SessionDefaults"):
+        properties = components.get(name, {}).get("properties", {})
+        for variant in properties.get("max_tokens", {}).get("anyOf", []):
+            if variant.get("type") == "integer":
+                variant["maximum"] = max_output_tokens
+        for variant in properties.get("input", {}).get("anyOf", []):
+            if variant.get("type") == "array":
+                variant["maxItems"] = max_chunk_tokens
+                variant["items"]["maximum"] = vocab_size - 1
+
+
 def model_sampling_defaults(model_config: Any) -> dict[str, Any]:
     """The model's own sampling defaults (its generation_config.json, as vLLM reads it for
     its routes), limited to what a chunk may set."""

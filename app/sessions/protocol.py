@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # -- sampling ----------------------------------------------------------------------
 
@@ -16,6 +16,19 @@ from pydantic import BaseModel, ConfigDict, Field
 # coercion ("1" is not an integer, 0 is not a boolean), so the published OpenAPI
 # schema is exactly what the server accepts.
 STRICT = ConfigDict(extra="forbid", strict=True)
+# What the engine can carry: vLLM bounds a seed to a signed 64-bit integer. The top
+# is the largest such integer a JSON number in double precision reaches exactly
+# (2**63 - 1 rounds up to 2**63), so a schema-valid float is an accepted value.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 2**10
+Integer = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# vLLM holds token ids as 32-bit integers; a chunk's are bounded by the vocabulary.
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_integral(item) for item in value] if isinstance(value, list) else value
 
 
 class SamplingOptions(BaseModel):
@@ -27,17 +40,24 @@ class SamplingOptions(BaseModel):
 
     model_config = STRICT
 
-    max_tokens: int | None = Field(default=None, ge=1, description="Tokens to generate after this chunk.")
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        """JSON Schema's integers include 35148.0, which strict mode refuses: take it as
+        35148 (a float field takes an integer as it is)."""
+        return {key: _integral(value) for key, value in data.items()} if isinstance(data, dict) else data
+
+    max_tokens: Integer | None = Field(default=None, ge=1, description="Tokens to generate after this chunk.")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: Integer | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    seed: int | None = None
+    seed: Integer | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
 
 
 SAMPLING_FIELDS = tuple(SamplingOptions.model_fields)
@@ -49,7 +69,7 @@ class SessionDefaults(SamplingOptions):
 
 Metadata = Annotated[dict[str, str], Field(max_length=16)]
 ChunkInput = Annotated[
-    Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)],
+    Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)],
     Field(description="The chunk: text, or token ids (each below the model's vocabulary size)."),
 ]
 # A client-chosen session id (the X-Session-ID header).

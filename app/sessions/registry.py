@@ -22,6 +22,7 @@ from app.errors import APIError, session_not_found
 from app.metrics import SessionMetrics
 from app.provenance import ProvenanceRecorder
 from app.sessions import errors
+from app.sessions.errors import DELETED
 from app.sessions.inputs import SESSION_ID, check_session_id
 from app.sessions.protocol import SessionCreateRequest, SessionDefaults, SessionObject
 from app.sessions.session import ChunkResult, StreamingSession
@@ -95,7 +96,9 @@ class SessionRegistry:
             if session is not None and session.closed and not include_closed:
                 session = None
         # Another key's session is "not found": its existence is not ours to reveal.
-        if session is None or session.owner != owner:
+        # A deleted one too, as OpenAI's deleted objects are (a session closed for any
+        # other reason stays visible, status "closed" and its reason).
+        if session is None or session.owner != owner or session.close_reason == DELETED:
             raise session_not_found(session_id)
         return session
 
@@ -139,7 +142,7 @@ class SessionRegistry:
         except StoreUnavailableError:
             return session  # reads go on from memory while the store is down
         if record is None or record.status == "closed":
-            session.terminate((record.close_reason or "closed_elsewhere") if record else "deleted")
+            session.terminate((record.close_reason or "closed_elsewhere") if record else DELETED)
             self.forget(session)
         elif record.num_chunks != session.num_chunks:
             with contextlib.suppress(StoreUnavailableError):
@@ -233,7 +236,7 @@ class SessionRegistry:
             raise errors.chunk_in_flight()
         if isinstance(granted, LeaseRefused):
             # Closed or deleted by another replica (or expired in the store).
-            session.terminate("closed_elsewhere" if granted is LeaseRefused.CLOSED else "deleted")
+            session.terminate("closed_elsewhere" if granted is LeaseRefused.CLOSED else DELETED)
             self.forget(session)
             raise errors.session_closed(session.id, session.close_reason)
         if granted.num_chunks != session.num_chunks:

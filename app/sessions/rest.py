@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from app.deps import OwnerDep, ServiceDep
 from app.errors import APIError, OpenAIErrorBody
+from app.sessions import errors
 from app.sessions.protocol import (
     SESSION_ID_PATTERN,
     ChunkDeltaEvent,
@@ -99,7 +100,7 @@ async def park_session(session_id: str, service: ServiceDep, owner: OwnerDep) ->
 @router.delete("/{session_id}", response_model=SessionDeleted, responses=ERROR_RESPONSES)
 async def delete_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> SessionDeleted:
     """Close a session and free its device KV (what was offloaded stays in the CPU tier)."""
-    session = await service.close(owner, session_id, reason="deleted")
+    session = await service.close(owner, session_id, reason=errors.DELETED)
     return SessionDeleted(id=session.id)
 
 

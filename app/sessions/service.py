@@ -26,6 +26,7 @@ from app.metrics import SessionMetrics, session_metrics
 from app.provenance import ProvenanceRecorder
 from app.sessions import errors, inputs
 from app.sessions.admission import DeviceCapacity, SchedulerObserver, observer_of
+from app.sessions.errors import ChunkRefusedError, SessionFailedError
 from app.sessions.parking import Parking
 from app.sessions.protocol import (
     SamplingOptions,
@@ -35,7 +36,7 @@ from app.sessions.protocol import (
 )
 from app.sessions.registry import SessionRegistry
 from app.sessions.run import ChunkEvent, ChunkRun
-from app.sessions.session import ENGINE_ERROR, ChunkResult, SessionFailedError, StreamingSession
+from app.sessions.session import ENGINE_ERROR, ChunkResult, StreamingSession
 from app.settings import Settings
 from app.store import NullStore, SessionStore
 
@@ -98,6 +99,10 @@ class SessionService:
     @property
     def max_chunk_output_tokens(self) -> int:
         return self._settings.max_chunk_output_tokens
+
+    def declare_bounds(self, schema: dict[str, Any]) -> None:
+        """This server's input bounds, in its published OpenAPI schema."""
+        inputs.declare_bounds(schema, self._vocab_size, self.max_chunk_output_tokens, self._settings.max_chunk_tokens)
 
     @property
     def store(self) -> SessionStore:
@@ -278,6 +283,8 @@ class SessionService:
                         run.committed = True
                         self._observe(event, transport)
                     yield event
+            except ChunkRefusedError as exc:
+                raise errors.chunk_refused(exc) from exc
             except SessionFailedError as exc:
                 if session.close_reason == ENGINE_ERROR:
                     await self._close(session, ENGINE_ERROR)
@@ -332,7 +339,7 @@ class SessionService:
         metrics.prompt_tokens.labels("computed").inc(details.computed_tokens)
 
     # ------------------------------------------------------------------ closing
-    async def close(self, owner: str, session_id: str, reason: str = "deleted") -> StreamingSession:
+    async def close(self, owner: str, session_id: str, reason: str = errors.DELETED) -> StreamingSession:
         session = await self.registry.get(owner, session_id)
         # The store first: if it is down, the session stays open everywhere.
         async with self.registry.store_errors():

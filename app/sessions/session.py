@@ -29,7 +29,8 @@ from typing import Any
 from vllm.engine.protocol import StreamingInput
 from vllm.inputs.engine import tokens_input
 
-from app.provenance import PrefillSources, ProvenanceRecorder
+from app.provenance import PrefillSources, ProvenanceRecorder, resume_source
+from app.sessions.errors import ChunkRefusedError, SessionFailedError, is_input_error
 from app.sessions.protocol import ChunkUsage, PromptTokensDetails, SessionDefaults, SessionStatus
 from app.store import SessionRecord
 
@@ -41,17 +42,6 @@ ENGINE_ERROR = "engine_error"
 CANCELLED = "cancelled"
 # How long a graceful close waits for the engine to finish the request before aborting.
 GRACEFUL_CLOSE_S = 10.0
-
-
-def resume_source(sources: PrefillSources) -> str:
-    """Where most of a resumed request's prefix came from: cpu_tier, device or recompute."""
-    if sources.cpu_tier_tokens and sources.cpu_tier_tokens >= sources.device_tokens:
-        return "cpu_tier"
-    return "device" if sources.device_tokens else "recompute"
-
-
-class SessionFailedError(RuntimeError):
-    """The engine request behind a session ended or failed mid-chunk."""
 
 
 @dataclass
@@ -230,6 +220,8 @@ class StreamingSession:
             while finish_reason is None:
                 item = await self._outputs.get()
                 if isinstance(item, BaseException):
+                    if not token_ids and is_input_error(item):
+                        raise ChunkRefusedError(str(item)) from item
                     raise SessionFailedError(f"engine request failed: {item}") from item
                 if item is None:
                     raise SessionFailedError("the engine ended the session mid-chunk")

@@ -128,6 +128,30 @@ async def test_an_engine_failure_closes_the_session_and_frees_it(tmp_path: Path)
         assert record is not None and record.status == "closed"
 
 
+async def test_a_chunk_the_engine_refuses_is_undone_and_the_session_goes_on(tmp_path: Path) -> None:
+    """vLLM's input processing raises ValueError/TypeError/OverflowError for a chunk it
+    cannot take (schemathesis found a seed beyond 64 bits closing the session with a
+    500): that chunk is a 400, undone, and the session answers its next chunk as if
+    the refused one had never been sent. Negative control: the engine failure above."""
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        twin = await service.create(OWNER, GREEDY)
+        for target in (session, twin):
+            await chunk(service, target.id, [5, 6, 7])
+        before = (list(session.token_ids), session.num_chunks)
+        engine.fail_next = OverflowError("can't serialize ints < -2**63")
+        with pytest.raises(APIError) as refused:
+            await chunk(service, session.id, [8, 9])
+        assert (refused.value.status, refused.value.code) == (400, "invalid_request")
+        assert not session.closed and not session.lock.locked()
+        assert (session.token_ids, session.num_chunks) == before
+        record = await service.store.get(session.id)
+        assert record is not None and record.status != "closed" and record.num_chunks == 1
+        after = await chunk(service, session.id, [8, 9])
+        assert after.token_ids == (await chunk(service, twin.id, [8, 9])).token_ids
+        assert after.index == 1
+
+
 async def test_a_server_stop_parks_and_closes_nothing_in_the_store(tmp_path: Path) -> None:
     """Chunks in flight are undone, every session parked; the store keeps them open."""
     async with running_service(tmp_path) as (service, engine):

@@ -2,11 +2,12 @@
 app over real HTTP (the shared engine).
 
 Every session route and vLLM's OpenAI generation routes, with schemathesis's example,
-coverage and fuzzing phases. Oracle: schemathesis's checks, which read the schema the
-server publishes: no 5xx (not_a_server_error), only documented status codes and
-content types, responses that match their schemas, and schema-invalid requests
-refused with a 4xx (negative_data_rejection: the schema states what the server
-enforces). The run's report is kept beside the test's output on failure.
+coverage and fuzzing phases, on a fresh seed each run. Oracle: schemathesis's checks,
+which read the schema the server publishes: no 5xx (not_a_server_error), only
+documented status codes and content types, responses that match their schemas,
+schema-invalid requests refused with a 4xx (negative_data_rejection) and schema-valid
+ones accepted (positive_data_acceptance: together, the schema states exactly what the
+server enforces), and nothing served after its DELETE (use_after_free). The run's report is kept beside the test's output on failure.
 
 Small sizes keep generated chunks cheap: every request that passes validation runs
 on the engine, so max_tokens is bounded by the server (max_chunk_output_tokens). The
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import sys
 from pathlib import Path
@@ -35,11 +37,14 @@ pytestmark = pytest.mark.server
 
 CHECKS = [
     "not_a_server_error", "status_code_conformance", "content_type_conformance",
-    "response_schema_conformance", "negative_data_rejection",
+    "response_schema_conformance", "negative_data_rejection", "positive_data_acceptance", "use_after_free",
 ]
 # Our session routes, and vLLM's routes this server exists beside.
 ROUTES = r"^/v1/(sessions|completions$|chat/completions$|models$)"
 EXAMPLES = os.environ.get("STREAMSESS_FUZZ_EXAMPLES", "6")
+# A fresh seed every run (so CI explores new inputs), printed and in the assertion
+# message so a failure replays with STREAMSESS_FUZZ_SEED=<seed>.
+SEED = os.environ.get("STREAMSESS_FUZZ_SEED") or str(random.SystemRandom().randrange(2**31))
 REPORT_DIR = os.environ.get("STREAMSESS_FUZZ_REPORT_DIR")
 
 
@@ -52,7 +57,7 @@ async def schemathesis(url: str, routes: str, checks: list[str], report_dir: Pat
         st, "run", f"{url}/openapi.json", "--checks", ",".join(checks),
         "--include-path-regex", routes,
         "--phases", "examples,coverage,fuzzing", "--max-examples", EXAMPLES, "--workers", "1",
-        "--seed", "1", "--request-timeout", "60", "--suppress-health-check", "all",
+        "--seed", SEED, "--request-timeout", "60", "--suppress-health-check", "all",
         "--header", f"Authorization: Bearer {API_KEYS[0]}",
         "--report", "junit", "--report-dir", str(report_dir),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -60,8 +65,10 @@ async def schemathesis(url: str, routes: str, checks: list[str], report_dir: Pat
     output, _ = await process.communicate()
     text = output.decode(errors="replace")
     await asyncio.to_thread((report_dir / "schemathesis-output.txt").write_text, text)
-    assert process.returncode == 0, text[-8000:]
-    assert "No issues found" in text or " passed" in text, text[-3000:]
+    replay = f"schemathesis seed {SEED} (replay: STREAMSESS_FUZZ_SEED={SEED})"
+    print(replay)
+    assert process.returncode == 0, f"{replay}\n{text[-8000:]}"
+    assert "No issues found" in text or " passed" in text, f"{replay}\n{text[-3000:]}"
     return text
 
 
