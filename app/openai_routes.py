@@ -196,19 +196,32 @@ def declare_filled_in_fields(schema: dict[str, Any]) -> None:
         required[:] = [field for field in required if field not in fields]
 
 
+# Arrays vLLM refuses empty (no template renders an empty conversation).
+NON_EMPTY_ARRAYS = [
+    ("ChatCompletionRequest", "messages"), ("ChatCompletionRequest", "tools"),
+    ("ChatCompletionRequest", "allowed_token_ids"), ("CompletionRequest", "allowed_token_ids"),
+]
+
+
 def declare_vllm_input_rules(schema: dict[str, Any]) -> None:
     """Rules vLLM's handlers enforce beyond their body models, in the published schema
     (schemathesis's positive_data_acceptance found each refused while schema-valid):
-    ``tools`` is absent or non-empty, ``messages`` non-empty; a completion needs a non-empty ``prompt``
+    the arrays of ``NON_EMPTY_ARRAYS`` are absent or non-empty, ``truncate_prompt_tokens``
+    is not 0; a completion needs a non-empty ``prompt``
     (``prompt_embeds`` is off unless the server enables it, and a null prompt is
     refused either way)."""
     components = schema.get("components", {}).get("schemas", {})
-    chat = components.get("ChatCompletionRequest", {}).get("properties", {})
-    for variant in chat.get("tools", {}).get("anyOf", []):
-        if variant.get("type") == "array":
-            variant["minItems"] = 1
-    if chat.get("messages", {}).get("type") == "array":
-        chat["messages"]["minItems"] = 1  # no template renders an empty conversation
+    for name, field in NON_EMPTY_ARRAYS:
+        prop = components.get(name, {}).get("properties", {}).get(field, {})
+        for variant in [prop, *prop.get("anyOf", [])]:
+            if variant.get("type") == "array":
+                variant["minItems"] = 1
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        # -1 keeps the model's length; 0 would truncate the prompt to nothing.
+        truncate = components.get(name, {}).get("properties", {}).get("truncate_prompt_tokens", {})
+        for variant in truncate.get("anyOf", []):
+            if variant.get("type") == "integer":
+                variant["not"] = {"const": 0}
     completion = components.get("CompletionRequest")
     if completion is None or "prompt" not in completion.get("properties", {}):
         return

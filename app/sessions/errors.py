@@ -3,6 +3,8 @@ and the two a session raises to the service."""
 
 from __future__ import annotations
 
+from vllm.exceptions import VLLMClientError
+
 from app.errors import APIError
 
 # The close reason of a session its client deleted: it is then "not found", as
@@ -77,11 +79,14 @@ class SessionFailedError(RuntimeError):
 
 
 class ChunkRefusedError(ValueError):
-    """The engine refused the chunk's input or parameters before its first token (what
-    vLLM's input processing raises: ValueError, TypeError, OverflowError). The chunk is
-    undone and the session goes on; the engine itself is fine."""
+    """The engine refused the chunk's input or parameters before its first token. The
+    chunk is undone and the session goes on; the engine itself is fine."""
 
 
 def is_input_error(error: BaseException) -> bool:
-    # EngineDeadError and EngineGenerateError are engine failures, not the chunk's.
-    return isinstance(error, (ValueError, TypeError, OverflowError)) and "Engine" not in type(error).__name__
+    """What vLLM raises for a request it refuses: its client errors (a stop token out of
+    the vocabulary), and the ValueError, TypeError or OverflowError of input processing
+    (a seed beyond 64 bits). EngineDeadError and EngineGenerateError are the engine's."""
+    return isinstance(error, (VLLMClientError, ValueError, TypeError, OverflowError)) and (
+        "Engine" not in type(error).__name__
+    )

@@ -36,21 +36,28 @@ def encode(tokenizer: Any, vocab_size: int, chunk_input: str | list[int]) -> lis
         if not ids:
             raise APIError(400, "The chunk's text encodes to no tokens.", code="empty_input", param="input")
         return ids
-    bad = next((t for t in chunk_input if t >= vocab_size), None)
-    if bad is not None:
-        raise APIError(
-            400, f"Token id {bad} is outside the vocabulary (size {vocab_size}).",
-            code="invalid_token_id", param="input",
-        )
+    check_token_ids(chunk_input, vocab_size, "input")
     return list(chunk_input)
 
 
-def check_sampling(options: SamplingOptions, param: str, max_output_tokens: int) -> None:
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400, f"Token id {bad} is outside the vocabulary (size {vocab_size}).",
+            code="invalid_token_id", param=param,
+        )
+
+
+def check_sampling(options: SamplingOptions, param: str, max_output_tokens: int, vocab_size: int) -> None:
+    """What the engine would refuse, refused first (vLLM's own bounds)."""
+    prefix = f"{param}." if param != "chunk" else ""
     if options.max_tokens is not None and options.max_tokens > max_output_tokens:
         raise APIError(
             400, f"max_tokens may be at most {max_output_tokens} per chunk.", code="max_tokens_too_large",
-            param=f"{param}.max_tokens" if param != "chunk" else "max_tokens",
+            param=f"{prefix}max_tokens",
         )
+    check_token_ids(options.stop_token_ids or [], vocab_size, f"{prefix}stop_token_ids")
 
 
 def check_chunk(context_tokens: int, max_context: int, input_ids: list[int], params: SamplingParams,
@@ -73,17 +80,20 @@ def check_chunk(context_tokens: int, max_context: int, input_ids: list[int], par
 def declare_bounds(schema: dict[str, Any], vocab_size: int, max_output_tokens: int, max_chunk_tokens: int) -> None:
     """Put this server's bounds in its published OpenAPI schema, so that the schema says
     what the checks above accept: token ids below the vocabulary, at most
-    ``max_chunk_tokens`` of them, and ``max_tokens`` up to the per-chunk cap."""
+    ``max_chunk_tokens`` of them (stop token ids too), and ``max_tokens`` up to the
+    per-chunk cap."""
     components = schema.get("components", {}).get("schemas", {})
     for name in ("ChunkRequest", "SessionDefaults"):
         properties = components.get(name, {}).get("properties", {})
         for variant in properties.get("max_tokens", {}).get("anyOf", []):
             if variant.get("type") == "integer":
                 variant["maximum"] = max_output_tokens
-        for variant in properties.get("input", {}).get("anyOf", []):
-            if variant.get("type") == "array":
-                variant["maxItems"] = max_chunk_tokens
-                variant["items"]["maximum"] = vocab_size - 1
+        for field in ("input", "stop_token_ids"):
+            for variant in properties.get(field, {}).get("anyOf", []):
+                if variant.get("type") == "array":
+                    variant["items"]["maximum"] = vocab_size - 1
+                    if field == "input":
+                        variant["maxItems"] = max_chunk_tokens
 
 
 def model_sampling_defaults(model_config: Any) -> dict[str, Any]:
@@ -95,10 +105,10 @@ def model_sampling_defaults(model_config: Any) -> dict[str, Any]:
 
 
 def sampling_params(defaults: SessionDefaults, options: SamplingOptions, max_output_tokens: int,
-                    model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+                    vocab_size: int, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
     """The chunk's options over the session's defaults over the model's, as vLLM's
     streaming input takes them."""
-    check_sampling(options, "chunk", max_output_tokens)
+    check_sampling(options, "chunk", max_output_tokens, vocab_size)
     chosen: dict[str, Any] = {**(model_defaults or {}), **defaults.model_dump(exclude_none=True)}
     chosen.update({k: v for k in SAMPLING_FIELDS if (v := getattr(options, k)) is not None})
     chosen.setdefault("max_tokens", DEFAULT_MAX_TOKENS)

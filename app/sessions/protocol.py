@@ -16,11 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # coercion ("1" is not an integer, 0 is not a boolean), so the published OpenAPI
 # schema is exactly what the server accepts.
 STRICT = ConfigDict(extra="forbid", strict=True)
-# What the engine can carry: vLLM bounds a seed to a signed 64-bit integer. The top
-# is the largest such integer a JSON number in double precision reaches exactly
-# (2**63 - 1 rounds up to 2**63), so a schema-valid float is an accepted value.
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 2**10
-Integer = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# A JSON-safe integer (JavaScript's Number.MAX_SAFE_INTEGER): every one is exact in
+# double precision, so a client or a schema validator comparing in doubles (as
+# schemathesis's does) agrees with the server at the bounds. vLLM takes 64 bits.
+SAFE_INTEGER_MAX = 2**53 - 1
+Integer = Annotated[int, Field(ge=-SAFE_INTEGER_MAX, le=SAFE_INTEGER_MAX)]
 # vLLM holds token ids as 32-bit integers; a chunk's are bounded by the vocabulary.
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 

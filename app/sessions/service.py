@@ -172,7 +172,7 @@ class SessionService:
         ``X-Session-ID`` header), so a proxy can route creation and every later
         request of the session to the same replica by hashing it."""
         with self._counted():
-            inputs.check_sampling(request.defaults, "defaults", self.max_chunk_output_tokens)
+            inputs.check_sampling(request.defaults, "defaults", self.max_chunk_output_tokens, self._vocab_size)
             return await self.registry.create(owner, request, session_id)
 
     async def get(self, owner: str, session_id: str, *, include_closed: bool = False) -> StreamingSession:
@@ -196,7 +196,7 @@ class SessionService:
 
     async def update_defaults(self, owner: str, session_id: str, defaults: SessionDefaults) -> StreamingSession:
         session = await self.registry.open_session(owner, session_id)
-        inputs.check_sampling(defaults, "session", self.max_chunk_output_tokens)
+        inputs.check_sampling(defaults, "session", self.max_chunk_output_tokens, self._vocab_size)
         merged = session.defaults.model_dump(exclude_none=True) | defaults.model_dump(exclude_none=True)
         now = time.time()
         async with self.registry.store_errors():
@@ -262,7 +262,8 @@ class SessionService:
         return run
 
     def _sampling_params(self, session: StreamingSession, options: SamplingOptions) -> Any:
-        return inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens, self._model_sampling)
+        return inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens, self._vocab_size,
+                                      self._model_sampling)
 
     def _check_chunk(self, session: StreamingSession, input_ids: list[int], params: Any) -> None:
         inputs.check_chunk(len(session.token_ids), session.max_tokens, input_ids, params,
