@@ -1,0 +1,85 @@
+"""The published schema says what validation accepts: each case here is a finding of
+schemathesis run with fresh seeds (docs/reliability.md), pinned. Oracle: the request
+models and the schema patches themselves; the server-wide check is
+tests/server/test_schema_fuzz.py (positive_data_acceptance, negative_data_rejection).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from app.openai_routes import declare_vllm_input_rules
+from app.sessions.inputs import declare_bounds
+from app.sessions.protocol import SAFE_INTEGER_MAX, ChunkRequest, InputAppendEvent, SessionCreateRequest
+
+
+def test_integral_floats_are_integers_as_json_schema_has_them() -> None:
+    chunk = ChunkRequest.model_validate({"input": [35148.0, 2], "seed": 5.0, "max_tokens": 3.0, "temperature": 0})
+    assert (chunk.input, chunk.seed, chunk.max_tokens) == ([35148, 2], 5, 3)
+    assert type(chunk.input[0]) is int and chunk.temperature == 0.0
+    assert SessionCreateRequest.model_validate({"defaults": {"top_k": 7.0}}).defaults.top_k == 7
+    assert InputAppendEvent.model_validate({"type": "input.append", "input": [3.0]}).input == [3]
+
+
+@pytest.mark.parametrize("body", [
+    {"input": [1.5]},  # not integral
+    {"input": [True]},  # strict: a boolean is no token id
+    {"input": [1], "max_tokens": "3"},  # strict: no coercion from strings
+    {"input": [1], "seed": SAFE_INTEGER_MAX + 1},
+    {"input": [1], "seed": -781048977054667242471424},  # closed a session with a 500 before
+    {"input": [1], "stop_token_ids": [2**70]},
+    {"input": [2**31]},
+])
+def test_out_of_range_and_coerced_values_are_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        ChunkRequest.model_validate(body)
+
+
+def test_the_schema_states_the_servers_bounds() -> None:
+    schema = {"components": {"schemas": {
+        "ChunkRequest": copy.deepcopy(ChunkRequest.model_json_schema()),
+        "SessionDefaults": copy.deepcopy(SessionCreateRequest.model_json_schema()["$defs"]["SessionDefaults"]),
+    }}}
+    declare_bounds(schema, vocab_size=1024, max_output_tokens=16, max_chunk_tokens=256)
+    chunk = schema["components"]["schemas"]["ChunkRequest"]["properties"]
+    ids = next(v for v in chunk["input"]["anyOf"] if v.get("type") == "array")
+    assert (ids["maxItems"], ids["items"]["maximum"]) == (256, 1023)
+    for name in ("ChunkRequest", "SessionDefaults"):
+        properties = schema["components"]["schemas"][name]["properties"]
+        assert {"type": "integer", "maximum": 16, "minimum": 1} in [
+            {k: v for k, v in variant.items() if k in ("type", "maximum", "minimum")}
+            for variant in properties["max_tokens"]["anyOf"]
+        ]
+        stops = next(v for v in properties["stop_token_ids"]["anyOf"] if v.get("type") == "array")
+        assert stops["items"]["maximum"] == 1023
+    seed = next(v for v in chunk["seed"]["anyOf"] if v.get("type") == "integer")
+    assert seed["maximum"] == SAFE_INTEGER_MAX == 2**53 - 1
+
+
+def test_vllm_rules_beyond_its_models_are_in_the_schema() -> None:
+    nullable_array = {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]}
+    schema = {"components": {"schemas": {
+        "ChatCompletionRequest": {"properties": {
+            "messages": {"type": "array", "items": {}}, "tools": copy.deepcopy(nullable_array),
+            "allowed_token_ids": copy.deepcopy(nullable_array),
+            "truncate_prompt_tokens": {"anyOf": [{"type": "integer", "minimum": -1}, {"type": "null"}]},
+        }},
+        "CompletionRequest": {"properties": {
+            "prompt": {"anyOf": [{"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                                 {"type": "string"}, {"type": "null"}], "default": None},
+        }},
+    }}}
+    declare_vllm_input_rules(schema)
+    chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["messages"]["minItems"] == 1
+    assert chat["tools"]["anyOf"][0]["minItems"] == 1 and chat["allowed_token_ids"]["anyOf"][0]["minItems"] == 1
+    assert chat["truncate_prompt_tokens"]["anyOf"][0]["not"] == {"const": 0}
+    completion = schema["components"]["schemas"]["CompletionRequest"]
+    assert completion["required"] == ["prompt"]
+    assert {"type": "null"} not in completion["properties"]["prompt"]["anyOf"]
+    nested, text = completion["properties"]["prompt"]["anyOf"]
+    assert (nested["minItems"], nested["items"]["minItems"], text["minLength"]) == (1, 1, 1)
