@@ -91,6 +91,7 @@ def main() -> int:
         for key in ("sessions", "chunks", "chunks_checked", "parks", "prefix_requests", "prefix_requests_compared",
                     "prefix_requests_with_tier_hits", "tier_tokens", "mismatches")
     }
+    totals["near_ties"] = sum(len(r["near_ties"]) for r in results)
     totals["seconds"] = round(sum(r["seconds"] for r in results), 1)
     print(json.dumps({"seed": args.seed, "oracle": args.oracle, "totals": totals}, indent=2))
     for result in results:
@@ -100,7 +101,7 @@ def main() -> int:
         with open(args.json_out, "w") as handle:
             json.dump({"seed": args.seed, "oracle": args.oracle, "park_rate": args.park_rate, "cpu_flags": kernel_flags(),
                        "totals": totals, "configs": results}, handle, indent=2)
-    failed = totals["mismatches"] > 0 or any(
+    failed = not all(r["passed"] for r in results) or any(
         r["prefix_requests_with_tier_hits"] == 0 or r["prefix_requests_compared"] == 0 for r in results
     )
     return 1 if failed else 0

@@ -17,6 +17,8 @@ nothing under the session's block hashes: a fresh ``cache_salt`` (in process wit
 reads none, so an unsalted recompute could put its own KV in the tier under the
 session's hashes before the session's outputs got there, and a later probe would
 compare the recompute with itself.
+At a mismatch against a recompute, the harness measures the recompute's top-2 logit
+margin where the outputs part (``NEAR_TIE_MARGIN``, ``Report.passed``).
 Comparisons with a recompute are sound only in float32: in bf16 a session's KV,
 computed chunk by chunk, differs in its low bits from a one-pass prefill, and
 greedy decoding on random weights turns that into other tokens.
@@ -153,6 +155,10 @@ class Backend(Protocol):
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, recompute: bool) -> Generation: ...
 
+    async def top2_margin(self, prompt_ids: list[int]) -> float:
+        """A salted recompute's logit margin between its two likeliest next tokens."""
+        ...
+
     async def reset_device_cache(self) -> bool: ...
 
     async def leftover_requests(self) -> list[str]: ...
@@ -215,6 +221,20 @@ class InProcessBackend:
         return Generation(
             list(final.outputs[0].token_ids), sources.cpu_tier_tokens if sources else 0, final.num_cached_tokens or 0
         )
+
+    async def top2_margin(self, prompt_ids: list[int]) -> float:
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, skip_reading_prefix_cache=True)
+        final = None
+        async for output in self._engine.generate(
+            prompt=tokens_input(list(prompt_ids), cache_salt=uuid.uuid4().hex), sampling_params=params,
+            request_id=f"harness-{next(self._ids)}",
+        ):
+            final = output
+        assert final is not None and final.outputs[0].logprobs
+        return _margin([entry.logprob for entry in final.outputs[0].logprobs[0].values()])
 
     async def reset_device_cache(self) -> bool:
         return bool(await self._engine.reset_prefix_cache())
@@ -290,6 +310,13 @@ class HttpBackend:
             int(details.get("cached_tokens") or 0),
         )
 
+    async def top2_margin(self, prompt_ids: list[int]) -> float:
+        body = {"model": self._model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0, "logprobs": 2,
+                "cache_salt": uuid.uuid4().hex}
+        response = await self._http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return _margin(list(response.json()["choices"][0]["logprobs"]["top_logprobs"][0].values()))
+
     async def reset_device_cache(self) -> bool:
         return (await self._http.post("/v1/admin/reset_device_cache")).status_code == 200
 
@@ -318,6 +345,21 @@ class HttpBackend:
 # -- the run ---------------------------------------------------------------------------
 
 
+# A float32 recompute is exact in practice, not by construction: a chunked prefill and
+# a one-pass prefill sum in other orders, so their logits differ in low bits (about
+# 1e-5 here). Where the oracle's two likeliest tokens are closer than this, such a
+# difference can flip greedy decoding: a mismatch there is a near-tie, reported with
+# its numbers; the seed bug's mismatches come from other KV altogether, with margins
+# of whole logits. A run fails on any other mismatch, or on near-ties above the rate.
+NEAR_TIE_MARGIN = 1e-3
+MAX_NEAR_TIE_RATE = 0.01
+
+
+def _margin(logprobs: list[float]) -> float:
+    top = sorted(logprobs, reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
 @dataclass
 class Mismatch:
     kind: str  # "chunk" or "prefix"
@@ -326,6 +368,14 @@ class Mismatch:
     prompt_tokens: int
     expected: list[int]
     got: list[int]
+    # Recompute oracle: the first differing output position, and the oracle's top-2
+    # logit margin there (None: not measured, as for the device oracle).
+    position: int | None = None
+    margin: float | None = None
+
+    @property
+    def near_tie(self) -> bool:
+        return self.margin is not None and self.margin < NEAR_TIE_MARGIN
 
 
 @dataclass
@@ -348,10 +398,26 @@ class Report:
     mismatches: list[Mismatch] = field(default_factory=list)
     seconds: float = 0.0
 
+    @property
+    def failures(self) -> list[Mismatch]:
+        """Mismatches that are not near-ties."""
+        return [m for m in self.mismatches if not m.near_tie]
+
+    @property
+    def near_ties(self) -> list[Mismatch]:
+        return [m for m in self.mismatches if m.near_tie]
+
+    @property
+    def passed(self) -> bool:
+        compared = self.chunks_checked + self.prefix_requests_compared
+        return not self.failures and len(self.near_ties) <= MAX_NEAR_TIE_RATE * max(compared, 1)
+
     def summary(self) -> dict[str, Any]:
         data = asdict(self)
         data["mismatches"] = len(self.mismatches)
-        data["first_mismatches"] = [asdict(m) for m in self.mismatches[:3]]
+        data["near_ties"] = [asdict(m) for m in self.near_ties]
+        data["first_mismatches"] = [asdict(m) for m in self.failures[:3]]
+        data["passed"] = self.passed
         return data
 
 
@@ -364,6 +430,14 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
     started = time.monotonic()
     preemptions_before = await backend.engine_counter("vllm:num_preemptions_total")
 
+    async def measured(mismatch: Mismatch, prompt: list[int]) -> Mismatch:
+        """The recompute's margin where the two outputs first part."""
+        position = next(i for i, (a, b) in enumerate(itertools.zip_longest(mismatch.expected, mismatch.got))
+                        if a != b)
+        mismatch.position = position
+        mismatch.margin = await backend.top2_margin(prompt + mismatch.expected[:position])
+        return mismatch
+
     async def probe(session_index: int, chunk_index: int, context: list[int]) -> None:
         length = rng.randint(1, len(context))
         max_tokens = rng.randint(1, 8)
@@ -375,9 +449,10 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
             report.prefix_requests_with_tier_hits += 1
             report.tier_tokens += served.cpu_tier_tokens
         if served.token_ids != expected.token_ids:
-            report.mismatches.append(
-                Mismatch("prefix", session_index, chunk_index, length, expected.token_ids, served.token_ids)
-            )
+            report.mismatches.append(await measured(
+                Mismatch("prefix", session_index, chunk_index, length, expected.token_ids, served.token_ids),
+                context[:length],
+            ))
 
     async def probe_tier_against_device(indices: list[int]) -> None:
         block = workload.block_size
@@ -421,10 +496,11 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
                         expected = await backend.generate(context + chunk.token_ids, chunk.max_tokens, recompute=True)
                         report.chunks_checked += 1
                         if got != expected.token_ids:
-                            report.mismatches.append(
+                            report.mismatches.append(await measured(
                                 Mismatch("chunk", index, chunk_index, len(context) + len(chunk.token_ids),
-                                         expected.token_ids, got)
-                            )
+                                         expected.token_ids, got),
+                                context + chunk.token_ids,
+                            ))
                     # The engine keeps every output token but the last sampled one.
                     context += chunk.token_ids + got[:-1]
                     if rng.random() < workload.interleaved_probe_rate:

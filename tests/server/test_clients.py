@@ -95,9 +95,9 @@ async def test_errors_are_typed(server: str) -> None:
         assert in_flight.value.code == "chunk_in_flight"
         await busy
         await client.sessions.delete(session.id)
-        with pytest.raises(ConflictError) as closed:
+        with pytest.raises(NotFoundError) as deleted:  # deleted: gone, as OpenAI's objects
             await session.send("late")
-        assert closed.value.status_code == 409 and closed.value.code == "session_closed"
+        assert deleted.value.status_code == 404 and deleted.value.code == "session_not_found"
     async with AsyncSessionsClient(server, "wrong-key") as stranger:
         with pytest.raises(AuthenticationError) as denied:
             await stranger.sessions.list()

@@ -14,7 +14,12 @@ from pydantic import ValidationError
 
 from app.openai_routes import declare_vllm_input_rules
 from app.sessions.inputs import declare_bounds
-from app.sessions.protocol import SAFE_INTEGER_MAX, ChunkRequest, InputAppendEvent, SessionCreateRequest
+from app.sessions.protocol import (
+    SAFE_INTEGER_MAX,
+    ChunkRequest,
+    InputAppendEvent,
+    SessionCreateRequest,
+)
 
 
 def test_integral_floats_are_integers_as_json_schema_has_them() -> None:
