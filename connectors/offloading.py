@@ -121,9 +121,11 @@ class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.synchronous_loads:
             self._complete_synchronous_loads(self._current_batch_load_jobs)
-        return self._build_connector_meta(scheduler_output)
+        return self._meta_without_reloads_in_flush(scheduler_output)
 
-    def _build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    # Not "_build_connector_meta": vLLM 0.34 has a method of that name, called by its
+    # build_connector_meta (found by running 0.34's own tests against this class).
+    def _meta_without_reloads_in_flush(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         # vLLM 0.33: a cache reset with running requests preempts a request and may
         # reschedule it, with a load from the tier, in the same step. That load is
         # not on the worker yet, so there is nothing to flush for it; vLLM 0.32
@@ -171,7 +173,8 @@ class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if self._early_completed_loads and isinstance(meta, OffloadingWorkerMetadata):
+        # (synchronous_loads first: a scheduler built without our connector has no map.)
+        if self.synchronous_loads and self._early_completed_loads and isinstance(meta, OffloadingWorkerMetadata):
             completed = dict(meta.completed_jobs)
             for job_id in self._early_completed_loads.keys() & completed.keys():
                 remaining = self._early_completed_loads.pop(job_id) - completed.pop(job_id)

