@@ -1,7 +1,7 @@
 """One streaming-input session: its transcript, and the vLLM request that serves it.
 
-The transcript (``token_ids``: every chunk's input and output, as the engine holds
-them) is the session; an engine request is a cache of it. While *active*, the
+The transcript (``token_ids``: every chunk's input and output, every token the
+client received) is the session; an engine request is a cache of it. While *active*, the
 session feeds one ``AsyncLLM.generate`` from a queue of ``StreamingInput`` chunks,
 so the engine keeps its KV on the device between chunks and answers each chunk
 without recomputing what came before. A background task ("the pump") owns that
@@ -90,9 +90,13 @@ class StreamingSession:
         # Tokens this session's engine request holds on the device, or will once the
         # chunk being admitted runs; 0 without a request. The admission estimate.
         self.device_tokens = 0
-        # The context the engine holds: every chunk's input and its output except
-        # the last sampled token, which vLLM discards when the session resumes.
+        # The session's context: every chunk's input and every token of its output,
+        # as the client received them.
         self.token_ids: list[int] = []
+        # The tail of token_ids the live engine request lacks: vLLM's streaming input
+        # discards a chunk's last sampled token when the next chunk arrives (it has no
+        # KV yet), so the next chunk sends it again at its head (one token of prefill).
+        self._unsent: list[int] = []
         self.num_chunks = 0
         # One chunk in flight: REST callers fail fast on it, websocket callers queue.
         self.lock = asyncio.Lock()
@@ -179,15 +183,12 @@ class StreamingSession:
     ) -> AsyncGenerator[ChunkDelta | ChunkResult, None]:
         """Append one chunk and stream its answer; the caller holds ``self.lock``.
 
-        Yields deltas, then one ``ChunkResult``. If the consumer stops early (a
-        client disconnect cancels it), the chunk is undone: the engine request is
-        aborted and the session, parked, holds the transcript from before the chunk
-        (which is also what the store holds: a chunk is committed at its end), so
-        the client can send the chunk again. ``stop`` ends
-        the answer early instead and keeps the session: the engine request is
-        aborted at the next token, and the transcript holds what was generated so
-        far (finish reason ``cancelled``); the next chunk resumes from it.
-        """
+        Yields deltas, then one ``ChunkResult``. If the consumer stops early (a client
+        disconnect cancels it), the chunk is undone: the engine request is aborted and
+        the session, parked, holds the transcript from before the chunk (as the store
+        does: a chunk is committed at its end), so the client can send it again.
+        ``stop`` ends the answer at the next token instead and keeps what was generated
+        (finish reason ``cancelled``); the next chunk resumes from it."""
         if self.closed:
             raise SessionFailedError(f"session {self.id} is closed ({self.close_reason})")
         await self._settle_abandoned()
@@ -201,6 +202,7 @@ class StreamingSession:
         if new_request:
             # A new engine request: its first input is the whole transcript plus the
             # chunk (exact token ids, never re-tokenized text).
+            self._unsent = []
             self._inputs = asyncio.Queue()
             self._outputs = asyncio.Queue()
             first = list(self.token_ids) + list(input_ids)
@@ -208,7 +210,8 @@ class StreamingSession:
             self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
             self._pump = asyncio.create_task(self._run_engine(params), name=f"session-{self.id}")
         else:
-            self._inputs.put_nowait(StreamingInput(prompt=tokens_input(list(input_ids)), sampling_params=params))
+            prompt = tokens_input(self._unsent + list(input_ids))
+            self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
 
         token_ids: list[int] = []
         text_parts: list[str] = []
@@ -252,18 +255,20 @@ class StreamingSession:
             # CPU tier, as the scheduler measured them.
             sources = recorded or PrefillSources(device_tokens=num_cached_tokens, cpu_tier_tokens=0)
         else:
-            # A chunk of a live request attends over the session's context on device.
-            sources = PrefillSources(device_tokens=context_before, cpu_tier_tokens=0)
+            # A chunk of a live request attends over the session's context on device
+            # (but the token sent again, which it computes with the chunk).
+            sources = PrefillSources(device_tokens=context_before - len(self._unsent), cpu_tier_tokens=0)
         usage = self._usage(context_before, input_ids, token_ids, sources)
         if finish_reason == CANCELLED:
             # The request ends here; the next chunk resumes from every token so far.
             await self.restart_from(self.token_ids + list(input_ids) + token_ids, self.num_chunks + 1)
         else:
-            self.token_ids += list(input_ids) + token_ids[:-1]
+            self.token_ids += list(input_ids) + token_ids
+            self._unsent = token_ids[-1:]
             self.num_chunks += 1
             self.status = "active"
-            # The request now holds the context plus the last sampled token.
-            self.device_tokens = len(self.token_ids) + 1
+            # The request holds the whole context (its last token without KV yet).
+            self.device_tokens = len(self.token_ids)
         self.last_activity = time.time()
         yield ChunkResult(
             index=index,

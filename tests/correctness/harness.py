@@ -501,8 +501,9 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
                                          expected.token_ids, got),
                                 context + chunk.token_ids,
                             ))
-                    # The engine keeps every output token but the last sampled one.
-                    context += chunk.token_ids + got[:-1]
+                    # The session's context holds every output token (the last one is
+                    # sent to the engine again with the next chunk).
+                    context += chunk.token_ids + got
                     if rng.random() < workload.interleaved_probe_rate:
                         await probe(index, chunk_index, context)
                     if chunk_index + 1 < len(plan.chunks) and rng.random() < workload.park_rate:

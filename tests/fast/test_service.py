@@ -181,3 +181,21 @@ async def test_a_server_stop_parks_and_closes_nothing_in_the_store(tmp_path: Pat
         finally:
             await restarted.close()
         await service.store.start()  # running_service stops it once more
+
+
+async def test_the_context_keeps_every_output_token(tmp_path: Path) -> None:
+    """vLLM's streaming input drops a chunk's last sampled token when the next chunk
+    arrives (the fake engine does the same); the session sends it again at the head of
+    that chunk, so the context is every input and every output token the client got.
+    The real-engine oracle is tests/server/test_sessions_rest.py (each chunk against a
+    salted recompute of that whole context)."""
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        first = await chunk(service, session.id, [5, 6, 7])
+        assert session.token_ids == [5, 6, 7, *first.token_ids]
+        second = await chunk(service, session.id, [8])
+        assert session.token_ids == [5, 6, 7, *first.token_ids, 8, *second.token_ids]
+        # The engine's request holds it all but the last token of the last answer.
+        assert engine.requests[session.request_id] == session.token_ids[:-1]
+        details = second.usage.prompt_tokens_details
+        assert (details.device_tokens, details.computed_tokens) == (len(first.token_ids) + 2, 2)
