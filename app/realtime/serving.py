@@ -1,8 +1,8 @@
 """A Realtime conversation on a streaming session. No FastAPI here.
 
 Items that arrive before a ``response.create`` become one chunk of the session:
-the model's chat template rendered for just those items, plus the assistant
-prefix (``render_turn``). The session's KV is reused across turns, so each turn
+the close of the previous reply, the model's chat template rendered for just those
+items, and the assistant prefix (``app.sessions.chat.render_turn``). The session's KV is reused across turns, so each turn
 computes only its new items. A response streams the chunk's answer as the GA
 event sequence; ``response.cancel`` ends it at the next token, and the session
 keeps what was generated.
@@ -21,29 +21,11 @@ from pydantic import BaseModel
 
 from app.errors import APIError
 from app.realtime.protocol import ClientEventError, new_id
+from app.sessions.chat import render_turn
 from app.sessions.protocol import SamplingOptions
 from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
 from app.sessions.session import CANCELLED, ChunkDelta, ChunkResult, StreamingSession
-
-# A stand-in conversation whose rendering is the prefix that ours continues: what
-# the template puts after an assistant turn is the start of the next turn.
-_BEFORE_A_TURN = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-
-
-def render_turn(tokenizer: Any, messages: list[dict[str, str]], first: bool) -> str:
-    """The chat template's text for ``messages`` and the assistant prefix, as the
-    continuation of a conversation (``first``: the conversation's start)."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        # No template: a plain transcript format.
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-    if first:
-        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    before = str(tokenizer.apply_chat_template(_BEFORE_A_TURN, tokenize=False))
-    full = str(tokenizer.apply_chat_template(_BEFORE_A_TURN + messages, tokenize=False, add_generation_prompt=True))
-    if not full.startswith(before):
-        raise ValueError("the model's chat template does not render conversations incrementally")
-    return full[len(before):]
 
 
 @dataclass
@@ -100,6 +82,9 @@ class Conversation:
             raise ClientEventError(f"session.{field_name} is not supported (text only, no tools).",
                                    "unsupported_session_field", f"session.{field_name}", event.event_id)
         limit = self.service.max_chunk_output_tokens
+        if isinstance(update.max_output_tokens, int) and update.max_output_tokens < 1:
+            raise ClientEventError("max_output_tokens must be at least 1 (or 'inf').", "invalid_value",
+                                   "session.max_output_tokens", event.event_id)
         if isinstance(update.max_output_tokens, int) and update.max_output_tokens > limit:
             raise ClientEventError(f"max_output_tokens may be at most {limit}.", "max_tokens_too_large",
                                    "session.max_output_tokens", event.event_id)
@@ -159,6 +144,9 @@ class Conversation:
                                        "a response continues the session.", "unsupported_response_field",
                                        "response.conversation", event.event_id)
             if isinstance(overrides.max_output_tokens, int):
+                if overrides.max_output_tokens < 1:
+                    raise ClientEventError("max_output_tokens must be at least 1 (or 'inf').", "invalid_value",
+                                           "response.max_output_tokens", event.event_id)
                 max_tokens = overrides.max_output_tokens
             instructions = overrides.instructions
         messages = list(self.pending)
@@ -166,9 +154,8 @@ class Conversation:
             messages.insert(0, {"role": "system", "content": self.config.instructions})
         if instructions:
             messages.insert(0, {"role": "system", "content": instructions})
-        first = not self.session.token_ids
         try:
-            text = render_turn(self.tokenizer, messages, first)
+            text = render_turn(self.tokenizer, messages, self.session.token_ids)
         except ValueError as exc:
             raise ClientEventError(str(exc), "template_error", None, event.event_id) from None
         input_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -235,8 +222,9 @@ class Conversation:
             error = exc
         text = "".join(parts)
         cancelled = result is not None and result.finish_reason == CANCELLED
-        status: Literal["failed", "cancelled", "completed"] = (
-            "failed" if error is not None else "cancelled" if cancelled else "completed"
+        cut = result is not None and result.finish_reason == "length"  # at max_output_tokens
+        status: Literal["failed", "cancelled", "incomplete", "completed"] = (
+            "failed" if error is not None else "cancelled" if cancelled else "incomplete" if cut else "completed"
         )
         await self.emit(rt.ResponseTextDoneEvent(type="response.output_text.done", event_id=self.event_id(),
                                                  content_index=0, text=text, **ids))
@@ -255,6 +243,8 @@ class Conversation:
                 type="failed", error={"type": error.type, "code": error.code})
         elif cancelled:
             response.status_details = rt.RealtimeResponseStatus(type="cancelled", reason="client_cancelled")
+        elif cut:
+            response.status_details = rt.RealtimeResponseStatus(type="incomplete", reason="max_output_tokens")
         if result is not None:
             response.usage = usage_of(result)
         await self.emit(rt.ResponseDoneEvent(type="response.done", event_id=self.event_id(), response=response))

@@ -164,7 +164,9 @@ async def test_realtime_websocket_survives_invalid_frames(app_url: str) -> None:
         await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 2}}))
         while (event := await read_json(ws))["type"] != "response.done":
             assert event["type"] != "error", event
-        assert event["response"]["status"] == "completed", event
+        done = event["response"]
+        # An answer: cut at its 2 tokens (incomplete), or ended on its own (sampled).
+        assert done["status"] == "completed" or done["status_details"]["reason"] == "max_output_tokens", event
         await ws.send(json.dumps({"type": "conversation.item.create", "item": item, "pad": "z" * MAX_MESSAGE}))
         assert await close_code(ws) == 1009
     await chunk_answers(app_url, session_id)

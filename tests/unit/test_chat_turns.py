@@ -1,0 +1,126 @@
+"""A chat session's context is the model's chat template over the whole conversation,
+turn by turn (app/sessions/chat.py), on templates in the shape of each family. Oracle:
+the tokenizer's own ``apply_chat_template`` over the whole conversation, tokenized at
+once, against the session's context built as the server builds it: each turn's
+rendered text, then the reply's tokens as the model would emit them (its end-of-turn
+token when it ended on its own, none when cut at max_tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from app.models.builder import ensure_model
+from app.sessions.chat import render_turn
+
+CHATML = (  # SmolLM2's shape: a default system prompt where the conversation has none
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+GEMMA = (  # refuses a system role
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{{ message['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+MISTRAL = (  # refuses two turns of one role in a row
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}[INST] {{ message['content'] }} [/INST]{% else %}"
+    "{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+            "<|begin_of_text|>", "<start_of_turn>", "<end_of_turn>"]
+# Template, its bos token, the token a reply that ends on its own ends with.
+FAMILIES = {"chatml": (CHATML, None, "<|im_end|>"), "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>")}
+# Where the session's tokens are the whole rendering's tokens too. Llama 3's assistant
+# prefix ends in "\n\n", one token at the end of a turn's text but two before the
+# reply's first word when the whole conversation is tokenized at once (byte-level BPE
+# splits whitespace before a word): the same text, other ids, there only.
+CANONICAL = {"chatml"}
+
+
+@pytest.fixture(scope="module")
+def base_tokenizer() -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model("tiny")))
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS})
+    return tokenizer
+
+
+def with_template(tokenizer: Any, template: str, bos: str | None) -> Any:
+    tokenizer.chat_template = template
+    tokenizer.bos_token = bos or tokenizer.eos_token
+    return tokenizer
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("ended_on_its_own", [True, False], ids=["ended", "cut-at-max-tokens"])
+def test_the_context_is_the_template_over_the_whole_conversation(
+    base_tokenizer: Any, family: str, ended_on_its_own: bool
+) -> None:
+    template, bos, end_of_turn = FAMILIES[family]
+    tokenizer = with_template(base_tokenizer, template, bos)
+    end_id = tokenizer.convert_tokens_to_ids(end_of_turn)
+    turns = [
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "And of Germany?"}],
+        [{"role": "user", "content": "Thanks. Où est Zürich ?"}],
+    ]
+    replies = ["The capital of France is Paris.", "Berlin.", ""]  # an empty reply too
+    context: list[int] = []
+    conversation: list[dict[str, str]] = []
+    for messages, reply in zip(turns, replies, strict=True):
+        conversation += messages
+        context += encode(tokenizer, render_turn(tokenizer, messages, context))
+        context += encode(tokenizer, reply) + ([end_id] if ended_on_its_own else [])
+        conversation.append({"role": "assistant", "content": reply})
+    last = [{"role": "user", "content": "Bye."}]
+    context += encode(tokenizer, render_turn(tokenizer, last, context))
+    expected_text = tokenizer.apply_chat_template(conversation + last, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(context, skip_special_tokens=False) == expected_text
+    if family in CANONICAL:
+        assert context == encode(tokenizer, expected_text)
+
+
+def test_without_the_turn_close_the_context_is_not_the_conversation(base_tokenizer: Any) -> None:
+    """Negative control: the render before issue 26 (no close of the previous reply)."""
+    tokenizer = with_template(base_tokenizer, CHATML, None)
+    first = [{"role": "user", "content": "Hi"}]
+    context = encode(tokenizer, render_turn(tokenizer, first, []))
+    context += [*encode(tokenizer, "Hello."), tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    full = render_turn(tokenizer, [{"role": "user", "content": "Bye"}], context)
+    assert full.startswith("\n<|im_start|>user")  # the close's rest: "<|im_end|>" was the reply's last token
+    without_close = full[len("\n"):]
+    conversation = [*first, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    expected = encode(tokenizer, tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
+    assert context + encode(tokenizer, without_close) != expected
+    assert context + encode(tokenizer, full) == expected
+
+
+@pytest.mark.parametrize(("template", "messages"), [
+    (GEMMA, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]),
+    (MISTRAL, [{"role": "user", "content": "Hi"}, {"role": "user", "content": "again"}]),
+], ids=["gemma-system-role", "mistral-alternation"])
+def test_a_template_that_refuses_the_conversation_is_a_value_error(
+    base_tokenizer: Any, template: str, messages: list[dict[str, str]]
+) -> None:
+    """Raised as jinja2's TemplateError, which the Realtime connection did not catch
+    (it closed with 1011); as a ValueError it becomes an ``error`` event."""
+    tokenizer = with_template(base_tokenizer, template, "<|begin_of_text|>")
+    with pytest.raises(ValueError, match="refused the conversation"):
+        render_turn(tokenizer, messages, [])
