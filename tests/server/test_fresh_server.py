@@ -19,11 +19,15 @@ completion. The negative control turns the plugin off with vLLM's own
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
+import secrets
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -111,7 +115,63 @@ def test_the_default_server_answers_short_first_requests_and_in_words(tmp_path: 
 def test_the_default_model_answers_in_words_in_float32(tmp_path: Path) -> None:
     with scripts_serve("float32", tmp_path, STREAMSESS_DTYPE="float32") as server:
         answer = capital_of_france(server)
-    assert "Paris" in answer, answer
+        assert "Paris" in answer, answer
+        asyncio.run(realtime_chat_is_the_conversation(server))
+
+
+CHAT = ["What is the capital of France?", "And of Germany?", "Name one river that flows through it.",
+        "Write a sentence about it, in French.", "Thank you!", "What did I ask first?"]
+
+
+async def realtime_chat_is_the_conversation(server: RunningServer) -> None:
+    """A 6-turn Realtime chat, greedy in float32 (issue 26). Oracles, at every turn: the
+    session's context (its transcript) is the model's chat template applied to the whole
+    conversation so far, tokenized; and the answer is /v1/chat/completions' on that
+    conversation (salted, so it recomputes). Where a reply's text re-tokenizes to other
+    ids than the model generated, the two cannot agree token for token from there: the
+    check says so and stops comparing tokens (the text must still agree)."""
+    import websockets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(DEFAULT_PRESET)))
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
+        created = await http.post("/v1/sessions", json={"defaults": {"temperature": 0}})
+        session_id = created.json()["id"]
+        url = server.base_url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}&session_id={session_id}"
+        conversation: list[dict[str, str]] = []
+        canonical = True
+        async with websockets.connect(url) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            for question in CHAT:
+                conversation.append({"role": "user", "content": question})
+                await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]}}))
+                await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 40}}))
+                while (event := json.loads(await ws.recv()))["type"] != "response.done":
+                    assert event["type"] != "error", event
+                answer = event["response"]["output"][0]["content"][0]["text"]
+                reference = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": conversation, "max_tokens": 40, "temperature": 0,
+                    "cache_salt": secrets.token_hex(8)})
+                expected = reference.json()["choices"][0]["message"]["content"]
+                if canonical:
+                    assert answer == expected, (len(conversation), answer, expected)
+                conversation.append({"role": "assistant", "content": answer})
+                transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()["token_ids"]
+                rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+                # The transcript ends inside the last reply's turn: its close comes with the next turn.
+                closed = transcript + tokenizer.encode(reply_close_rest(tokenizer, transcript),
+                                                       add_special_tokens=False)
+                assert tokenizer.decode(closed) == rendered, (tokenizer.decode(closed), rendered)
+                canonical = canonical and closed == tokenizer.encode(rendered, add_special_tokens=False)
+        print(f"realtime chat of {len(CHAT)} turns: token-exact throughout: {canonical}")
+        await http.delete(f"/v1/sessions/{session_id}")
+
+
+def reply_close_rest(tokenizer: Any, transcript: list[int]) -> str:
+    from app.sessions.chat import reply_close
+
+    return reply_close(tokenizer, transcript[-1])
 
 
 @pytest.mark.skipif(
