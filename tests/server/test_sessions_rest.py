@@ -15,6 +15,16 @@ from tests.helpers import generate_once, random_tokens
 pytestmark = pytest.mark.server
 
 
+async def metric(http: httpx.AsyncClient, name: str, **labels: str) -> float:
+    """The sum of a metric's samples with these labels (0 where it has none yet): read
+    before and after a scenario, so that an earlier test cannot satisfy the check."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await http.get("/metrics")).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
 async def open_session(http: httpx.AsyncClient, **defaults: Any) -> str:
     response = await http.post("/v1/sessions", json={"defaults": {"temperature": 0, **defaults}})
     assert response.status_code == 201, response.text
@@ -90,6 +100,7 @@ async def test_prefix_reuse_from_cpu_tier_over_http(server: str) -> None:
     on a prefix of the transcript: served from the CPU tier, equal to a recompute."""
     rng = random.Random(11)
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        hits_before = await metric(http, "vllm:external_prefix_cache_hits_total")
         session_id = await open_session(http, ignore_eos=True)
         for _ in range(3):
             chunk = random_tokens(rng, 100)
@@ -112,8 +123,8 @@ async def test_prefix_reuse_from_cpu_tier_over_http(server: str) -> None:
         assert recomputed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert served["choices"][0]["text"] == recomputed["choices"][0]["text"]
 
-        metrics = (await http.get("/metrics")).text
-        assert "vllm:external_prefix_cache_hits" in metrics
+        # vLLM's own counter saw this request's tier hit.
+        assert await metric(http, "vllm:external_prefix_cache_hits_total") - hits_before >= 160
 
 
 async def test_list_sessions_is_per_key(server: str) -> None:
@@ -151,6 +162,8 @@ async def test_park_and_resume_over_http(server: str) -> None:
     next chunk resumes from the CPU tier, as its usage says."""
     rng = random.Random(13)
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        resumes_before = await metric(http, "streamsess_session_resumes_total", source="cpu_tier")
+        parks_before = await metric(http, "streamsess_session_parks_total", reason="requested")
         session_id = await open_session(http, ignore_eos=True)
         for max_tokens in (8, 40):
             response = await http.post(
@@ -170,7 +183,6 @@ async def test_park_and_resume_over_http(server: str) -> None:
         assert body["usage"]["prompt_tokens_details"]["cpu_tier_tokens"] >= len(transcript) - 32
         state = (await http.get(f"/v1/sessions/{session_id}")).json()
         assert state["status"] == "active" and state["num_tokens"] == len(transcript) + 3 + 4  # every output kept
-        metrics = (await http.get("/metrics")).text
-        assert 'streamsess_session_resumes_total{source="cpu_tier"}' in metrics
-        assert "streamsess_sessions_parked" in metrics
+        assert await metric(http, "streamsess_session_resumes_total", source="cpu_tier") == resumes_before + 1
+        assert await metric(http, "streamsess_session_parks_total", reason="requested") == parks_before + 1
         await http.delete(f"/v1/sessions/{session_id}")
