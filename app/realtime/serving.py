@@ -28,6 +28,11 @@ from app.sessions.service import SessionService
 from app.sessions.session import CANCELLED, ChunkDelta, ChunkResult, StreamingSession
 
 
+def check_max_output_tokens(value: int | str | None, param: str, event_id: str | None) -> None:
+    if isinstance(value, int) and value < 1:
+        raise ClientEventError("max_output_tokens must be at least 1 (or 'inf').", "invalid_value", param, event_id)
+
+
 @dataclass
 class RealtimeConfig:
     instructions: str | None = None
@@ -82,9 +87,7 @@ class Conversation:
             raise ClientEventError(f"session.{field_name} is not supported (text only, no tools).",
                                    "unsupported_session_field", f"session.{field_name}", event.event_id)
         limit = self.service.max_chunk_output_tokens
-        if isinstance(update.max_output_tokens, int) and update.max_output_tokens < 1:
-            raise ClientEventError("max_output_tokens must be at least 1 (or 'inf').", "invalid_value",
-                                   "session.max_output_tokens", event.event_id)
+        check_max_output_tokens(update.max_output_tokens, "session.max_output_tokens", event.event_id)
         if isinstance(update.max_output_tokens, int) and update.max_output_tokens > limit:
             raise ClientEventError(f"max_output_tokens may be at most {limit}.", "max_tokens_too_large",
                                    "session.max_output_tokens", event.event_id)
@@ -143,10 +146,8 @@ class Conversation:
                 raise ClientEventError("Out-of-band responses (conversation 'none', input) are not supported: "
                                        "a response continues the session.", "unsupported_response_field",
                                        "response.conversation", event.event_id)
+            check_max_output_tokens(overrides.max_output_tokens, "response.max_output_tokens", event.event_id)
             if isinstance(overrides.max_output_tokens, int):
-                if overrides.max_output_tokens < 1:
-                    raise ClientEventError("max_output_tokens must be at least 1 (or 'inf').", "invalid_value",
-                                           "response.max_output_tokens", event.event_id)
                 max_tokens = overrides.max_output_tokens
             instructions = overrides.instructions
         messages = list(self.pending)
