@@ -9,9 +9,11 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from app.errors import APIError
+from app.sessions import chat
 from app.sessions.protocol import (
     SAMPLING_FIELDS,
     SESSION_ID_PATTERN,
+    ChatMessage,
     SamplingOptions,
     SessionDefaults,
 )
@@ -28,16 +30,25 @@ def check_session_id(session_id: str) -> None:
         )
 
 
-def encode(tokenizer: Any, vocab_size: int, chunk_input: str | list[int]) -> list[int]:
+def encode(tokenizer: Any, vocab_size: int, chunk_input: str | list[int] | list[ChatMessage],
+           context_ids: list[int]) -> list[int]:
     """A chunk's token ids: text encoded without special tokens (chunks concatenate into
-    one context), or token ids checked against the vocabulary."""
+    one context), token ids checked against the vocabulary, or chat messages rendered as
+    the next turn after ``context_ids`` (the session's context)."""
+    if chunk_input and isinstance(chunk_input[0], ChatMessage):
+        messages = [message.model_dump() for message in chunk_input if isinstance(message, ChatMessage)]
+        try:
+            chunk_input = chat.render_turn(tokenizer, messages, context_ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="template_error", param="input") from exc
     if isinstance(chunk_input, str):
         ids = list(tokenizer.encode(chunk_input, add_special_tokens=False))
         if not ids:
             raise APIError(400, "The chunk's text encodes to no tokens.", code="empty_input", param="input")
         return ids
-    check_token_ids(chunk_input, vocab_size, "input")
-    return list(chunk_input)
+    token_ids = [t for t in chunk_input if isinstance(t, int)]
+    check_token_ids(token_ids, vocab_size, "input")
+    return token_ids
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -29,6 +29,7 @@ from app.sessions.admission import DeviceCapacity, SchedulerObserver, observer_o
 from app.sessions.errors import ChunkRefusedError, SessionFailedError
 from app.sessions.parking import Parking
 from app.sessions.protocol import (
+    ChatMessage,
     SamplingOptions,
     SessionCreateRequest,
     SessionDefaults,
@@ -222,7 +223,7 @@ class SessionService:
 
     # ------------------------------------------------------------------ chunks
     async def start_chunk(
-        self, owner: str, session_id: str, chunk_input: str | list[int], options: SamplingOptions,
+        self, owner: str, session_id: str, chunk_input: str | list[int] | list[ChatMessage], options: SamplingOptions,
         *, transport: str, wait: bool,
     ) -> ChunkRun:
         """Check a chunk, take its session's lock and lease, admit it onto the device
@@ -231,7 +232,7 @@ class SessionService:
         (websockets) queues behind it, in order."""
         with self._counted():
             session = await self.registry.open_session(owner, session_id)
-            input_ids = inputs.encode(self.tokenizer, self._vocab_size, chunk_input)
+            input_ids = inputs.encode(self.tokenizer, self._vocab_size, chunk_input, session.token_ids)
             params = self._sampling_params(session, options)
             self._check_chunk(session, input_ids, params)
             await self.limits.charge_tokens(owner, len(input_ids) + (params.max_tokens or 0))
@@ -245,6 +246,9 @@ class SessionService:
                     raise errors.session_closed(session.id, session.close_reason)
                 leased = await self.registry.take_lease(session)
                 params = self._sampling_params(session, options)  # defaults may have changed elsewhere
+                if chunk_input and isinstance(chunk_input[0], ChatMessage):
+                    # A chat turn closes the reply it follows: the one of the chunk waited for.
+                    input_ids = inputs.encode(self.tokenizer, self._vocab_size, chunk_input, session.token_ids)
                 self._check_chunk(session, input_ids, params)
                 await self.parking.admit(session, len(session.token_ids) + len(input_ids) + (params.max_tokens or 0))
             except BaseException:

@@ -124,7 +124,8 @@ CHAT = ["What is the capital of France?", "And of Germany?", "Name one river tha
 
 
 async def realtime_chat_is_the_conversation(server: RunningServer) -> None:
-    """A 6-turn Realtime chat, greedy in float32 (issue 26). Oracles, at every turn: the
+    """A 6-turn chat, greedy in float32 (issue 26), over Realtime and over REST with
+    chat-message chunks (the two must agree token for token). Oracles, at every turn: the
     session's context (its transcript) is the model's chat template applied to the whole
     conversation so far, tokenized; and the answer is /v1/chat/completions' on that
     conversation (salted, so it recomputes). Where a reply's text re-tokenizes to other
@@ -137,6 +138,8 @@ async def realtime_chat_is_the_conversation(server: RunningServer) -> None:
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
         created = await http.post("/v1/sessions", json={"defaults": {"temperature": 0}})
         session_id = created.json()["id"]
+        # The same chat over REST, its chunks chat messages: the same context, turn by turn.
+        over_rest = (await http.post("/v1/sessions", json={"defaults": {"temperature": 0}})).json()["id"]
         url = server.base_url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}&session_id={session_id}"
         conversation: list[dict[str, str]] = []
         canonical = True
@@ -150,6 +153,10 @@ async def realtime_chat_is_the_conversation(server: RunningServer) -> None:
                 while (event := json.loads(await ws.recv()))["type"] != "response.done":
                     assert event["type"] != "error", event
                 answer = event["response"]["output"][0]["content"][0]["text"]
+                rest = await http.post(f"/v1/sessions/{over_rest}/chunks", json={
+                    "input": [{"role": "user", "content": question}], "max_tokens": 40})
+                assert rest.status_code == 200, rest.text
+                assert rest.json()["output"]["text"] == answer
                 reference = await http.post("/v1/chat/completions", json={
                     "model": MODEL, "messages": conversation, "max_tokens": 40, "temperature": 0,
                     "cache_salt": secrets.token_hex(8)})
@@ -158,6 +165,7 @@ async def realtime_chat_is_the_conversation(server: RunningServer) -> None:
                     assert answer == expected, (len(conversation), answer, expected)
                 conversation.append({"role": "assistant", "content": answer})
                 transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()["token_ids"]
+                assert (await http.get(f"/v1/sessions/{over_rest}/transcript")).json()["token_ids"] == transcript
                 rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
                 # The transcript ends inside the last reply's turn: its close comes with the next turn.
                 closed = transcript + tokenizer.encode(reply_close_rest(tokenizer, transcript),
@@ -165,7 +173,8 @@ async def realtime_chat_is_the_conversation(server: RunningServer) -> None:
                 assert tokenizer.decode(closed) == rendered, (tokenizer.decode(closed), rendered)
                 canonical = canonical and closed == tokenizer.encode(rendered, add_special_tokens=False)
         print(f"realtime chat of {len(CHAT)} turns: token-exact throughout: {canonical}")
-        await http.delete(f"/v1/sessions/{session_id}")
+        for session in (session_id, over_rest):
+            await http.delete(f"/v1/sessions/{session}")
 
 
 def reply_close_rest(tokenizer: Any, transcript: list[int]) -> str:

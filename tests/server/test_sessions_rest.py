@@ -186,3 +186,33 @@ async def test_park_and_resume_over_http(server: str) -> None:
         assert await metric(http, "streamsess_session_resumes_total", source="cpu_tier") == resumes_before + 1
         assert await metric(http, "streamsess_session_parks_total", reason="requested") == parks_before + 1
         await http.delete(f"/v1/sessions/{session_id}")
+
+
+async def test_chat_messages_as_a_chunk_are_the_templates_next_turn(server: str, engine: Any) -> None:
+    """A chunk's input may be chat messages: the session renders them with the model's
+    chat template as the next turn (app/sessions/chat.py). Oracle: a twin session sent
+    the same turns as token ids rendered here from the template (render_turn on the
+    twin's own transcript); the real-model check against /v1/chat/completions is in
+    tests/server/test_fresh_server.py."""
+    from app.sessions.chat import render_turn
+
+    tokenizer = engine.get_tokenizer()
+    turns = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+             [{"role": "user", "content": "And again"}]]
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        chat, twin = await open_session(http, ignore_eos=True), await open_session(http, ignore_eos=True)
+        for messages in turns:
+            answer = await http.post(f"/v1/sessions/{chat}/chunks", json={"input": messages, "max_tokens": 5})
+            assert answer.status_code == 200, answer.text
+            context = (await http.get(f"/v1/sessions/{twin}/transcript")).json()["token_ids"]
+            ids = tokenizer.encode(render_turn(tokenizer, messages, context), add_special_tokens=False)
+            reference = await http.post(f"/v1/sessions/{twin}/chunks", json={"input": ids, "max_tokens": 5})
+            assert answer.json()["output"] == reference.json()["output"]
+        transcripts = [(await http.get(f"/v1/sessions/{s}/transcript")).json()["token_ids"] for s in (chat, twin)]
+        assert transcripts[0] == transcripts[1]
+        for bad in ([], [{"role": "robot", "content": "x"}], [{"role": "user"}]):
+            refused = await http.post(f"/v1/sessions/{chat}/chunks", json={"input": bad})
+            assert refused.status_code == 400, refused.text
+        assert (await http.get(f"/v1/sessions/{chat}")).json()["num_chunks"] == 2  # nothing lost
+        for session_id in (chat, twin):
+            await http.delete(f"/v1/sessions/{session_id}")
