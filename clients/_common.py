@@ -15,6 +15,9 @@ from app.sessions.protocol import ChunkUsage, SessionDefaults, SessionObject, Tr
 from clients.errors import APIConnectionError, APIStatusError, APITimeoutError, error_from_body
 
 Transport = Literal["rest", "websocket"]
+# A chunk: text, token ids, or chat messages ({"role", "content"}), which the server
+# renders with the model's chat template as the session's next turn.
+ChunkInput = str | list[int] | list[dict[str, str]]
 
 BASE_URL_ENV = "STREAMSESS_BASE_URL"
 API_KEY_ENV = "STREAMSESS_API_KEY"
@@ -90,7 +93,7 @@ class ChunkReply:
         return self.usage.prompt_tokens_details.cpu_tier_tokens
 
 
-def chunk_payload(chunk: str | list[int], options: dict[str, Any]) -> dict[str, Any]:
+def chunk_payload(chunk: ChunkInput, options: dict[str, Any]) -> dict[str, Any]:
     return {"input": chunk, **{k: v for k, v in options.items() if v is not None}}
 
 
@@ -185,7 +188,7 @@ def sse_payloads(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
         yield json.loads(data)
 
 
-def append_event(chunk: str | list[int], options: dict[str, Any]) -> str:
+def append_event(chunk: ChunkInput, options: dict[str, Any]) -> str:
     return json.dumps({"type": "input.append", **chunk_payload(chunk, options)})
 
 

@@ -22,6 +22,7 @@ from websockets.exceptions import WebSocketException
 
 from clients._common import (
     ChunkAssembler,
+    ChunkInput,
     ChunkReply,
     ClientConfig,
     Delta,
@@ -195,7 +196,7 @@ class AsyncSession:
         if hello.get("type") == "error":
             raise error_from_body(hello)
 
-    async def send(self, chunk: str | list[int], **options: Any) -> ChunkReply:
+    async def send(self, chunk: ChunkInput, **options: Any) -> ChunkReply:
         """Append a chunk and return the whole answer."""
         if self._ws is None:
             body = await self._client.request("POST", f"/v1/sessions/{self.id}/chunks", chunk_payload(chunk, options))
@@ -206,7 +207,7 @@ class AsyncSession:
         assert self.last_reply is not None
         return self.last_reply
 
-    async def stream(self, chunk: str | list[int], **options: Any) -> AsyncIterator[Delta]:
+    async def stream(self, chunk: ChunkInput, **options: Any) -> AsyncIterator[Delta]:
         """Append a chunk and yield its answer as it is generated; ``last_reply``
         holds the whole answer with usage once the stream ends."""
         assembler = ChunkAssembler(self.id)

@@ -21,6 +21,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from clients._common import (
     ChunkAssembler,
+    ChunkInput,
     ChunkReply,
     ClientConfig,
     Delta,
@@ -160,7 +161,7 @@ class Session:
         if hello.get("type") == "error":
             raise error_from_body(hello)
 
-    def send(self, chunk: str | list[int], **options: Any) -> ChunkReply:
+    def send(self, chunk: ChunkInput, **options: Any) -> ChunkReply:
         """Append a chunk and return the whole answer."""
         if self._ws is None:
             body = self._client.request("POST", f"/v1/sessions/{self.id}/chunks", chunk_payload(chunk, options))
@@ -171,7 +172,7 @@ class Session:
         assert self.last_reply is not None
         return self.last_reply
 
-    def stream(self, chunk: str | list[int], **options: Any) -> Iterator[Delta]:
+    def stream(self, chunk: ChunkInput, **options: Any) -> Iterator[Delta]:
         """Append a chunk and yield its answer as it is generated; ``last_reply``
         holds the whole answer with usage once the stream ends."""
         assembler = ChunkAssembler(self.id)
