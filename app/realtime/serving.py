@@ -38,6 +38,9 @@ class RealtimeConfig:
     instructions: str | None = None
     max_output_tokens: int | None = None
     instructions_sent: bool = False
+    # The client's audio settings, echoed back and otherwise unused: clients such as
+    # the Agents SDK's Realtime model always send them, text output or not.
+    audio: Any = None
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Conversation:
         config = rt.RealtimeSessionCreateRequest(
             type="realtime", model=self.session.model, instructions=self.config.instructions,
             output_modalities=["text"], max_output_tokens=self.config.max_output_tokens or "inf",
+            audio=self.config.audio,
         )
         # Extension: the session's id, to attach to it again (?session_id=).
         config.id = self.session.id  # type: ignore[attr-defined]
@@ -82,10 +86,9 @@ class Conversation:
         if update.output_modalities is not None and update.output_modalities != ["text"]:
             raise ClientEventError("This server answers in text only: output_modalities must be ['text'].",
                                    "unsupported_modality", "session.output_modalities", event.event_id)
-        if update.audio is not None or update.tools:
-            field_name = "audio" if update.audio is not None else "tools"
-            raise ClientEventError(f"session.{field_name} is not supported (text only, no tools).",
-                                   "unsupported_session_field", f"session.{field_name}", event.event_id)
+        if update.tools:
+            raise ClientEventError("session.tools is not supported (no tools yet).",
+                                   "unsupported_session_field", "session.tools", event.event_id)
         limit = self.service.max_chunk_output_tokens
         check_max_output_tokens(update.max_output_tokens, "session.max_output_tokens", event.event_id)
         if isinstance(update.max_output_tokens, int) and update.max_output_tokens > limit:
@@ -96,6 +99,8 @@ class Conversation:
             self.config.instructions_sent = False  # reaches the model with the next turn
         if update.max_output_tokens is not None:
             self.config.max_output_tokens = None if update.max_output_tokens == "inf" else update.max_output_tokens
+        if update.audio is not None:  # output is text (checked above): audio settings change nothing
+            self.config.audio = update.audio
         await self.emit(rt.SessionUpdatedEvent(type="session.updated", event_id=self.event_id(),
                                                session=self.session_config()))
 

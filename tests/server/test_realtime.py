@@ -122,6 +122,15 @@ async def test_three_turns_with_streamed_deltas_and_cached_earlier_turns(server:
         updated = await frames.next()
         assert updated["type"] == "session.updated"
         assert updated["session"]["instructions"] == "Be brief." and updated["session"]["max_output_tokens"] == 8
+        # An audio block, as the Agents SDK's Realtime model always sends one: accepted with
+        # text output (it changes nothing), echoed back.
+        audio = {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None},
+                 "output": {"voice": "alloy"}}
+        await connection.session.update(session={"type": "realtime", "audio": audio})  # type: ignore[typeddict-item]
+        echoed = await frames.next()
+        assert echoed["type"] == "session.updated", echoed
+        assert echoed["session"]["audio"]["output"]["voice"] == "alloy"
+        assert echoed["session"]["instructions"] == "Be brief."
         usages = []
         for index, text in enumerate(TURNS):
             events = await turn(connection, frames, text, item_id=f"item_user_{index}")
