@@ -41,6 +41,18 @@ def render_turn(tokenizer: Any, messages: Messages, context_ids: list[int]) -> s
     return reply_close(tokenizer, context_ids[-1]) + full[len(before):]
 
 
+def max_messages(tokenizer: Any, max_tokens: int) -> int | None:
+    """The most (empty) messages one turn of at most ``max_tokens`` tokens can hold, for
+    the published schema; None where a message costs no tokens."""
+    def tokens(count: int) -> int:  # as a first turn or a later one, whichever is longer
+        messages = [{"role": "user", "content": ""}] * count
+        return max(len(tokenizer.encode(render_turn(tokenizer, messages, context), add_special_tokens=False))
+                   for context in ([], [0]))
+
+    per_message = tokens(2) - tokens(1)
+    return max((max_tokens - tokens(1)) // per_message + 1, 1) if per_message > 0 else None
+
+
 def reply_close(tokenizer: Any, last_token_id: int) -> str:
     """What the template puts after an assistant reply's text, less the part of it
     that the reply's last token (``last_token_id``) already is."""

@@ -88,11 +88,13 @@ def check_chunk(context_tokens: int, max_context: int, input_ids: list[int], par
         )
 
 
-def declare_bounds(schema: dict[str, Any], vocab_size: int, max_output_tokens: int, max_chunk_tokens: int) -> None:
+def declare_bounds(schema: dict[str, Any], vocab_size: int, max_output_tokens: int, max_chunk_tokens: int,
+                   max_messages: int | None = None) -> None:
     """Put this server's bounds in its published OpenAPI schema, so that the schema says
     what the checks above accept: token ids below the vocabulary, at most
-    ``max_chunk_tokens`` of them (stop token ids too), and ``max_tokens`` up to the
-    per-chunk cap."""
+    ``max_chunk_tokens`` of them (stop token ids too), at most ``max_messages`` chat
+    messages (as many as a turn of ``max_chunk_tokens`` holds), and ``max_tokens`` up to
+    the per-chunk cap."""
     components = schema.get("components", {}).get("schemas", {})
     for name in ("ChunkRequest", "SessionDefaults"):
         properties = components.get(name, {}).get("properties", {})
@@ -101,10 +103,14 @@ def declare_bounds(schema: dict[str, Any], vocab_size: int, max_output_tokens: i
                 variant["maximum"] = max_output_tokens
         for field in ("input", "stop_token_ids"):
             for variant in properties.get(field, {}).get("anyOf", []):
-                if variant.get("type") == "array":
+                if variant.get("type") != "array":
+                    continue
+                if variant["items"].get("type") == "integer":  # token ids
                     variant["items"]["maximum"] = vocab_size - 1
                     if field == "input":
                         variant["maxItems"] = max_chunk_tokens
+                elif max_messages is not None:  # chat messages
+                    variant["maxItems"] = max_messages
 
 
 def model_sampling_defaults(model_config: Any) -> dict[str, Any]:

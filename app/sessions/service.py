@@ -24,7 +24,7 @@ from app.errors import APIError
 from app.limits import KeyLimits
 from app.metrics import SessionMetrics, session_metrics
 from app.provenance import ProvenanceRecorder
-from app.sessions import errors, inputs
+from app.sessions import chat, errors, inputs
 from app.sessions.admission import DeviceCapacity, SchedulerObserver, observer_of
 from app.sessions.errors import ChunkRefusedError, SessionFailedError
 from app.sessions.parking import Parking
@@ -103,7 +103,9 @@ class SessionService:
 
     def declare_bounds(self, schema: dict[str, Any]) -> None:
         """This server's input bounds, in its published OpenAPI schema."""
-        inputs.declare_bounds(schema, self._vocab_size, self.max_chunk_output_tokens, self._settings.max_chunk_tokens)
+        max_chunk_tokens = self._settings.max_chunk_tokens
+        inputs.declare_bounds(schema, self._vocab_size, self.max_chunk_output_tokens, max_chunk_tokens,
+                              chat.max_messages(self.tokenizer, max_chunk_tokens))
 
     @property
     def store(self) -> SessionStore:

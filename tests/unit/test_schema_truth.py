@@ -49,10 +49,11 @@ def test_the_schema_states_the_servers_bounds() -> None:
         "ChunkRequest": copy.deepcopy(ChunkRequest.model_json_schema()),
         "SessionDefaults": copy.deepcopy(SessionCreateRequest.model_json_schema()["$defs"]["SessionDefaults"]),
     }}}
-    declare_bounds(schema, vocab_size=1024, max_output_tokens=16, max_chunk_tokens=256)
+    declare_bounds(schema, vocab_size=1024, max_output_tokens=16, max_chunk_tokens=256, max_messages=35)
     chunk = schema["components"]["schemas"]["ChunkRequest"]["properties"]
-    ids = next(v for v in chunk["input"]["anyOf"] if v.get("type") == "array")
+    ids, messages = [v for v in chunk["input"]["anyOf"] if v.get("type") == "array"]
     assert (ids["maxItems"], ids["items"]["maximum"]) == (256, 1023)
+    assert messages["maxItems"] == 35 and "maximum" not in messages["items"]  # a fresh seed found 60 refused
     for name in ("ChunkRequest", "SessionDefaults"):
         properties = schema["components"]["schemas"][name]["properties"]
         assert {"type": "integer", "maximum": 16, "minimum": 1} in [
