@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 import uuid
 from typing import Any
@@ -101,7 +100,6 @@ async def test_prefix_reuse_from_cpu_tier_over_http(server: str) -> None:
     on a prefix of the transcript: served from the CPU tier, equal to a recompute."""
     rng = random.Random(11)
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
-        hits_before = await metric(http, "vllm:external_prefix_cache_hits_total")
         session_id = await open_session(http, ignore_eos=True)
         for _ in range(3):
             chunk = random_tokens(rng, 100)
@@ -124,15 +122,10 @@ async def test_prefix_reuse_from_cpu_tier_over_http(server: str) -> None:
         assert recomputed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert served["choices"][0]["text"] == recomputed["choices"][0]["text"]
 
-        # vLLM's own counter saw this request's tier hit (its stat loggers record a step
-        # after the output goes out: waited for, bounded, with a message).
-        for _ in range(100):
-            hits = await metric(http, "vllm:external_prefix_cache_hits_total") - hits_before
-            if hits >= 160:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail(f"vllm:external_prefix_cache_hits_total rose by {hits} in 10 s, not by the 160+ tier tokens")
+        # No check on vLLM's own Prometheus counter here: in a test process that has built
+        # engines before, /metrics shows the first engine's vLLM metrics (a clean-clone run
+        # saw the counter stay put while this hit happened), so its presence proved nothing.
+        # The tier hit is asserted above, on this request's own usage split.
 
 
 async def test_list_sessions_is_per_key(server: str) -> None:
