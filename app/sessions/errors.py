@@ -3,7 +3,7 @@ and the two a session raises to the service."""
 
 from __future__ import annotations
 
-from vllm.exceptions import VLLMClientError
+from vllm.exceptions import VLLMClientError, VLLMServerError
 
 from app.errors import APIError
 
@@ -87,6 +87,6 @@ def is_input_error(error: BaseException) -> bool:
     """What vLLM raises for a request it refuses: its client errors (a stop token out of
     the vocabulary), and the ValueError, TypeError or OverflowError of input processing
     (a seed beyond 64 bits). EngineDeadError and EngineGenerateError are the engine's."""
-    return isinstance(error, (VLLMClientError, ValueError, TypeError, OverflowError)) and (
-        "Engine" not in type(error).__name__
+    return isinstance(error, (VLLMClientError, ValueError, TypeError, OverflowError)) and not isinstance(
+        error, VLLMServerError
     )
