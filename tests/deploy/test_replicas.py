@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import pytest_asyncio
 import websockets
@@ -132,14 +133,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @contextlib.contextmanager
-def paused(process: subprocess.Popen[bytes]) -> Iterator[None]:
-    """Stop a replica's API server process (its engine core runs on; the lease it
-    holds stays valid for ``session_lease_s``), and continue it afterwards."""
-    process.send_signal(signal.SIGSTOP)
+def paused_engine(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Stop a replica's engine (every process under its API server), and continue it
+    afterwards. The API server runs on: it takes leases and sends requests, which the
+    engine answers only once continued."""
+    engine = psutil.Process(process.pid).children(recursive=True)
+    assert engine, "the replica's API server has no engine process under it"
+    for child in engine:
+        child.send_signal(signal.SIGSTOP)
     try:
         yield
     finally:
-        process.send_signal(signal.SIGCONT)
+        for child in engine:
+            child.send_signal(signal.SIGCONT)
 
 
 def stop_process(process: subprocess.Popen[bytes]) -> None:
@@ -249,24 +255,25 @@ async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(clust
         assert (await send(via_a, session_id, CHUNKS[0])).status_code == 200
         assert (await via_b.get(f"/v1/sessions/{session_id}")).status_code == 200  # replica-b has it loaded
         # The same chunk through both: replica-a takes the session's lease and
-        # answers; replica-b, asked while it does, refuses. Replica-a's server is
-        # paused (SIGSTOP) after its first delta, so it provably holds the lease and
-        # has not committed when replica-b is asked, however the 2 cores are shared.
-        answered: list[int] = []
-        body = {"input": CHUNKS[1], "max_tokens": budgets[1], "stream": True}
-        async with via_a.stream("POST", f"/v1/sessions/{session_id}/chunks", json=body) as stream:
-            async for line in stream.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[len("data: "):])
-                if "delta" in event:
-                    if not answered:
-                        with paused(a.server.process):
-                            assert (await via_b.get(f"/v1/sessions/{session_id}")).json()["num_chunks"] == 1
-                            refused = await send(via_b, session_id, CHUNKS[1], budgets[1])
-                        assert refused.status_code == 409, refused.text
-                        assert refused.json()["error"]["code"] == "chunk_in_flight"
-                    answered += event["delta"]["token_ids"]
+        # answers; replica-b, asked while it does, refuses. Replica-a's engine is
+        # stopped (SIGSTOP) before the chunk is sent, so replica-a provably holds the
+        # lease and has not committed when replica-b is asked, however fast the chunk
+        # would run and however the 2 cores are shared.
+        body = {"input": CHUNKS[1], "max_tokens": budgets[1]}
+        with paused_engine(a.server.process):
+            first = asyncio.create_task(via_a.post(f"/v1/sessions/{session_id}/chunks", json=body))
+            deadline = time.monotonic() + 30
+            while (await via_a.get(f"/v1/sessions/{session_id}")).json()["status"] != "generating":
+                assert not first.done(), first.result().text
+                assert time.monotonic() < deadline, "replica-a never started the chunk"
+                await asyncio.sleep(0.05)
+            assert (await via_b.get(f"/v1/sessions/{session_id}")).json()["num_chunks"] == 1
+            refused = await send(via_b, session_id, CHUNKS[1], budgets[1])
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["code"] == "chunk_in_flight"
+        answer = await first
+        assert answer.status_code == 200, answer.text
+        answered = answer.json()["output"]["token_ids"]
         assert answered == expected[1]
         # The conversation goes on through either replica, each picking up what the
         # other added (a replica whose copy is stale reloads it from the database).
