@@ -34,8 +34,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,19 +48,30 @@ import websockets
 from benchmarks.common import (
     API_HEADERS,
     EngineSetup,
+    RunningServer,
     benchmark_parser,
     finish,
+    free_port,
     in_process_engine,
     our_server,
     percentile,
     py_spy_sampled,
     pyplot,
     quick_engine,
+    serve,
     summarize_profile,
 )
 
-SIDES = ("in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx")
+SIDES = ("in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx",
+         "rest-bare", "sse-bare", "websocket-bare")
 SERVER_SIDES = SIDES[1:]
+# The hop alone: the same client against benchmarks/bare_hop.py (uvicorn as the app
+# serves, an ASGI app that answers at once). A transport's own cost is what it adds
+# over the floor beyond that hop; the hop is this machine's (its loopback and its
+# process wake-ups), and no server can take less.
+BARE = "-bare"
+BARE_HOP_OF = {"rest": "rest-bare", "sse": "sse-bare", "websocket": "websocket-bare",
+               "websocket-deflate": "websocket-bare"}  # the same client library
 PROFILE_RATE_HZ = 250
 # The floor's engine and the server's run side by side, and both model workers are
 # bound to the same CPU. vLLM's shared-memory readers keep spinning for 1 s after
@@ -188,22 +202,30 @@ async def main_async(args: Any) -> dict[str, Any]:
     # This process's CPU time while a side runs: the client's own work (the floor's
     # engine here is idle meanwhile), which the round trip includes; and the API
     # server process's own (not its engine's): what the transport costs the server.
-    client_cpu: dict[str, float] = dict.fromkeys(SERVER_SIDES, 0.0)
+    # For the floor, this process is the client and AsyncLLM's front end in one: the
+    # server's CPU per chunk beyond it is what serving over a transport costs.
+    client_cpu: dict[str, float] = dict.fromkeys(SIDES, 0.0)
     server_cpu: dict[str, float] = dict.fromkeys(SERVER_SIDES, 0.0)
     floor = InProcessSession(setup)
     try:
         settings = {"store_url": "none", "ws_per_message_deflate": "true", **dict(args.server_setting)}
-        with our_server(setup, Path(args.out) / "logs", **settings) as server:
+        with our_server(setup, Path(args.out) / "logs", **settings) as ours, bare_hop(Path(args.out) / "logs") as bare:
+            def server_of(side: str) -> RunningServer:
+                return bare if side.endswith(BARE) else ours
+
             await floor.run(warmup)
             for side in SERVER_SIDES:
-                await run_side(server.base_url, side, warmup)
+                await run_side(server_of(side).base_url, side, warmup)
             # Round-robin, every side in every round (the floor too, its engine idle
             # meanwhile), so drift in this machine's speed hits all sides alike.
             for round_inputs in rounds:
                 await asyncio.sleep(SWITCH_SETTLE_S)
+                cpu_before = time.process_time()
                 times["in-process"] += (await floor.run(warm + round_inputs))[len(warm):]
+                client_cpu["in-process"] += time.process_time() - cpu_before
                 await asyncio.sleep(SWITCH_SETTLE_S)
                 for side in SERVER_SIDES:
+                    server = server_of(side)
                     with contextlib.ExitStack() as stack:
                         if args.profile:
                             profile = stack.enter_context(py_spy_sampled(server.process.pid, Path(args.profile) / f"{side}.txt", PROFILE_RATE_HZ))
@@ -219,8 +241,10 @@ async def main_async(args: Any) -> dict[str, Any]:
     per_side = {
         side: {"p50_ms": 1000 * percentile(values, 50), "p90_ms": 1000 * percentile(values, 90),
                "p50_over_in_process_ms": 1000 * (percentile(values, 50) - floor_p50),
-               "client_cpu_ms_per_chunk": 1000 * client_cpu[side] / len(values) if side in client_cpu else None,
-               # Warm-up chunks included: the server's CPU is counted over a whole side.
+               "p50_over_in_process_and_bare_hop_ms": 1000 * (percentile(values, 50) - floor_p50 - percentile(times[hop], 50))
+               if (hop := BARE_HOP_OF.get(side)) else None,
+               # Warm-up chunks included: CPU is counted over a whole side.
+               "client_cpu_ms_per_chunk": 1000 * client_cpu[side] / (len(values) + args.rounds * len(warm)),
                "server_cpu_ms_per_chunk": 1000 * server_cpu[side] / (len(values) + args.rounds * len(warm))
                if side in server_cpu else None}
         for side, values in times.items()
@@ -244,7 +268,16 @@ def process_cpu_s(pid: int) -> float:
     return total_ns / 1e9
 
 
+@contextlib.contextmanager
+def bare_hop(log_dir: Path) -> Iterator[RunningServer]:
+    port = free_port()
+    with serve("bare-hop", [sys.executable, "-m", "benchmarks.bare_hop", str(port)], dict(os.environ), port, "none",
+               log_dir / "bare-hop.log") as server:
+        yield server
+
+
 async def run_side(base: str, side: str, inputs: list[list[int]]) -> list[float]:
+    side = side.removesuffix(BARE)
     if side.startswith("websocket"):
         return await websocket(base, inputs, deflate=side == "websocket-deflate")
     if side.endswith("-httpx"):
@@ -284,7 +317,9 @@ def main() -> None:
     result = asyncio.run(main_async(args))
     finish(name, result, args.out, plot)
     for side, row in result["per_side"].items():
-        print(f"{side}: p50 {row['p50_ms']:.2f} ms, over in-process {row['p50_over_in_process_ms']:+.2f} ms")
+        beyond_hop = row["p50_over_in_process_and_bare_hop_ms"]
+        print(f"{side}: p50 {row['p50_ms']:.2f} ms, over in-process {row['p50_over_in_process_ms']:+.2f} ms"
+              + (f", beyond the bare hop {beyond_hop:+.2f} ms" if beyond_hop is not None else ""))
 
 
 if __name__ == "__main__":
