@@ -7,8 +7,10 @@ provenance, which is the scheduler's own count of cached tokens (device and CPU
 tier). B must see 0 of A's tokens, over REST sessions, /v1/completions, the
 websocket and Realtime, and over every other vLLM route that reports cached tokens
 (Responses, Anthropic Messages, SageMaker's /invocations), where the oracle is that
-route's own usage field; A itself still hits (the positive control); with
-``cache_isolation=shared`` B hits again (the negative control). Timing is not
+route's own usage field (chat completions, Responses, Anthropic Messages, SageMaker's
+/invocations; Realtime's ``response.done``); A itself still hits (the positive
+control); with ``cache_isolation=shared`` B hits again on the same paths, the CPU
+tier's included (the negative control). Timing is not
 asserted here (tests never assert wall-clock times); a cold prefill is what 0
 cached tokens means; the timing probe is a benchmark, benchmarks/isolation.py.
 """
@@ -82,6 +84,10 @@ OTHER_ROUTES: dict[str, tuple[Any, Any]] = {
         lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 1},
         lambda usage: usage["cache_read_input_tokens"],
     ),
+    "/v1/chat/completions": (
+        lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 1},
+        lambda usage: usage["prompt_tokens_details"]["cached_tokens"],
+    ),
     "/invocations": (
         lambda text: {"prompt": text, "max_tokens": 1},
         lambda usage: usage["prompt_tokens_details"]["cached_tokens"],
@@ -94,6 +100,20 @@ async def cached_on(http: httpx.AsyncClient, path: str, text: str, headers: dict
     reply = await http.post(path, headers=headers, json={"model": "embedded-tiny", "temperature": 0, **body(text)})
     assert reply.status_code == 200, reply.text
     return int(cached(reply.json()["usage"]))
+
+
+async def realtime_turn(server: str, text: str, headers: dict[str, str]) -> int:
+    """One Realtime (GA) turn on a session of its own: how many of its prompt tokens were
+    cached, as its ``response.done`` usage says."""
+    url = server.replace("http://", "ws://") + "/v1/realtime?model=embedded-tiny"
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+        await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 1}}))
+        while (event := json.loads(await ws.recv()))["type"] != "response.done":
+            assert event["type"] != "error", event
+    return int(event["response"]["usage"]["input_token_details"]["cached_tokens"])
 
 
 @pytest.mark.parametrize("path", sorted(OTHER_ROUTES))
@@ -115,6 +135,11 @@ async def test_a_key_sees_none_of_another_keys_cached_prompt(server: str) -> Non
         for probe in (await completion_on(http, by_completion, BOB), await session_on(http, by_session, BOB),
                       await websocket_chunk(server, by_websocket, BOB)):
             assert probe["cached_tokens"] == probe["device_tokens"] == probe["cpu_tier_tokens"] == 0, probe
+        # Nor over Realtime.
+        text = text_prompt(50)
+        await realtime_turn(server, text, ALICE)
+        assert await realtime_turn(server, text, ALICE) >= 192  # the positive control
+        assert await realtime_turn(server, text, BOB) == 0
         # Nor by choosing a cache salt of his own: it stays within his key.
         assert (await completion_on(http, from_tier, BOB, cache_salt="anything"))["cached_tokens"] == 0
         # Alice's own requests still reuse her prefix (the positive control).
@@ -135,6 +160,16 @@ async def test_negative_control_shared_caches_let_keys_probe_each_other(engine: 
         await session_on(http, secret, ALICE)
         leaked = await completion_on(http, secret, BOB)
         assert leaked["cached_tokens"] >= 224, leaked
-        text = text_prompt(100)
-        await cached_on(http, "/v1/responses", text, ALICE)
-        assert await cached_on(http, "/v1/responses", text, BOB) >= 192
+        for path in ("/v1/responses", "/v1/chat/completions"):
+            text = text_prompt(100 + len(path))
+            await cached_on(http, path, text, ALICE)
+            assert await cached_on(http, path, text, BOB) >= 192, path
+        text = text_prompt(150)
+        await realtime_turn(url, text, ALICE)
+        assert await realtime_turn(url, text, BOB) >= 192
+        # And from the CPU tier, once the device cache is dropped.
+        from_tier = prompt(3)
+        await session_on(http, from_tier, ALICE)
+        assert (await http.post("/v1/admin/reset_device_cache", headers=ALICE)).status_code == 200
+        leaked = await completion_on(http, from_tier[:224], BOB)
+        assert leaked["cpu_tier_tokens"] >= 192, leaked
