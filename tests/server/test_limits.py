@@ -111,3 +111,27 @@ async def test_websocket_connections_events_and_frames_are_bounded_per_key(engin
             await first.send(json.dumps({"type": "input.append", "input": [8], "max_tokens": 1}))
             while (event := json.loads(await first.recv()))["type"] != "response.done":
                 pass
+
+
+async def test_negative_control_without_limits_the_same_traffic_passes(engine: Any) -> None:
+    """The traffic each test above sends, on a server with no per-key limits: nothing is
+    refused, so the refusals above are the limits' own."""
+    async with running_app(limited(), engine) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        session_id = (await http.post("/v1/sessions", json={}, headers=ALICE)).json()["id"]
+        for _ in range(5):
+            assert (await http.get(f"/v1/sessions/{session_id}", headers=ALICE)).status_code == 200
+        chunk = {"input": list(range(1, 41)), "max_tokens": 20}
+        for _ in range(2):
+            assert (await http.post(f"/v1/sessions/{session_id}/chunks", json=chunk, headers=ALICE)).status_code == 200
+        completion = {"model": "embedded-tiny", "prompt": list(range(1, 31)), "max_tokens": 200}
+        assert (await http.post("/v1/completions", json=completion, headers=ALICE)).status_code == 200
+        ws_url = url.replace("http://", "ws://") + "/v1/sessions/ws"
+        async with websockets.connect(ws_url, additional_headers=ALICE) as first, \
+                websockets.connect(ws_url, additional_headers=ALICE) as second, \
+                websockets.connect(ws_url, additional_headers=ALICE) as third:
+            for ws in (first, second, third):
+                assert json.loads(await ws.recv())["type"] == "session.created"
+            for _ in range(12):
+                await first.send(json.dumps({"type": "session.update", "session": {"temperature": 0}}))
+            replies = [json.loads(await first.recv()) for _ in range(12)]
+            assert [r["type"] for r in replies] == ["session.updated"] * 12, replies
