@@ -144,7 +144,21 @@ class SQLSessionStore(SessionStore):
             if self.dialect == "postgresql":
                 await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
             await conn.run_sync(_upgrade_to_head)
-        logger.info("session store: %s", sa.make_url(self.url).render_as_string(hide_password=True))
+        logger.info("session store: %s (%s)", sa.make_url(self.url).render_as_string(hide_password=True),
+                    ", ".join(f"{name}={value}" for name, value in (await self.durability()).items()))
+
+    async def durability(self) -> dict[str, str]:
+        """The settings in force on the store's own connections that decide whether a
+        committed chunk survives a power loss (SQLite: WAL and ``synchronous=FULL``;
+        PostgreSQL: ``fsync`` and ``synchronous_commit`` on)."""
+        names = ("journal_mode", "synchronous") if self.dialect == "sqlite" else ("fsync", "synchronous_commit")
+        query = "PRAGMA {}" if self.dialect == "sqlite" else "SHOW {}"
+        async with self._transaction(write=False) as conn:
+            values = {name: str((await conn.execute(sa.text(query.format(name)))).scalar_one()).lower()
+                      for name in names}
+        if self.dialect == "sqlite":
+            values["synchronous"] = _SQLITE_SYNCHRONOUS.get(values["synchronous"], values["synchronous"])
+        return values
 
     async def close(self) -> None:
         if self._engine is not None:
@@ -281,6 +295,9 @@ class SQLSessionStore(SessionStore):
             await conn.execute(session_chunks.delete().where(session_chunks.c.session_id.in_(stale)))
             await conn.execute(sessions.delete().where(c.status == "closed", c.last_activity < purge_closed_before))
         return closed.rowcount
+
+
+_SQLITE_SYNCHRONOUS = {"0": "off", "1": "normal", "2": "full", "3": "extra"}
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _connection_record: Any) -> None:

@@ -198,3 +198,31 @@ async def test_a_full_sqlite_disk_fails_the_commit_whole_and_the_store_recovers(
         assert loaded is not None and loaded[0].num_chunks == 1 and loaded[1] == [5, 6]
     finally:
         await store.close()
+
+
+async def test_commits_are_durable_on_the_stores_own_connections(store: SQLSessionStore) -> None:
+    """What decides whether a committed chunk survives a power loss, read back from the
+    store's live connections (a power loss cannot be produced here; a SIGKILL, which
+    the durable-restart test uses, is survived by SQLite's OFF mode too, through the
+    OS page cache, so only the setting in force tells FULL from OFF)."""
+    if store.dialect == "sqlite":
+        assert await store.durability() == {"journal_mode": "wal", "synchronous": "full"}
+    else:
+        # fsync is the database server's own setting, off on the test server (tests only);
+        # synchronous_commit is what a client's session could weaken, and must not.
+        assert await store.durability() == {"fsync": "off", "synchronous_commit": "on"}
+
+
+async def test_negative_control_sqlite_without_synchronous_full_is_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def relaxed(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.cursor().execute("PRAGMA synchronous=OFF")
+
+    monkeypatch.setattr("app.store.sql._sqlite_pragmas", relaxed)
+    store = SQLSessionStore(f"sqlite:///{tmp_path / 'relaxed' / 'sessions.db'}")
+    await store.start()
+    try:
+        assert (await store.durability())["synchronous"] == "off"
+    finally:
+        await store.close()
