@@ -131,12 +131,16 @@ async def run_streaming_session(
 
 
 async def generate_once(engine: Any, prompt_ids: list[int], max_tokens: int, recompute: bool = False) -> Any:
-    """One greedy request; ``recompute`` forbids every cache (device and CPU tier)."""
+    """One greedy request; ``recompute`` forbids every cache (device and CPU tier) and
+    salts the request, so its blocks are stored under hashes of their own: a recompute
+    can neither read a session's KV nor put its own where the session's would be."""
     params = greedy(max_tokens, skip_reading_prefix_cache=True if recompute else None)
+    request_id = f"once-{next(_ids)}"
+    prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
+    if recompute:
+        prompt["cache_salt"] = f"recompute-{request_id}"
     final = None
-    async for out in engine.generate(
-        prompt={"prompt_token_ids": list(prompt_ids)}, sampling_params=params, request_id=f"once-{next(_ids)}"
-    ):
+    async for out in engine.generate(prompt=prompt, sampling_params=params, request_id=request_id):
         final = out
     assert final is not None and final.finished
     return final

@@ -100,15 +100,41 @@ async def test_parked_session_resumes_from_the_cpu_tier(service: SessionService,
     # fp32 oracles: the same chunks on a session never parked, and a recompute.
     rng = random.Random(3)
     never_parked = await open_session(service)
-    context: list[int] = []
     for (n, m), got in zip(CHUNKS, results):
-        chunk = random_tokens(rng, n)
-        reference = await send(service, never_parked, chunk, m)
+        reference = await send(service, never_parked, random_tokens(rng, n), m)
         assert got.token_ids == reference.token_ids
-        recomputed = await generate_once(engine, context + chunk, m, recompute=True)
-        assert got.token_ids == list(recomputed.outputs[0].token_ids)
-        context += chunk + got.token_ids
     await service.close(OWNER, never_parked.id)
+    assert await chunks_unlike_a_recompute(engine, results, seed=3) == []
+
+
+async def chunks_unlike_a_recompute(engine: Any, results: list[ChunkResult], seed: int) -> list[int]:
+    """The chunks of ``park_reset_resume(seed)`` whose answer differs from a salted
+    recompute of the session's context before it (float32: token-exact)."""
+    rng = random.Random(seed)
+    context: list[int] = []
+    unlike = []
+    for index, ((n, m), got) in enumerate(zip(CHUNKS, results)):
+        chunk = random_tokens(rng, n)
+        recomputed = await generate_once(engine, context + chunk, m, recompute=True)
+        if got.token_ids != list(recomputed.outputs[0].token_ids):
+            unlike.append(index)
+        context += chunk + got.token_ids
+    return unlike
+
+
+async def test_negative_control_unfixed_connector_resumes_a_parked_session_wrong() -> None:
+    """With vLLM's unfixed connector, a resumed chunk's blocks reach the tier with
+    another chunk's pages: the parked session's resume reads them, and the recompute
+    oracle above sees its answer differ."""
+    async with started_engine(make_settings(disable_streaming_session_fix=True)) as engine:
+        service = make_service(engine, disable_streaming_session_fix=True)
+        await service.start()
+        try:
+            results, _ = await park_reset_resume(service, engine, seed=3)
+        finally:
+            await service.stop()
+        assert results[-1].resumed_from == "cpu_tier"
+        assert 2 in await chunks_unlike_a_recompute(engine, results, seed=3)
 
 
 async def test_negative_control_without_the_tail_store_the_resume_misses_the_tier() -> None:
