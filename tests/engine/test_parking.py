@@ -12,6 +12,7 @@ parks, and assert no request waits unboundedly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -217,6 +218,29 @@ async def test_a_full_device_never_hangs_a_completion(small_engine: Any) -> None
         assert len(answer.outputs[0].token_ids) == 8
         assert sum(s.status == "parked" for s in sessions) >= 1
     finally:
+        await service.stop()
+
+
+async def test_negative_control_without_the_services_loops_the_completion_waits(small_engine: Any) -> None:
+    """The scenario above with the service's background loops not running (nothing
+    parks idle sessions for a request that is not a session's): the completion waits in
+    vLLM's queue behind the idle sessions and gets no token in 15 s (it would wait for
+    ever; 15 s is 8 tokens' decode many times over). So the answer above is the loops'."""
+    service = make_service(small_engine, **SMALL_DEVICE)
+    await service.store.start()  # the store only: service.start() would start the loops
+    rng = random.Random(6)
+    sessions = [await open_session(service) for _ in range(SMALL_DEVICE["max_num_seqs"])]
+    for session in sessions:
+        await send(service, session, random_tokens(rng, 200), 4)
+    assert all(s.has_engine_request for s in sessions)
+    waiting = asyncio.create_task(generate_once(small_engine, random_tokens(rng, 900), 8))
+    try:
+        done, _ = await asyncio.wait({waiting}, timeout=15)
+        assert not done, "the completion was answered with every slot held: the scenario is not a full device"
+    finally:
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
         await service.stop()
 
 
