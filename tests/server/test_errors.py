@@ -196,9 +196,19 @@ async def test_non_streaming_disconnect_undoes_the_chunk_too(server: str, engine
         expected = await uninterrupted(http)
         victim = await new_session(http)
         await http.post(f"/v1/sessions/{victim}/chunks", json={"input": FIRST, "max_tokens": 4})
-    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=0.5) as impatient:
-        with pytest.raises(httpx.ReadTimeout):
-            await impatient.post(f"/v1/sessions/{victim}/chunks", json={"input": CUT, "max_tokens": 1000})
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as impatient, \
+            httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        # The client hangs up once the chunk is generating (its connection closes).
+        request = asyncio.create_task(
+            impatient.post(f"/v1/sessions/{victim}/chunks", json={"input": CUT, "max_tokens": 1000}))
+        deadline = asyncio.get_running_loop().time() + 30
+        while (await http.get(f"/v1/sessions/{victim}")).json()["status"] != "generating":
+            assert not request.done(), "the chunk ended before the client could hang up"
+            assert asyncio.get_running_loop().time() < deadline, "the chunk never started"
+            await asyncio.sleep(0.02)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         await assert_chunk_undone_and_session_goes_on(http, engine, victim, expected)
 

@@ -112,13 +112,23 @@ def test_layerwise_load_copies_the_last_page_first_and_each_layer_on_demand() ->
     for tensor, before in zip(tensors, original):
         assert torch.equal(tensor[11], before[6])  # the last page: inline
         assert not tensor[8:11].any()  # the rest: still queued
-    waiter = threading.Thread(target=worker.wait_for_tensor, args=(0,))
+    # What layer 0's pages hold the moment its wait returns: a wait that returned
+    # before the held copy thread was released would see zeros there.
+    seen_at_return: list[torch.Tensor] = []
+
+    def wait_for_layer_0() -> None:
+        worker.wait_for_tensor(0)
+        seen_at_return.append(tensors[0][8:11].clone())
+
+    waiter = threading.Thread(target=wait_for_layer_0)
     waiter.start()
+    # Time for a wrong wait to return early (a right one blocks until the release);
+    # no outcome depends on this pause's length, only how likely a wrong wait is seen.
     waiter.join(timeout=0.2)
-    assert waiter.is_alive()  # layer 0's pages are not in yet
     release.set()
     waiter.join(timeout=30)
-    assert torch.equal(tensors[0][8:11], original[0][3:6])
+    assert not waiter.is_alive(), "layer 0's wait never returned"
+    assert torch.equal(seen_at_return[0], original[0][3:6])
     worker.wait_for_tensor(None)
     for tensor, before in zip(tensors, original):
         assert torch.equal(tensor[TARGETS], before[DEVICE_BLOCKS])
