@@ -79,8 +79,12 @@ def test_store_quick(tmp_path: Path) -> None:
 
 def test_transport_quick(tmp_path: Path) -> None:
     result = run_quick("transport", tmp_path)
-    assert set(result["per_side"]) == {"in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx"}
+    assert set(result["per_side"]) == {"in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx",
+                                       "sse-httpx", "rest-bare", "sse-bare", "websocket-bare"}
     assert all(len(samples) == 8 for samples in result["samples_ms"].values())
+    # Each side's own CPU was counted, and the bare hop's beside ours.
+    assert all(row["client_cpu_ms_per_chunk"] > 0 for row in result["per_side"].values())
+    assert result["per_side"]["rest"]["p50_over_in_process_and_bare_hop_ms"] is not None
 
 
 def test_soak_quick(tmp_path: Path) -> None:
