@@ -13,6 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from app.sessions.protocol import ChunkUsage, PromptTokensDetails
+
 
 @dataclass(frozen=True)
 class PrefillSources:
@@ -87,3 +89,19 @@ class ProvenanceRecorder:
 
         process_outputs._provenance_recorder = self  # type: ignore[attr-defined]
         processor.process_outputs = process_outputs
+
+
+def chunk_usage(prompt_tokens: int, completion_tokens: int, sources: PrefillSources) -> ChunkUsage:
+    """A chunk's usage: its prompt is the whole context it attends over."""
+    cached = sources.device_tokens + sources.cpu_tier_tokens
+    return ChunkUsage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=cached,
+            device_tokens=sources.device_tokens,
+            cpu_tier_tokens=sources.cpu_tier_tokens,
+            computed_tokens=max(prompt_tokens - cached, 0),
+        ),
+    )

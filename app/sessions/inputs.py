@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm import SamplingParams
@@ -20,6 +22,40 @@ from app.sessions.protocol import (
 
 DEFAULT_MAX_TOKENS = 16
 SESSION_ID = re.compile(SESSION_ID_PATTERN)
+
+
+@dataclass
+class Turn:
+    """What a chunk sends: its token ids, and where in the session's context they go.
+    ``start`` None: after the whole context (a streaming session's normal append).
+    Otherwise the context is cut to its first ``start`` tokens first: a chat whose
+    template rewrote an earlier turn keeps the prefix it shares with the new rendering
+    and recomputes only the rest."""
+
+    input_ids: list[int]
+    start: int | None = None
+
+
+# A chunk whose tokens depend on the session's context at the moment it runs (a chat
+# turn that re-renders the conversation): called with the context, under the lock.
+TurnPlan = Callable[[list[int]], Turn]
+ChunkInput = str | list[int] | list[ChatMessage] | TurnPlan
+
+
+def plan(tokenizer: Any, vocab_size: int, chunk_input: ChunkInput, context_ids: list[int]) -> Turn:
+    """The chunk's ``Turn`` against ``context_ids``."""
+    if callable(chunk_input):
+        turn = chunk_input(context_ids)
+        check_token_ids(turn.input_ids, vocab_size, "input")
+        if turn.start is not None and not 0 <= turn.start <= len(context_ids):
+            raise ValueError(f"a turn cannot start at {turn.start} of a {len(context_ids)}-token context")
+        return turn
+    return Turn(encode(tokenizer, vocab_size, chunk_input, context_ids))
+
+
+def depends_on_context(chunk_input: ChunkInput) -> bool:
+    """Whether the chunk must be planned again once its session's lock is held."""
+    return callable(chunk_input) or (bool(chunk_input) and isinstance(chunk_input[0], ChatMessage))
 
 
 def check_session_id(session_id: str) -> None:

@@ -263,22 +263,29 @@ class SessionRegistry:
         with contextlib.suppress(StoreUnavailableError):
             await self.store.release_lease(session.id, self._replica)
 
-    async def commit(self, session: StreamingSession, result: ChunkResult, context_before: int) -> None:
-        """Write the chunk's tokens to the store. If the store does not take them,
-        the chunk is undone (its engine request aborted, the transcript as before)
-        and the client gets an error instead of the chunk's end."""
+    async def commit(
+        self, session: StreamingSession, result: ChunkResult, context_before: int,
+        transcript_before: list[int] | None = None,
+    ) -> None:
+        """Write the chunk's tokens to the store (a chunk that cut the context, with
+        where it starts). If the store does not take them, the chunk is undone (its
+        engine request aborted, the transcript as before: ``transcript_before`` for a
+        chunk that cut it) and the client gets an error instead of the chunk's end."""
         if not self.store.durable:
             return
+        first = context_before if result.start is None else result.start
         try:
             committed: bool | None = await self.store.commit_chunk(
-                session.id, self._replica, result.index, session.token_ids[context_before:], session.last_activity
+                session.id, self._replica, result.index, session.token_ids[first:], session.last_activity,
+                start=result.start,
             )
         except StoreUnavailableError as exc:
             logger.warning("session %s: chunk %d not committed: %s", session.id, result.index, exc)
             committed = None
         if committed:
             return
-        await session.restart_from(session.token_ids[:context_before], result.index)
+        before = transcript_before if transcript_before is not None else session.token_ids[:context_before]
+        await session.restart_from(before, result.index)
         if committed is None:
             raise errors.chunk_not_kept()
         raise errors.chunk_in_flight()  # the lease expired and another replica took the session

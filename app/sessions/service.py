@@ -29,7 +29,6 @@ from app.sessions.admission import DeviceCapacity, SchedulerObserver, observer_o
 from app.sessions.errors import ChunkRefusedError, SessionFailedError
 from app.sessions.parking import Parking
 from app.sessions.protocol import (
-    ChatMessage,
     SamplingOptions,
     SessionCreateRequest,
     SessionDefaults,
@@ -225,7 +224,7 @@ class SessionService:
 
     # ------------------------------------------------------------------ chunks
     async def start_chunk(
-        self, owner: str, session_id: str, chunk_input: str | list[int] | list[ChatMessage], options: SamplingOptions,
+        self, owner: str, session_id: str, chunk_input: inputs.ChunkInput, options: SamplingOptions,
         *, transport: str, wait: bool,
     ) -> ChunkRun:
         """Check a chunk, take its session's lock and lease, admit it onto the device
@@ -234,10 +233,10 @@ class SessionService:
         (websockets) queues behind it, in order."""
         with self._counted():
             session = await self.registry.open_session(owner, session_id)
-            input_ids = inputs.encode(self.tokenizer, self._vocab_size, chunk_input, session.token_ids)
+            turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids)
             params = self._sampling_params(session, options)
-            self._check_chunk(session, input_ids, params)
-            await self.limits.charge_tokens(owner, len(input_ids) + (params.max_tokens or 0))
+            self._check_chunk(session, turn, params)
+            await self.limits.charge_tokens(owner, len(turn.input_ids) + (params.max_tokens or 0))
             if not wait and session.answering:
                 raise errors.chunk_in_flight()
             await session.lock.acquire()
@@ -248,11 +247,12 @@ class SessionService:
                     raise errors.session_closed(session.id, session.close_reason)
                 leased = await self.registry.take_lease(session)
                 params = self._sampling_params(session, options)  # defaults may have changed elsewhere
-                if chunk_input and isinstance(chunk_input[0], ChatMessage):
+                if inputs.depends_on_context(chunk_input):
                     # A chat turn closes the reply it follows: the one of the chunk waited for.
-                    input_ids = inputs.encode(self.tokenizer, self._vocab_size, chunk_input, session.token_ids)
-                self._check_chunk(session, input_ids, params)
-                await self.parking.admit(session, len(session.token_ids) + len(input_ids) + (params.max_tokens or 0))
+                    turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids)
+                self._check_chunk(session, turn, params)
+                context = len(session.token_ids) if turn.start is None else turn.start
+                await self.parking.admit(session, context + len(turn.input_ids) + (params.max_tokens or 0))
             except BaseException:
                 if leased:
                     await self.registry.release_lease(session)
@@ -261,7 +261,7 @@ class SessionService:
         # From here on the run owns the lock, the lease and the reservation.
         renewal = asyncio.create_task(self.registry.renew_lease(session)) if leased else None
         run = ChunkRun(
-            session, lambda run: self._chunk_events(run, input_ids, params, transport),
+            session, lambda run: self._chunk_events(run, turn, params, transport),
             lambda run: self._release_chunk(run, renewal),
         )
         self._runs.add(run)
@@ -271,22 +271,25 @@ class SessionService:
         return inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens, self._vocab_size,
                                       self._model_sampling)
 
-    def _check_chunk(self, session: StreamingSession, input_ids: list[int], params: Any) -> None:
-        inputs.check_chunk(len(session.token_ids), session.max_tokens, input_ids, params,
-                           self._settings.max_chunk_tokens)
+    def _check_chunk(self, session: StreamingSession, turn: inputs.Turn, params: Any) -> None:
+        context = len(session.token_ids) if turn.start is None else turn.start
+        inputs.check_chunk(context, session.max_tokens, turn.input_ids, params, self._settings.max_chunk_tokens)
 
     async def _chunk_events(
-        self, run: ChunkRun, input_ids: list[int], params: Any, transport: str
+        self, run: ChunkRun, turn: inputs.Turn, params: Any, transport: str
     ) -> AsyncIterator[ChunkEvent]:
         """The chunk's events, run in its ChunkRun's task: the result is committed to
         the store before it is yielded."""
         session = run.session
         context_before = len(session.token_ids)
+        cut = turn.start is not None and turn.start != context_before
+        transcript_before = list(session.token_ids) if cut else None  # what an undone cut restores
         with self._counted():
             try:
-                async for event in session.generate(input_ids, params, run.stop_requested):
+                async for event in session.generate(turn.input_ids, params, run.stop_requested,
+                                                    start=turn.start if cut else None):
                     if isinstance(event, ChunkResult):
-                        await self.registry.commit(session, event, context_before)
+                        await self.registry.commit(session, event, context_before, transcript_before)
                         run.committed = True
                         self._observe(event, transport)
                     yield event

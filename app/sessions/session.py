@@ -29,9 +29,9 @@ from typing import Any
 from vllm.engine.protocol import StreamingInput
 from vllm.inputs.engine import tokens_input
 
-from app.provenance import PrefillSources, ProvenanceRecorder, resume_source
+from app.provenance import PrefillSources, ProvenanceRecorder, chunk_usage, resume_source
 from app.sessions.errors import ChunkRefusedError, SessionFailedError, is_input_error
-from app.sessions.protocol import ChunkUsage, PromptTokensDetails, SessionDefaults, SessionStatus
+from app.sessions.protocol import ChunkUsage, SessionDefaults, SessionStatus
 from app.store import SessionRecord
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class ChunkResult:
     time_to_first_token: float | None
     # For the first chunk after a park: where its prefix came from.
     resumed_from: str | None = None
+    # Where the chunk began when it cut the context (a re-rendered chat turn); None: at its end.
+    start: int | None = None
 
 
 class StreamingSession:
@@ -179,7 +181,7 @@ class StreamingSession:
 
     # ------------------------------------------------------------------ chunks
     async def generate(
-        self, input_ids: list[int], params: Any, stop: asyncio.Event | None = None
+        self, input_ids: list[int], params: Any, stop: asyncio.Event | None = None, start: int | None = None
     ) -> AsyncGenerator[ChunkDelta | ChunkResult, None]:
         """Append one chunk and stream its answer; the caller holds ``self.lock``.
 
@@ -188,12 +190,20 @@ class StreamingSession:
         the session, parked, holds the transcript from before the chunk (as the store
         does: a chunk is committed at its end), so the client can send it again.
         ``stop`` ends the answer at the next token instead and keeps what was generated
-        (finish reason ``cancelled``); the next chunk resumes from it."""
+        (finish reason ``cancelled``); the next chunk resumes from it. ``start`` cuts
+        the context to its first ``start`` tokens before the chunk: the engine request
+        ends (its KV kept in the CPU tier) and a new one resumes from the kept prefix."""
         if self.closed:
             raise SessionFailedError(f"session {self.id} is closed ({self.close_reason})")
         await self._settle_abandoned()
         self._undone = False
         index = self.num_chunks
+        transcript_before = self.token_ids  # what an undone chunk restores
+        if start is not None:
+            if not await self.park():
+                self._drop_request(self.token_ids, self.num_chunks)
+                await self._settle_abandoned()
+            self.token_ids = self.token_ids[:start]
         context_before = len(self.token_ids)
         started = time.monotonic()
         self.status = "generating"
@@ -247,7 +257,7 @@ class StreamingSession:
             if not finished_cleanly and not self.closed:
                 # The consumer stopped early (a client disconnect cancels it): a
                 # request cannot resume from the middle of a chunk, so undo it.
-                self._abandon(context_before, index)
+                self._abandon(transcript_before[:context_before] if start is None else transcript_before, index)
 
         recorded = self._recorder.pop(self.request_id) if self._recorder else None
         if new_request:
@@ -258,7 +268,7 @@ class StreamingSession:
             # A chunk of a live request attends over the session's context on device
             # (but the token sent again, which it computes with the chunk).
             sources = PrefillSources(device_tokens=context_before - len(self._unsent), cpu_tier_tokens=0)
-        usage = self._usage(context_before, input_ids, token_ids, sources)
+        usage = chunk_usage(context_before + len(input_ids), len(token_ids), sources)
         if finish_reason == CANCELLED:
             # The request ends here; the next chunk resumes from every token so far.
             await self.restart_from(self.token_ids + list(input_ids) + token_ids, self.num_chunks + 1)
@@ -278,22 +288,7 @@ class StreamingSession:
             usage=usage,
             time_to_first_token=None if first_token_at is None else first_token_at - started,
             resumed_from=resume_source(sources) if resumed else None,
-        )
-
-    @staticmethod
-    def _usage(context_before: int, input_ids: list[int], output_ids: list[int], sources: PrefillSources) -> ChunkUsage:
-        prompt_tokens = context_before + len(input_ids)
-        cached = sources.device_tokens + sources.cpu_tier_tokens
-        return ChunkUsage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=len(output_ids),
-            total_tokens=prompt_tokens + len(output_ids),
-            prompt_tokens_details=PromptTokensDetails(
-                cached_tokens=cached,
-                device_tokens=sources.device_tokens,
-                cpu_tier_tokens=sources.cpu_tier_tokens,
-                computed_tokens=max(prompt_tokens - cached, 0),
-            ),
+            start=start,
         )
 
     # ------------------------------------------------------------------ engine
@@ -338,11 +333,11 @@ class StreamingSession:
         self.status = "parked"
         return True
 
-    def _abandon(self, context_before: int, index: int) -> None:
+    def _abandon(self, transcript: list[int], index: int) -> None:
         """Undo the chunk in flight without waiting (this runs while the chunk's
         consumer is being cancelled): the session, parked, holds the transcript
         from before it."""
-        self._drop_request(self.token_ids[:context_before], index)
+        self._drop_request(transcript, index)
         self._undone = True
 
     def _drop_request(self, token_ids: list[int], num_chunks: int) -> None:

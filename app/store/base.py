@@ -95,11 +95,13 @@ class SessionStore(abc.ABC):
 
     @abc.abstractmethod
     async def commit_chunk(
-        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float
+        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float,
+        start: int | None = None,
     ) -> bool:
-        """Append chunk ``index``'s tokens to the transcript and release the lease,
-        in one transaction; False (and nothing written) if ``holder`` lost the
-        lease or the session already has a chunk ``index``."""
+        """Append chunk ``index``'s tokens to the transcript (cut to its first ``start``
+        tokens first, if given) and release the lease, in one transaction; False (and
+        nothing written) if ``holder`` lost the lease or the session already has a
+        chunk ``index``."""
 
     @abc.abstractmethod
     async def expire(self, idle_before: float, purge_closed_before: float) -> int:
@@ -138,7 +140,8 @@ class NullStore(SessionStore):
         return None
 
     async def commit_chunk(
-        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float
+        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float,
+        start: int | None = None,
     ) -> bool:
         return True
 

@@ -65,6 +65,7 @@ session_chunks = sa.Table(
     sa.Column("session_id", sa.String(128), sa.ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True),
     sa.Column("idx", sa.Integer, primary_key=True),
     sa.Column("token_ids", sa.LargeBinary, nullable=False),
+    sa.Column("start", sa.Integer),  # where in the transcript the chunk begins; NULL: at its end
 )
 RECORD_COLUMNS = [c for c in sessions.c if not c.name.startswith("lease_")]
 
@@ -202,11 +203,15 @@ class SQLSessionStore(SessionStore):
             if row is None:
                 return None
             chunks = await conn.execute(
-                sa.select(session_chunks.c.token_ids)
+                sa.select(session_chunks.c.token_ids, session_chunks.c.start)
                 .where(session_chunks.c.session_id == session_id)
                 .order_by(session_chunks.c.idx)
             )
-            transcript = [t for (data,) in chunks for t in unpack_tokens(data)]
+            transcript: list[int] = []
+            for data, start in chunks:
+                if start is not None:
+                    del transcript[start:]
+                transcript += unpack_tokens(data)
         return _record(row), transcript
 
     async def list_open(self, owner: str) -> list[SessionRecord]:
@@ -261,21 +266,23 @@ class SQLSessionStore(SessionStore):
             )
 
     async def commit_chunk(
-        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float
+        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float,
+        start: int | None = None,
     ) -> bool:
         c = sessions.c
+        num_tokens = c.num_tokens + len(token_ids) if start is None else start + len(token_ids)
         try:
             async with self._transaction() as conn:
                 result = await conn.execute(
                     sessions.update()
                     .where(c.id == session_id, c.lease_holder == holder, c.num_chunks == index)
-                    .values(num_chunks=index + 1, num_tokens=c.num_tokens + len(token_ids),
+                    .values(num_chunks=index + 1, num_tokens=num_tokens,
                             last_activity=last_activity, status="active", lease_holder=None, lease_expires=None)
                 )
                 if result.rowcount != 1:
                     return False
                 await conn.execute(session_chunks.insert().values(
-                    session_id=session_id, idx=index, token_ids=pack_tokens(token_ids)))
+                    session_id=session_id, idx=index, token_ids=pack_tokens(token_ids), start=start))
         except IntegrityError:
             return False  # chunk ``index`` exists: written by another replica
         return True

@@ -23,6 +23,7 @@ import pytest_asyncio
 from app.errors import APIError
 from app.metrics import session_metrics
 from app.sessions.admission import DeviceCapacity
+from app.sessions.inputs import Turn
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
 from app.sessions.service import SessionService
 from app.sessions.session import ChunkResult, StreamingSession
@@ -150,6 +151,44 @@ async def test_negative_control_without_the_tail_store_the_resume_misses_the_tie
     details = results[-1].usage.prompt_tokens_details
     # Only the prompt part reached the tier: the last chunk's 39 outputs are recomputed.
     assert details.cpu_tier_tokens < transcript - BLOCK, details
+
+
+async def test_a_turn_that_cuts_the_context_resumes_from_the_kept_prefix(service: SessionService, engine: Any) -> None:
+    """A chunk may cut the context to a prefix and continue from there (a chat turn whose
+    template rewrote an earlier turn). Oracle: float32 greedy, a salted recompute of the
+    kept prefix plus the chunk; the kept prefix is served from cache, not recomputed;
+    the store replays the cut; and a cut chunk that is undone restores the whole
+    context (checked by a later append matching a never-cut recompute)."""
+    rng = random.Random(9)
+    session = await open_session(service)
+    for n, m in ((100, 8), (100, 8)):
+        await send(service, session, random_tokens(rng, n), m)
+    context, keep, chunk = list(session.token_ids), 150, random_tokens(rng, 20)
+
+    def cut_turn(context_ids: list[int]) -> Turn:
+        return Turn(chunk, start=keep)
+
+    run = await service.start_chunk(OWNER, session.id, cut_turn, SamplingOptions(max_tokens=8),
+                                    transport="test", wait=True)
+    result = await run.result()
+    assert result.start == keep and result.usage.prompt_tokens == keep + len(chunk)
+    assert session.token_ids == context[:keep] + chunk + result.token_ids
+    recomputed = await generate_once(engine, context[:keep] + chunk, 8, recompute=True)
+    assert result.token_ids == list(recomputed.outputs[0].token_ids)
+    assert result.usage.prompt_tokens_details.cached_tokens >= keep // BLOCK * BLOCK, result.usage
+    if service.store.durable:
+        loaded = await service.store.load(session.id)
+        assert loaded is not None and loaded[1] == session.token_ids
+
+    # Undone: the client leaves mid-answer; the context is whole again.
+    context = list(session.token_ids)
+    run = await service.start_chunk(OWNER, session.id, cut_turn, SamplingOptions(max_tokens=400),
+                                    transport="test", wait=True)
+    async for _ in run.events():
+        break  # leaving the events early cancels the chunk
+    await run.released
+    assert session.token_ids == context
+    await service.close(OWNER, session.id)
 
 
 async def test_parking_keeps_closed_and_failed_rules(service: SessionService) -> None:

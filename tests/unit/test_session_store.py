@@ -87,6 +87,21 @@ async def test_a_session_and_its_transcript_outlive_the_store_object(store: SQLS
         await reopened.close()
 
 
+async def test_a_chunk_that_cuts_the_transcript_is_loaded_cut(store: SQLSessionStore) -> None:
+    """A re-rendered chat turn keeps a prefix of the context and replaces the rest: its
+    chunk records where it starts, and a load replays the cut."""
+    session_id = unique("cut")
+    await store.create(record(session_id))
+    for index, (tokens, start) in enumerate((([1, 2, 3, 4], None), ([5, 6], None), ([9, 9, 9], 3), ([8], None))):
+        assert isinstance(await store.acquire_lease(session_id, "replica-a", 30), SessionRecord)
+        assert await store.commit_chunk(session_id, "replica-a", index, tokens, time.time(), start=start)
+    loaded = await store.load(session_id)
+    assert loaded is not None
+    row, transcript = loaded
+    assert transcript == [1, 2, 3, 9, 9, 9, 8]
+    assert (row.num_chunks, row.num_tokens) == (4, 7)
+
+
 async def test_one_lease_holder_at_a_time_and_a_lost_holders_lease_expires(store: SQLSessionStore) -> None:
     session_id = unique("leased")
     await store.create(record(session_id))
