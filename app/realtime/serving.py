@@ -2,8 +2,11 @@
 
 Items that arrive before a ``response.create`` become one chunk of the session:
 the close of the previous reply, the model's chat template rendered for just those
-items, and the assistant prefix (``app.sessions.chat.render_turn``). The session's KV is reused across turns, so each turn
-computes only its new items. A response streams the chunk's answer as the GA
+items, and the assistant prefix (``app.sessions.chat.plan_turn``). The session's KV is
+reused across turns, so each turn computes only its new items. Where the template
+rewrites earlier turns, or the instructions in force change (``session.update``, or a
+response's own, which apply to it only), the conversation (kept with the session, in
+the store) is rendered again and the context kept up to where the two part. A response streams the chunk's answer as the GA
 event sequence; ``response.cancel`` ends it at the next token, and the session
 keeps what was generated.
 """
@@ -21,7 +24,8 @@ from pydantic import BaseModel
 
 from app.errors import APIError
 from app.realtime.protocol import ClientEventError, new_id
-from app.sessions.chat import render_turn
+from app.sessions.chat import ChatState, Messages, plan_turn, rerender
+from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions
 from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
@@ -37,7 +41,6 @@ def check_max_output_tokens(value: int | str | None, param: str, event_id: str |
 class RealtimeConfig:
     instructions: str | None = None
     max_output_tokens: int | None = None
-    instructions_sent: bool = False
     # The client's audio settings, echoed back and otherwise unused: clients such as
     # the Agents SDK's Realtime model always send them, text output or not.
     audio: Any = None
@@ -57,8 +60,15 @@ class Conversation:
     pending: list[dict[str, str]] = field(default_factory=list)
     response: asyncio.Task[None] | None = None
     run: ChunkRun | None = None
+    # For a session whose context is not a chat's: the instructions last added to it.
+    sent_instructions: str | None = None
     _event_ids: int = 0
     _event_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        # Attached to a session that has a conversation: its instructions are in force.
+        if self.session.chat is not None:
+            self.config.instructions = self.session.chat.instructions
 
     def event_id(self) -> str:
         """Unique across connections too: a random prefix per connection, then a count."""
@@ -94,9 +104,8 @@ class Conversation:
         if isinstance(update.max_output_tokens, int) and update.max_output_tokens > limit:
             raise ClientEventError(f"max_output_tokens may be at most {limit}.", "max_tokens_too_large",
                                    "session.max_output_tokens", event.event_id)
-        if update.instructions is not None and update.instructions != self.config.instructions:
-            self.config.instructions = update.instructions
-            self.config.instructions_sent = False  # reaches the model with the next turn
+        if update.instructions is not None:
+            self.config.instructions = update.instructions  # they reach the model with the next turn
         if update.max_output_tokens is not None:
             self.config.max_output_tokens = None if update.max_output_tokens == "inf" else update.max_output_tokens
         if update.audio is not None:  # output is text (checked above): audio settings change nothing
@@ -155,28 +164,46 @@ class Conversation:
             if isinstance(overrides.max_output_tokens, int):
                 max_tokens = overrides.max_output_tokens
             instructions = overrides.instructions
-        messages = list(self.pending)
-        if self.config.instructions and not self.config.instructions_sent:
-            messages.insert(0, {"role": "system", "content": self.config.instructions})
-        if instructions:
-            messages.insert(0, {"role": "system", "content": instructions})
-        try:
-            text = render_turn(self.tokenizer, messages, self.session.token_ids)
-        except ValueError as exc:
-            raise ClientEventError(str(exc), "template_error", None, event.event_id) from None
-        input_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        in_force = (instructions if instructions is not None else self.config.instructions) or None
+        plan = self._turn_plan(list(self.pending), in_force)
         options = SamplingOptions(max_tokens=max_tokens or self.service.max_chunk_output_tokens)
         try:
             await self.service.limits.admit_request(self.owner)
             self.run = await self.service.start_chunk(
-                self.owner, self.session.id, input_ids, options, transport="realtime", wait=True
+                self.owner, self.session.id, plan, options, transport="realtime", wait=True
             )
         except APIError as exc:
             raise ClientEventError(exc.message, exc.code, exc.param, event.event_id) from None
-        # The turn is on its way to the model: its items and instructions are sent.
+        # The turn is on its way to the model: its items are sent.
         self.pending.clear()
-        self.config.instructions_sent = True
+        self.sent_instructions = in_force
         self.response = asyncio.create_task(self._respond(self.run), name=f"realtime-{self.session.id}")
+
+    def _turn_plan(self, messages: Messages, instructions: str | None) -> TurnPlan:
+        """The turn, planned against the session's context once its lock is held. The
+        instructions in force head the conversation: where they differ from those its
+        context renders (changed by ``session.update``, or a response's own), the
+        conversation is rendered again and the context kept up to where it parts (the
+        recompute shows in the usage); otherwise the turn is appended."""
+        tokenizer = self.tokenizer
+        instructions = instructions or None
+        # A context not built from chat messages: its turns are not known, so
+        # instructions can only be added, as a system message, when they change.
+        head = [{"role": "system", "content": instructions}] if instructions and instructions != self.sent_instructions \
+            else []
+
+        def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
+            if conversation is None:
+                ids, start = plan_turn(tokenizer, None, head + messages, context_ids)
+                return Turn(ids, start, None)
+            if instructions != conversation.instructions:
+                wanted = ChatState(instructions, conversation.messages + messages)
+                ids, start = rerender(tokenizer, wanted.rendered(), context_ids)
+                return Turn(ids, start, wanted)
+            ids, start_or_none = plan_turn(tokenizer, conversation.rendered(), messages, context_ids)
+            return Turn(ids, start_or_none, conversation.with_messages(messages))
+
+        return plan
 
     async def cancel_response(self, event: rt.ResponseCancelEvent) -> None:
         if self.response is None or self.response.done() or self.run is None:

@@ -12,11 +12,40 @@ already closed: a reply that ended on its own ends on the template's end-of-turn
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
 
 Messages = list[dict[str, str]]
+
+
+@dataclass
+class ChatState:
+    """A chat session's conversation, as its context renders it: the instructions (a
+    system message at its head) and every message since, replies included."""
+
+    instructions: str | None = None
+    messages: Messages = field(default_factory=list)
+
+    def rendered(self) -> Messages:
+        head = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return head + self.messages
+
+    def with_messages(self, messages: Messages) -> ChatState:
+        return ChatState(self.instructions, self.messages + messages)
+
+    def dump(self) -> dict[str, Any]:
+        return {"instructions": self.instructions, "messages": self.messages}
+
+    @classmethod
+    def load(cls, data: dict[str, Any] | None) -> ChatState | None:
+        return None if data is None else cls(data.get("instructions"), list(data.get("messages", [])))
+
+
+class NotIncrementalError(ValueError):
+    """The template renders an earlier turn differently once a later one follows
+    (Qwen3 drops a reply's reasoning block once a user message comes after it)."""
 
 # A stand-in conversation whose rendering is the prefix that a later turn continues.
 _BEFORE_A_TURN: Messages = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
@@ -37,8 +66,46 @@ def render_turn(tokenizer: Any, messages: Messages, context_ids: list[int]) -> s
     before = _apply(tokenizer, _BEFORE_A_TURN)
     full = _apply(tokenizer, _BEFORE_A_TURN + messages, generation_prompt=True)
     if not full.startswith(before):
-        raise ValueError("the model's chat template does not render conversations incrementally")
+        raise NotIncrementalError("the model's chat template does not render conversations incrementally")
     return reply_close(tokenizer, context_ids[-1]) + full[len(before):]
+
+
+def plan_turn(tokenizer: Any, conversation: Messages | None, messages: Messages,
+              context_ids: list[int]) -> tuple[list[int], int | None]:
+    """The token ids of the turn ``messages`` and where they go (None: after the whole
+    context), for a session whose context is ``context_ids`` and holds ``conversation``
+    (every message so far, replies included; None where it is not known).
+
+    Where the template renders incrementally, the turn is appended (each reply's own
+    token ids kept). Where it rewrites an earlier turn, the whole conversation is
+    rendered again and the turn starts where that rendering parts from the context:
+    the session keeps the common prefix and recomputes only the rest."""
+    try:
+        return _encode(tokenizer, render_turn(tokenizer, messages, context_ids)), None
+    except NotIncrementalError:
+        if conversation is None:
+            raise NotIncrementalError(
+                "the model's chat template rewrites earlier turns, and this session's earlier turns are not "
+                "known as messages (its context was not built from chat messages here)") from None
+        return rerender(tokenizer, conversation + messages, context_ids)
+
+
+def rerender(tokenizer: Any, conversation: Messages, context_ids: list[int]) -> tuple[list[int], int]:
+    """The whole ``conversation`` with the assistant prefix, against ``context_ids``: the
+    ids past their longest common prefix, and where that prefix ends (at least one id
+    is sent: a chunk is never empty)."""
+    ids = _encode(tokenizer, _apply(tokenizer, conversation, generation_prompt=True))
+    keep = 0
+    for ours, theirs in zip(context_ids, ids):
+        if ours != theirs:
+            break
+        keep += 1
+    keep = min(keep, len(ids) - 1)
+    return ids[keep:], keep
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def max_messages(tokenizer: Any, max_tokens: int) -> int | None:
@@ -75,7 +142,10 @@ _CLOSES: dict[tuple[int, str], str] = {}
 
 def _apply(tokenizer: Any, messages: Messages, generation_prompt: bool = False) -> str:
     try:
-        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
+        # The template named explicitly: vLLM's tokenizer pool renders on copies of the
+        # tokenizer, which would not see a template set on it after it was built.
+        return str(tokenizer.apply_chat_template(messages, chat_template=tokenizer.chat_template, tokenize=False,
+                                                 add_generation_prompt=generation_prompt))
     except TemplateError as exc:
         # A template that refuses the conversation (Gemma: no system role; Mistral:
         # roles must alternate): the client's input, not a server fault.

@@ -34,23 +34,40 @@ class Turn:
 
     input_ids: list[int]
     start: int | None = None
+    # The conversation once this turn's messages are in (its reply is added when it
+    # ends); None where the context is not a chat's (raw text or token ids).
+    chat: chat.ChatState | None = None
 
 
 # A chunk whose tokens depend on the session's context at the moment it runs (a chat
-# turn that re-renders the conversation): called with the context, under the lock.
-TurnPlan = Callable[[list[int]], Turn]
+# turn that re-renders the conversation): called with the context and its
+# conversation, under the lock.
+TurnPlan = Callable[[list[int], "chat.ChatState | None"], Turn]
 ChunkInput = str | list[int] | list[ChatMessage] | TurnPlan
 
 
-def plan(tokenizer: Any, vocab_size: int, chunk_input: ChunkInput, context_ids: list[int]) -> Turn:
-    """The chunk's ``Turn`` against ``context_ids``."""
+def plan(tokenizer: Any, vocab_size: int, chunk_input: ChunkInput, context_ids: list[int],
+         conversation: chat.ChatState | None) -> Turn:
+    """The chunk's ``Turn`` against ``context_ids``, which renders ``conversation``."""
     if callable(chunk_input):
-        turn = chunk_input(context_ids)
-        check_token_ids(turn.input_ids, vocab_size, "input")
-        if turn.start is not None and not 0 <= turn.start <= len(context_ids):
-            raise ValueError(f"a turn cannot start at {turn.start} of a {len(context_ids)}-token context")
-        return turn
-    return Turn(encode(tokenizer, vocab_size, chunk_input, context_ids))
+        try:
+            turn = chunk_input(context_ids, conversation)
+        except ValueError as exc:  # the template refused the conversation
+            raise APIError(400, str(exc), code="template_error", param="input") from exc
+    elif chunk_input and isinstance(chunk_input[0], ChatMessage):
+        messages = [message.model_dump() for message in chunk_input if isinstance(message, ChatMessage)]
+        try:
+            ids, start = chat.plan_turn(tokenizer, None if conversation is None else conversation.rendered(),
+                                        messages, context_ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="template_error", param="input") from exc
+        turn = Turn(ids, start, None if conversation is None else conversation.with_messages(messages))
+    else:
+        return Turn(encode(tokenizer, vocab_size, chunk_input))
+    check_token_ids(turn.input_ids, vocab_size, "input")
+    if turn.start is not None and not 0 <= turn.start <= len(context_ids):
+        raise ValueError(f"a turn cannot start at {turn.start} of a {len(context_ids)}-token context")
+    return turn
 
 
 def depends_on_context(chunk_input: ChunkInput) -> bool:
@@ -66,17 +83,9 @@ def check_session_id(session_id: str) -> None:
         )
 
 
-def encode(tokenizer: Any, vocab_size: int, chunk_input: str | list[int] | list[ChatMessage],
-           context_ids: list[int]) -> list[int]:
-    """A chunk's token ids: text encoded without special tokens (chunks concatenate into
-    one context), token ids checked against the vocabulary, or chat messages rendered as
-    the next turn after ``context_ids`` (the session's context)."""
-    if chunk_input and isinstance(chunk_input[0], ChatMessage):
-        messages = [message.model_dump() for message in chunk_input if isinstance(message, ChatMessage)]
-        try:
-            chunk_input = chat.render_turn(tokenizer, messages, context_ids)
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="template_error", param="input") from exc
+def encode(tokenizer: Any, vocab_size: int, chunk_input: str | list[int] | list[ChatMessage]) -> list[int]:
+    """A raw chunk's token ids: text encoded without special tokens (chunks concatenate
+    into one context), or token ids checked against the vocabulary."""
     if isinstance(chunk_input, str):
         ids = list(tokenizer.encode(chunk_input, add_special_tokens=False))
         if not ids:

@@ -277,7 +277,7 @@ class SessionRegistry:
         try:
             committed: bool | None = await self.store.commit_chunk(
                 session.id, self._replica, result.index, session.token_ids[first:], session.last_activity,
-                start=result.start,
+                start=result.start, chat=None if session.chat is None else session.chat.dump(),
             )
         except StoreUnavailableError as exc:
             logger.warning("session %s: chunk %d not committed: %s", session.id, result.index, exc)

@@ -233,7 +233,7 @@ class SessionService:
         (websockets) queues behind it, in order."""
         with self._counted():
             session = await self.registry.open_session(owner, session_id)
-            turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids)
+            turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat)
             params = self._sampling_params(session, options)
             self._check_chunk(session, turn, params)
             await self.limits.charge_tokens(owner, len(turn.input_ids) + (params.max_tokens or 0))
@@ -249,7 +249,7 @@ class SessionService:
                 params = self._sampling_params(session, options)  # defaults may have changed elsewhere
                 if inputs.depends_on_context(chunk_input):
                     # A chat turn closes the reply it follows: the one of the chunk waited for.
-                    turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids)
+                    turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat)
                 self._check_chunk(session, turn, params)
                 context = len(session.token_ids) if turn.start is None else turn.start
                 await self.parking.admit(session, context + len(turn.input_ids) + (params.max_tokens or 0))
@@ -289,7 +289,14 @@ class SessionService:
                 async for event in session.generate(turn.input_ids, params, run.stop_requested,
                                                     start=turn.start if cut else None):
                     if isinstance(event, ChunkResult):
-                        await self.registry.commit(session, event, context_before, transcript_before)
+                        chat_before = session.chat
+                        session.chat = turn.chat and turn.chat.with_messages(
+                            [{"role": "assistant", "content": event.text}])
+                        try:
+                            await self.registry.commit(session, event, context_before, transcript_before)
+                        except BaseException:
+                            session.chat = chat_before  # the chunk is undone
+                            raise
                         run.committed = True
                         self._observe(event, transport)
                     yield event

@@ -30,6 +30,7 @@ from vllm.engine.protocol import StreamingInput
 from vllm.inputs.engine import tokens_input
 
 from app.provenance import PrefillSources, ProvenanceRecorder, chunk_usage, resume_source
+from app.sessions.chat import ChatState
 from app.sessions.errors import ChunkRefusedError, SessionFailedError, is_input_error
 from app.sessions.protocol import ChunkUsage, SessionDefaults, SessionStatus
 from app.store import SessionRecord
@@ -100,6 +101,8 @@ class StreamingSession:
         # KV yet), so the next chunk sends it again at its head (one token of prefill).
         self._unsent: list[int] = []
         self.num_chunks = 0
+        # The conversation the context renders, for a chat (None: not a chat's context).
+        self.chat: ChatState | None = ChatState()
         # One chunk in flight: REST callers fail fast on it, websocket callers queue.
         self.lock = asyncio.Lock()
         self._engine = engine
@@ -129,6 +132,7 @@ class StreamingSession:
         session.created = int(record.created)
         session.last_activity = record.last_activity
         session.token_ids = list(transcript)
+        session.chat = ChatState.load(record.chat)
         session.num_chunks = record.num_chunks
         session.status = "closed" if record.status == "closed" else "parked"
         session.close_reason = record.close_reason
@@ -142,7 +146,7 @@ class StreamingSession:
             defaults=self.defaults.model_dump(exclude_none=True), metadata=dict(self.metadata),
             status="closed" if self.closed else "active", close_reason=self.close_reason,
             num_chunks=self.num_chunks, num_tokens=self.num_tokens, created=float(self.created),
-            last_activity=self.last_activity,
+            last_activity=self.last_activity, chat=None if self.chat is None else self.chat.dump(),
         )
 
     @property

@@ -47,6 +47,9 @@ class SessionRecord:
     num_tokens: int
     created: float
     last_activity: float
+    # A chat session's conversation (instructions, messages), JSON-able; None where
+    # its context is not a chat's (raw text or token ids went in).
+    chat: dict[str, Any] | None = None
 
 
 class SessionStore(abc.ABC):
@@ -96,12 +99,12 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     async def commit_chunk(
         self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float,
-        start: int | None = None,
+        start: int | None = None, chat: dict[str, Any] | None = None,
     ) -> bool:
         """Append chunk ``index``'s tokens to the transcript (cut to its first ``start``
-        tokens first, if given) and release the lease, in one transaction; False (and
-        nothing written) if ``holder`` lost the lease or the session already has a
-        chunk ``index``."""
+        tokens first, if given), set the session's ``chat`` state, and release the lease,
+        in one transaction; False (and nothing written) if ``holder`` lost the lease or
+        the session already has a chunk ``index``."""
 
     @abc.abstractmethod
     async def expire(self, idle_before: float, purge_closed_before: float) -> int:
@@ -141,7 +144,7 @@ class NullStore(SessionStore):
 
     async def commit_chunk(
         self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float,
-        start: int | None = None,
+        start: int | None = None, chat: dict[str, Any] | None = None,
     ) -> bool:
         return True
 

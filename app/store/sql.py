@@ -59,6 +59,7 @@ sessions = sa.Table(
     sa.Column("last_activity", sa.Float, nullable=False),
     sa.Column("lease_holder", sa.String(256)),
     sa.Column("lease_expires", sa.Float),
+    sa.Column("chat", sa.Text),  # JSON: a chat session's conversation; NULL: not a chat's context
 )
 session_chunks = sa.Table(
     "session_chunks", metadata,
@@ -100,7 +101,7 @@ def _record(row: Any) -> SessionRecord:
         id=row.id, owner=row.owner, model=row.model, defaults=json.loads(row.defaults),
         metadata=json.loads(row.metadata), status=row.status, close_reason=row.close_reason,
         num_chunks=row.num_chunks, num_tokens=row.num_tokens, created=row.created,
-        last_activity=row.last_activity,
+        last_activity=row.last_activity, chat=None if row.chat is None else json.loads(row.chat),
     )
 
 
@@ -188,6 +189,7 @@ class SQLSessionStore(SessionStore):
                     defaults=json.dumps(record.defaults), metadata=json.dumps(record.metadata),
                     status=record.status, close_reason=record.close_reason, num_chunks=record.num_chunks,
                     num_tokens=record.num_tokens, created=record.created, last_activity=record.last_activity,
+                    chat=None if record.chat is None else json.dumps(record.chat),
                 ))
         except IntegrityError as exc:
             raise SessionExistsError(record.id) from exc
@@ -267,7 +269,7 @@ class SQLSessionStore(SessionStore):
 
     async def commit_chunk(
         self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float,
-        start: int | None = None,
+        start: int | None = None, chat: dict[str, Any] | None = None,
     ) -> bool:
         c = sessions.c
         num_tokens = c.num_tokens + len(token_ids) if start is None else start + len(token_ids)
@@ -277,6 +279,7 @@ class SQLSessionStore(SessionStore):
                     sessions.update()
                     .where(c.id == session_id, c.lease_holder == holder, c.num_chunks == index)
                     .values(num_chunks=index + 1, num_tokens=num_tokens,
+                            chat=None if chat is None else json.dumps(chat),
                             last_activity=last_activity, status="active", lease_holder=None, lease_expires=None)
                 )
                 if result.rowcount != 1:

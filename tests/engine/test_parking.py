@@ -165,7 +165,7 @@ async def test_a_turn_that_cuts_the_context_resumes_from_the_kept_prefix(service
         await send(service, session, random_tokens(rng, n), m)
     context, keep, chunk = list(session.token_ids), 150, random_tokens(rng, 20)
 
-    def cut_turn(context_ids: list[int]) -> Turn:
+    def cut_turn(context_ids: list[int], conversation: Any) -> Turn:
         return Turn(chunk, start=keep)
 
     run = await service.start_chunk(OWNER, session.id, cut_turn, SamplingOptions(max_tokens=8),

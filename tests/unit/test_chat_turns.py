@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.models.builder import ensure_model
-from app.sessions.chat import render_turn
+from app.sessions.chat import NotIncrementalError, plan_turn, render_turn
 
 CHATML = (  # SmolLM2's shape: a default system prompt where the conversation has none
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -40,8 +40,22 @@ MISTRAL = (  # refuses two turns of one role in a row
     "{% if message['role'] == 'user' %}[INST] {{ message['content'] }} [/INST]{% else %}"
     "{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
 )
+QWEN3 = (  # a reply keeps its reasoning block only while no user message follows it
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set content = m.content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- set reasoning = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n')"
+    " if '</think>' in m.content else '' -%}"
+    "{%- if loop.index0 > ns.last_query -%}{{ '<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
+    "{%- else -%}{{ content }}{%- endif -%}"
+    "{%- else -%}{{ m.content }}{%- endif -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-            "<|begin_of_text|>", "<start_of_turn>", "<end_of_turn>"]
+            "<|begin_of_text|>", "<start_of_turn>", "<end_of_turn>", "<think>", "</think>"]
 # Template, its bos token, the token a reply that ends on its own ends with.
 FAMILIES = {"chatml": (CHATML, None, "<|im_end|>"), "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>")}
 # Where the session's tokens are the whole rendering's tokens too. Llama 3's assistant
@@ -124,3 +138,39 @@ def test_a_template_that_refuses_the_conversation_is_a_value_error(
     tokenizer = with_template(base_tokenizer, template, "<|begin_of_text|>")
     with pytest.raises(ValueError, match="refused the conversation"):
         render_turn(tokenizer, messages, [])
+
+
+def test_a_template_that_rewrites_earlier_turns_is_rendered_again_from_the_common_prefix(base_tokenizer: Any) -> None:
+    """Qwen3's shape: each turn after the first cannot be appended (the previous reply
+    loses its reasoning block once a user message follows), so the whole conversation
+    is rendered again and the turn starts where that parts from the context. Oracle:
+    the template over the whole conversation, token for token, after 4 turns; and
+    each re-render recomputes no more than the previous reply and the new turn."""
+    tokenizer = with_template(base_tokenizer, QWEN3, None)
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(NotIncrementalError):
+        render_turn(tokenizer, [{"role": "user", "content": "Hi"}], [end_id])
+    questions = ["What is the capital of France?", "And of Germany?", "Où est Zürich ?", "Thanks."]
+    replies = ["<think>\nA capital.\n</think>\n\nParis.", "<think>\n\n</think>\n\nBerlin.",
+               "<think>\nSwiss.\n</think>\n\nIn Switzerland.", "<think>\n\n</think>\n\nYou are welcome."]
+    context: list[int] = []
+    conversation: list[dict[str, str]] = []
+    for turn, (question, reply) in enumerate(zip(questions, replies, strict=True)):
+        messages = [{"role": "user", "content": question}]
+        ids, start = plan_turn(tokenizer, conversation, messages, context)
+        if turn == 0:
+            assert start is None
+        else:
+            assert start is not None and start < len(context)
+            previous_reply = encode(tokenizer, replies[turn - 1]) + [end_id]
+            assert len(context) - start <= len(previous_reply) + 1, "more than the previous reply was recomputed"
+            context = context[:start]
+        context += ids
+        conversation += messages
+        expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert context == encode(tokenizer, expected)
+        context += encode(tokenizer, reply) + [end_id]
+        conversation.append({"role": "assistant", "content": reply})
+    # Without the conversation (a context built elsewhere), the turn is refused, not guessed.
+    with pytest.raises(NotIncrementalError, match="not known"):
+        plan_turn(tokenizer, None, [{"role": "user", "content": "Bye."}], context)
