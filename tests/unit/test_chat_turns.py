@@ -162,14 +162,14 @@ def test_a_template_that_rewrites_earlier_turns_is_rendered_again_from_the_commo
             assert start is None
         else:
             assert start is not None and start < len(context)
-            previous_reply = encode(tokenizer, replies[turn - 1]) + [end_id]
+            previous_reply = [*encode(tokenizer, replies[turn - 1]), end_id]
             assert len(context) - start <= len(previous_reply) + 1, "more than the previous reply was recomputed"
             context = context[:start]
         context += ids
         conversation += messages
         expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         assert context == encode(tokenizer, expected)
-        context += encode(tokenizer, reply) + [end_id]
+        context += [*encode(tokenizer, reply), end_id]
         conversation.append({"role": "assistant", "content": reply})
     # Without the conversation (a context built elsewhere), the turn is refused, not guessed.
     with pytest.raises(NotIncrementalError, match="not known"):
