@@ -24,7 +24,7 @@ import websockets
 
 from app.sessions.chat import render_turn
 from tests.conftest import auth
-from tests.unit.test_chat_turns import QWEN3
+from tests.unit.test_chat_turns import GEMMA, MISTRAL, QWEN3
 
 pytestmark = pytest.mark.server
 
@@ -169,4 +169,32 @@ async def test_a_template_that_rewrites_earlier_turns_holds_a_four_turn_conversa
                     if turn:
                         # Not the whole conversation: the kept prefix came from cache.
                         assert details["cached_tokens"] > 0, details
+        await http.delete(f"/v1/sessions/{session_id}")
+
+
+@pytest.mark.parametrize(("template", "items"), [
+    (GEMMA, [("system", "Be brief."), ("user", "Hi")]),
+    (MISTRAL, [("user", "Hi"), ("user", "again")]),
+], ids=["gemma-system-role", "mistral-alternation"])
+async def test_a_template_that_refuses_the_conversation_is_an_error_event(
+    server: str, tokenizer: Any, template: str, items: list[tuple[str, str]]
+) -> None:
+    """Gemma's "System role not supported" and Mistral's "roles must alternate" raise in
+    the template: the response is refused with an ``error`` event (it closed the
+    connection with 1011 before), and the connection and its session stay usable."""
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        session_id = await new_session(http)
+        with chat_template(tokenizer, template):
+            async with attached(server, session_id) as connection:
+                for role, text in items:
+                    item = {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
+                    await connection.send({"type": "conversation.item.create", "item": item})
+                    await connection.until("conversation.item.done")
+                await connection.send({"type": "response.create"})
+                error = json.loads(await connection.ws.recv())
+                assert error["type"] == "error" and error["error"]["code"] == "template_error", error
+                await connection.send({"type": "session.update", "session": {"type": "realtime", "instructions": "x"}})
+                await connection.until("session.updated")
+        state = (await http.get(f"/v1/sessions/{session_id}")).json()
+        assert state["status"] != "closed" and state["num_chunks"] == 0, state
         await http.delete(f"/v1/sessions/{session_id}")
