@@ -26,7 +26,7 @@ from app.errors import APIError
 from app.realtime.protocol import ClientEventError, new_id
 from app.sessions.chat import ChatState, Messages, plan_turn, rerender
 from app.sessions.inputs import Turn, TurnPlan
-from app.sessions.protocol import SamplingOptions
+from app.sessions.protocol import SamplingOptions, SessionDefaults
 from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
 from app.sessions.session import CANCELLED, ChunkDelta, ChunkResult, StreamingSession
@@ -66,9 +66,11 @@ class Conversation:
     _event_prefix: str = ""
 
     def __post_init__(self) -> None:
-        # Attached to a session that has a conversation: its instructions are in force.
+        # Attached to a session: its instructions and its answer length are in force.
         if self.session.chat is not None:
             self.config.instructions = self.session.chat.instructions
+        if self.session.defaults.max_tokens is not None:
+            self.config.max_output_tokens = self.session.defaults.max_tokens
 
     def event_id(self) -> str:
         """Unique across connections too: a random prefix per connection, then a count."""
@@ -107,6 +109,12 @@ class Conversation:
         if update.instructions is not None:
             self.config.instructions = update.instructions  # they reach the model with the next turn
         if update.max_output_tokens is not None:
+            # Kept as the session's default (in the store): a client that attaches again has it.
+            value = limit if update.max_output_tokens == "inf" else update.max_output_tokens
+            try:
+                await self.service.update_defaults(self.owner, self.session.id, SessionDefaults(max_tokens=value))
+            except APIError as exc:
+                raise ClientEventError(exc.message, exc.code, exc.param, event.event_id) from None
             self.config.max_output_tokens = None if update.max_output_tokens == "inf" else update.max_output_tokens
         if update.audio is not None:  # output is text (checked above): audio settings change nothing
             self.config.audio = update.audio

@@ -34,6 +34,7 @@ Messages = list[dict[str, str]]
 class Connection:
     def __init__(self, ws: Any):
         self.ws = ws
+        self.created: dict[str, Any] = {}
 
     async def send(self, event: dict[str, Any]) -> None:
         await self.ws.send(json.dumps(event))
@@ -56,7 +57,7 @@ async def attached(server: str, session_id: str, instructions: str | None = None
     url = server.replace("http://", "ws://") + f"/v1/realtime?model=embedded-tiny&session_id={session_id}"
     async with websockets.connect(url, additional_headers=auth()) as ws:
         connection = Connection(ws)
-        await connection.until("session.created")
+        connection.created = await connection.until("session.created")
         if instructions is not None:
             await connection.send({"type": "session.update", "session": {"type": "realtime", "instructions": instructions}})
             await connection.until("session.updated")
@@ -112,7 +113,13 @@ async def test_instructions_replace_apply_per_response_and_survive_a_reattach(se
         session_id = await new_session(http)
         oracle = Oracle(http, tokenizer, session_id)
         async with attached(server, session_id, first) as connection:
+            await connection.send({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 5}})
+            await connection.until("session.updated")
             await oracle.check(await connection.turn("Hello."), "Hello.", first)
+        # The configuration lives with the session: attached again, it is in force.
+        async with attached(server, session_id) as connection:
+            config = connection.created["session"]
+            assert (config["instructions"], config["max_output_tokens"]) == (first, 5), config
         # A re-attach sending the same instructions: the next turn adds only itself.
         async with attached(server, session_id, first) as connection:
             before = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()["token_ids"]
