@@ -22,6 +22,7 @@ from app.errors import APIError, session_not_found
 from app.metrics import SessionMetrics
 from app.provenance import ProvenanceRecorder
 from app.sessions import errors
+from app.sessions.chat import ChatState
 from app.sessions.errors import DELETED
 from app.sessions.inputs import SESSION_ID, check_session_id
 from app.sessions.protocol import SessionCreateRequest, SessionDefaults, SessionObject
@@ -156,6 +157,7 @@ class SessionRegistry:
         logger.info("session %s: extended elsewhere (%d -> %d chunks), reloaded", session.id,
                     session.num_chunks, record.num_chunks)
         await session.restart_from(transcript, record.num_chunks)
+        session.chat = ChatState.load(record.chat)
         session.defaults = SessionDefaults(**record.defaults)
         session.last_activity = record.last_activity
 
