@@ -110,12 +110,13 @@ class Conversation:
             self.config.instructions = update.instructions  # they reach the model with the next turn
         if update.max_output_tokens is not None:
             # Kept as the session's default (in the store): a client that attaches again has it.
-            value = limit if update.max_output_tokens == "inf" else update.max_output_tokens
+            explicit = None if update.max_output_tokens == "inf" else update.max_output_tokens
             try:
-                await self.service.update_defaults(self.owner, self.session.id, SessionDefaults(max_tokens=value))
+                await self.service.update_defaults(self.owner, self.session.id,
+                                                   SessionDefaults(max_tokens=explicit or limit))
             except APIError as exc:
                 raise ClientEventError(exc.message, exc.code, exc.param, event.event_id) from None
-            self.config.max_output_tokens = None if update.max_output_tokens == "inf" else update.max_output_tokens
+            self.config.max_output_tokens = explicit
         if update.audio is not None:  # output is text (checked above): audio settings change nothing
             self.config.audio = update.audio
         await self.emit(rt.SessionUpdatedEvent(type="session.updated", event_id=self.event_id(),
@@ -194,7 +195,6 @@ class Conversation:
         conversation is rendered again and the context kept up to where it parts (the
         recompute shows in the usage); otherwise the turn is appended."""
         tokenizer = self.tokenizer
-        instructions = instructions or None
         # A context not built from chat messages: its turns are not known, so
         # instructions can only be added, as a system message, when they change.
         head = [{"role": "system", "content": instructions}] if instructions and instructions != self.sent_instructions \

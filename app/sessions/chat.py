@@ -113,8 +113,7 @@ def max_messages(tokenizer: Any, max_tokens: int) -> int | None:
     the published schema; None where a message costs no tokens."""
     def tokens(count: int) -> int:  # as a first turn or a later one, whichever is longer
         messages = [{"role": "user", "content": ""}] * count
-        return max(len(tokenizer.encode(render_turn(tokenizer, messages, context), add_special_tokens=False))
-                   for context in ([], [0]))
+        return max(len(_encode(tokenizer, render_turn(tokenizer, messages, context))) for context in ([], [0]))
 
     per_message = tokens(2) - tokens(1)
     return max((max_tokens - tokens(1)) // per_message + 1, 1) if per_message > 0 else None

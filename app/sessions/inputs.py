@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,17 +51,13 @@ def plan(tokenizer: Any, vocab_size: int, chunk_input: ChunkInput, context_ids: 
          conversation: chat.ChatState | None) -> Turn:
     """The chunk's ``Turn`` against ``context_ids``, which renders ``conversation``."""
     if callable(chunk_input):
-        try:
+        with _template_errors():
             turn = chunk_input(context_ids, conversation)
-        except ValueError as exc:  # the template refused the conversation
-            raise APIError(400, str(exc), code="template_error", param="input") from exc
     elif chunk_input and isinstance(chunk_input[0], ChatMessage):
         messages = [message.model_dump() for message in chunk_input if isinstance(message, ChatMessage)]
-        try:
+        with _template_errors():
             ids, start = chat.plan_turn(tokenizer, None if conversation is None else conversation.rendered(),
                                         messages, context_ids)
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="template_error", param="input") from exc
         turn = Turn(ids, start, None if conversation is None else conversation.with_messages(messages))
     else:
         return Turn(encode(tokenizer, vocab_size, chunk_input))
@@ -68,6 +65,15 @@ def plan(tokenizer: Any, vocab_size: int, chunk_input: ChunkInput, context_ids: 
     if turn.start is not None and not 0 <= turn.start <= len(context_ids):
         raise ValueError(f"a turn cannot start at {turn.start} of a {len(context_ids)}-token context")
     return turn
+
+
+@contextlib.contextmanager
+def _template_errors() -> Iterator[None]:
+    """A template that refuses the conversation (a ValueError) is the client's input error."""
+    try:
+        yield
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="template_error", param="input") from exc
 
 
 def depends_on_context(chunk_input: ChunkInput) -> bool:

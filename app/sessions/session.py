@@ -202,7 +202,9 @@ class StreamingSession:
         await self._settle_abandoned()
         self._undone = False
         index = self.num_chunks
-        transcript_before = self.token_ids  # what an undone chunk restores
+        # What an undone chunk restores: nothing is appended to this list before the
+        # chunk ends, and a cut replaces it with a new one.
+        transcript_before = self.token_ids
         if start is not None:
             if not await self.park():
                 self._drop_request(self.token_ids, self.num_chunks)
@@ -261,7 +263,7 @@ class StreamingSession:
             if not finished_cleanly and not self.closed:
                 # The consumer stopped early (a client disconnect cancels it): a
                 # request cannot resume from the middle of a chunk, so undo it.
-                self._abandon(transcript_before[:context_before] if start is None else transcript_before, index)
+                self._abandon(transcript_before, index)
 
         recorded = self._recorder.pop(self.request_id) if self._recorder else None
         if new_request:
