@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from app.errors import APIError
 from app.realtime.protocol import ClientEventError, new_id
-from app.sessions.chat import ChatState, Messages, plan_turn, rerender
+from app.sessions.chat import ChatState, Messages, continue_to, plan_turn
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions, SessionDefaults
 from app.sessions.run import ChunkRun
@@ -204,12 +204,9 @@ class Conversation:
             if conversation is None:
                 ids, start = plan_turn(tokenizer, None, head + messages, context_ids)
                 return Turn(ids, start, None)
-            if instructions != conversation.instructions:
-                wanted = ChatState(instructions, conversation.messages + messages)
-                ids, start = rerender(tokenizer, wanted.rendered(), context_ids)
-                return Turn(ids, start, wanted)
-            ids, start_or_none = plan_turn(tokenizer, conversation.rendered(), messages, context_ids)
-            return Turn(ids, start_or_none, conversation.with_messages(messages))
+            wanted = ChatState(instructions, conversation.messages + messages)
+            ids, start = continue_to(tokenizer, conversation, wanted, context_ids)
+            return Turn(ids, start, wanted)
 
         return plan
 

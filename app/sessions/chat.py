@@ -90,6 +90,19 @@ def plan_turn(tokenizer: Any, conversation: Messages | None, messages: Messages,
         return rerender(tokenizer, conversation + messages, context_ids)
 
 
+def continue_to(tokenizer: Any, have: ChatState | None, wanted: ChatState,
+                context_ids: list[int]) -> tuple[list[int], int | None]:
+    """The token ids that take a context rendering ``have`` (None: not known as a chat)
+    to one rendering ``wanted``, and where they go (None: after the whole context).
+    Appended where ``wanted`` only adds messages to ``have`` under the same
+    instructions; otherwise (instructions changed, a message deleted, an older point
+    of the conversation continued) rendered again from the longest common prefix."""
+    if have is not None and have.instructions == wanted.instructions \
+            and wanted.messages[:len(have.messages)] == have.messages:
+        return plan_turn(tokenizer, have.rendered(), wanted.messages[len(have.messages):], context_ids)
+    return rerender(tokenizer, wanted.rendered(), context_ids)
+
+
 def rerender(tokenizer: Any, conversation: Messages, context_ids: list[int]) -> tuple[list[int], int]:
     """The whole ``conversation`` with the assistant prefix, against ``context_ids``: the
     ids past their longest common prefix, and where that prefix ends (at least one id

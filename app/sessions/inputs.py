@@ -38,6 +38,10 @@ class Turn:
     # The conversation once this turn's messages are in (its reply is added when it
     # ends); None where the context is not a chat's (raw text or token ids).
     chat: chat.ChatState | None = None
+    # Leading input ids that repeat a context computed before (a new session that
+    # continues an older point of another): served from the cache, so not counted
+    # against the chunk size limit.
+    replayed: int = 0
 
 
 # A chunk whose tokens depend on the session's context at the moment it runs (a chat
@@ -123,10 +127,10 @@ def check_sampling(options: SamplingOptions, param: str, max_output_tokens: int,
 
 
 def check_chunk(context_tokens: int, max_context: int, input_ids: list[int], params: SamplingParams,
-                max_chunk_tokens: int) -> None:
-    if len(input_ids) > max_chunk_tokens:
+                max_chunk_tokens: int, replayed: int = 0) -> None:
+    if len(input_ids) - replayed > max_chunk_tokens:
         raise APIError(
-            400, f"The chunk has {len(input_ids)} tokens; the limit is {max_chunk_tokens}.",
+            400, f"The chunk has {len(input_ids) - replayed} new tokens; the limit is {max_chunk_tokens}.",
             code="chunk_too_large", param="input",
         )
     if context_tokens + len(input_ids) + (params.max_tokens or 0) > max_context:

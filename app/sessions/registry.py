@@ -194,6 +194,7 @@ class SessionRegistry:
             self.update_gauges()
             self._on_freed()
             self._remember_closed(session)
+            self.store.forget_session(session.id)
 
     def _remember_closed(self, session: StreamingSession) -> None:
         # Kept to answer for its id (409 session_closed, GET) as its record, not the

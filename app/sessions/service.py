@@ -234,7 +234,7 @@ class SessionService:
         with self._counted():
             session = await self.registry.open_session(owner, session_id)
             turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat)
-            params = self._sampling_params(session, options)
+            params = self.sampling_params(session, options)
             self._check_chunk(session, turn, params)
             await self.limits.charge_tokens(owner, len(turn.input_ids) + (params.max_tokens or 0))
             if not wait and session.answering:
@@ -246,7 +246,7 @@ class SessionService:
                 if session.closed:
                     raise errors.session_closed(session.id, session.close_reason)
                 leased = await self.registry.take_lease(session)
-                params = self._sampling_params(session, options)  # defaults may have changed elsewhere
+                params = self.sampling_params(session, options)  # defaults may have changed elsewhere
                 if inputs.depends_on_context(chunk_input):
                     # A chat turn closes the reply it follows: the one of the chunk waited for.
                     turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat)
@@ -267,13 +267,14 @@ class SessionService:
         self._runs.add(run)
         return run
 
-    def _sampling_params(self, session: StreamingSession, options: SamplingOptions) -> Any:
+    def sampling_params(self, session: StreamingSession, options: SamplingOptions) -> Any:
         return inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens, self._vocab_size,
                                       self._model_sampling)
 
     def _check_chunk(self, session: StreamingSession, turn: inputs.Turn, params: Any) -> None:
         context = len(session.token_ids) if turn.start is None else turn.start
-        inputs.check_chunk(context, session.max_tokens, turn.input_ids, params, self._settings.max_chunk_tokens)
+        inputs.check_chunk(context, session.max_tokens, turn.input_ids, params, self._settings.max_chunk_tokens,
+                           turn.replayed)
 
     async def _chunk_events(
         self, run: ChunkRun, turn: inputs.Turn, params: Any, transport: str

@@ -12,6 +12,7 @@ from app.store.base import (
     SessionExistsError,
     SessionRecord,
     SessionStore,
+    StoredObject,
     StoreUnavailableError,
 )
 from app.store.factory import open_store
@@ -23,5 +24,6 @@ __all__ = [
     "SessionRecord",
     "SessionStore",
     "StoreUnavailableError",
+    "StoredObject",
     "open_store",
 ]

@@ -52,6 +52,20 @@ class SessionRecord:
     chat: dict[str, Any] | None = None
 
 
+@dataclass
+class StoredObject:
+    """An object of OpenAI's stateful APIs (a stored response, a conversation item),
+    kept with the session that holds its context and gone when that session is purged."""
+
+    id: str
+    kind: str  # "response" | "item"
+    owner: str
+    session_id: str
+    seq: int  # order among the session's objects of this kind
+    created: float
+    data: dict[str, Any]
+
+
 class SessionStore(abc.ABC):
     """Every method is one transaction; failures raise ``StoreUnavailableError``."""
 
@@ -109,14 +123,42 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     async def expire(self, idle_before: float, purge_closed_before: float) -> int:
         """Close open sessions idle since before ``idle_before`` and delete sessions
-        closed before ``purge_closed_before``; returns how many were closed."""
+        closed before ``purge_closed_before`` (their objects too); returns how many were closed."""
+
+    @abc.abstractmethod
+    async def transcript_at(self, session_id: str, num_chunks: int) -> list[int] | None:
+        """The session's context as it was after its first ``num_chunks`` chunks (cuts
+        replayed); None where the store does not keep transcripts."""
+
+    # ------------------------------------------------------------------ objects
+    @abc.abstractmethod
+    async def put_object(self, obj: StoredObject) -> None:
+        """Insert or replace the object with ``obj.id``."""
+
+    @abc.abstractmethod
+    async def get_object(self, kind: str, object_id: str) -> StoredObject | None: ...
+
+    @abc.abstractmethod
+    async def list_objects(self, kind: str, session_id: str) -> list[StoredObject]:
+        """The session's objects of ``kind``, in ``seq`` order."""
+
+    @abc.abstractmethod
+    async def delete_object(self, kind: str, object_id: str) -> bool: ...
+
+    def forget_session(self, session_id: str) -> None:  # noqa: B027 (a durable store keeps them)
+        """The server dropped a closed session from memory."""
 
 
 class NullStore(SessionStore):
     """Keeps nothing: sessions live in the server's memory only (``store_url=none``).
-    Not durable, so the service takes no leases: its own lock orders chunks."""
+    Not durable, so the service takes no leases: its own lock orders chunks. The
+    stateful APIs' objects are kept in memory, and dropped with their sessions'
+    expiry (a session closed here is gone)."""
 
     durable = False
+
+    def __init__(self) -> None:
+        self._objects: dict[str, StoredObject] = {}
 
     async def create(self, record: SessionRecord) -> None:
         return None
@@ -150,3 +192,28 @@ class NullStore(SessionStore):
 
     async def expire(self, idle_before: float, purge_closed_before: float) -> int:
         return 0
+
+    async def transcript_at(self, session_id: str, num_chunks: int) -> list[int] | None:
+        return None
+
+    async def put_object(self, obj: StoredObject) -> None:
+        self._objects[obj.id] = obj
+
+    async def get_object(self, kind: str, object_id: str) -> StoredObject | None:
+        obj = self._objects.get(object_id)
+        return obj if obj is not None and obj.kind == kind else None
+
+    async def list_objects(self, kind: str, session_id: str) -> list[StoredObject]:
+        found = [o for o in self._objects.values() if o.kind == kind and o.session_id == session_id]
+        return sorted(found, key=lambda o: o.seq)
+
+    async def delete_object(self, kind: str, object_id: str) -> bool:
+        if await self.get_object(kind, object_id) is None:
+            return False
+        del self._objects[object_id]
+        return True
+
+    def forget_session(self, session_id: str) -> None:
+        """A session gone from memory takes its objects with it."""
+        for object_id in [o.id for o in self._objects.values() if o.session_id == session_id]:
+            del self._objects[object_id]

@@ -31,6 +31,7 @@ from app.store.base import (
     SessionExistsError,
     SessionRecord,
     SessionStore,
+    StoredObject,
     StoreUnavailableError,
 )
 
@@ -68,6 +69,16 @@ session_chunks = sa.Table(
     sa.Column("token_ids", sa.LargeBinary, nullable=False),
     sa.Column("start", sa.Integer),  # where in the transcript the chunk begins; NULL: at its end
 )
+api_objects = sa.Table(
+    "api_objects", metadata,
+    sa.Column("id", sa.String(128), primary_key=True),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("owner", sa.String(64), nullable=False),
+    sa.Column("session_id", sa.String(128), sa.ForeignKey("sessions.id", ondelete="CASCADE"), nullable=False),
+    sa.Column("seq", sa.Integer, nullable=False),
+    sa.Column("created", sa.Float, nullable=False),
+    sa.Column("data", sa.Text, nullable=False),
+)
 RECORD_COLUMNS = [c for c in sessions.c if not c.name.startswith("lease_")]
 
 
@@ -103,6 +114,21 @@ def _record(row: Any) -> SessionRecord:
         num_chunks=row.num_chunks, num_tokens=row.num_tokens, created=row.created,
         last_activity=row.last_activity, chat=None if row.chat is None else json.loads(row.chat),
     )
+
+
+def _object(row: Any) -> StoredObject:
+    return StoredObject(id=row.id, kind=row.kind, owner=row.owner, session_id=row.session_id, seq=row.seq,
+                        created=row.created, data=json.loads(row.data))
+
+
+def _replay(chunks: Any) -> list[int]:
+    """A transcript from its chunks' (token ids, start) rows, in order: each cut replayed."""
+    transcript: list[int] = []
+    for data, start in chunks:
+        if start is not None:
+            del transcript[start:]
+        transcript += unpack_tokens(data)
+    return transcript
 
 
 def _upgrade_to_head(connection: sa.Connection) -> None:
@@ -204,17 +230,17 @@ class SQLSessionStore(SessionStore):
             row = (await conn.execute(sa.select(*RECORD_COLUMNS).where(sessions.c.id == session_id))).first()
             if row is None:
                 return None
-            chunks = await conn.execute(
-                sa.select(session_chunks.c.token_ids, session_chunks.c.start)
-                .where(session_chunks.c.session_id == session_id)
-                .order_by(session_chunks.c.idx)
-            )
-            transcript: list[int] = []
-            for data, start in chunks:
-                if start is not None:
-                    del transcript[start:]
-                transcript += unpack_tokens(data)
+            transcript = _replay(await conn.execute(self._chunks(session_id)))
         return _record(row), transcript
+
+    async def transcript_at(self, session_id: str, num_chunks: int) -> list[int] | None:
+        async with self._transaction(write=False) as conn:
+            return _replay(await conn.execute(self._chunks(session_id).where(session_chunks.c.idx < num_chunks)))
+
+    @staticmethod
+    def _chunks(session_id: str) -> Any:
+        return (sa.select(session_chunks.c.token_ids, session_chunks.c.start)
+                .where(session_chunks.c.session_id == session_id).order_by(session_chunks.c.idx))
 
     async def list_open(self, owner: str) -> list[SessionRecord]:
         query = (sa.select(*RECORD_COLUMNS)
@@ -224,11 +250,12 @@ class SQLSessionStore(SessionStore):
             return [_record(row) for row in await conn.execute(query)]
 
     async def update(self, session_id: str, **fields: Any) -> None:
-        allowed = {"defaults", "status", "close_reason", "last_activity"}
+        allowed = {"defaults", "metadata", "status", "close_reason", "last_activity"}
         if unknown := set(fields) - allowed:
             raise ValueError(f"cannot update {sorted(unknown)}")
-        if "defaults" in fields:
-            fields["defaults"] = json.dumps(fields["defaults"])
+        for name in ("defaults", "metadata"):
+            if name in fields:
+                fields[name] = json.dumps(fields[name])
         async with self._transaction() as conn:
             await conn.execute(sessions.update().where(sessions.c.id == session_id).values(**fields))
 
@@ -303,8 +330,37 @@ class SQLSessionStore(SessionStore):
             )
             stale = sa.select(c.id).where(c.status == "closed", c.last_activity < purge_closed_before)
             await conn.execute(session_chunks.delete().where(session_chunks.c.session_id.in_(stale)))
+            await conn.execute(api_objects.delete().where(api_objects.c.session_id.in_(stale)))
             await conn.execute(sessions.delete().where(c.status == "closed", c.last_activity < purge_closed_before))
         return closed.rowcount
+
+
+    # ------------------------------------------------------------------ objects
+    async def put_object(self, obj: StoredObject) -> None:
+        values = {"kind": obj.kind, "owner": obj.owner, "session_id": obj.session_id, "seq": obj.seq,
+                  "created": obj.created, "data": json.dumps(obj.data)}
+        async with self._transaction() as conn:
+            updated = await conn.execute(api_objects.update().where(api_objects.c.id == obj.id).values(**values))
+            if updated.rowcount == 0:
+                await conn.execute(api_objects.insert().values(id=obj.id, **values))
+
+    async def get_object(self, kind: str, object_id: str) -> StoredObject | None:
+        query = sa.select(api_objects).where(api_objects.c.id == object_id, api_objects.c.kind == kind)
+        async with self._transaction(write=False) as conn:
+            row = (await conn.execute(query)).first()
+        return None if row is None else _object(row)
+
+    async def list_objects(self, kind: str, session_id: str) -> list[StoredObject]:
+        query = (sa.select(api_objects).where(api_objects.c.session_id == session_id, api_objects.c.kind == kind)
+                 .order_by(api_objects.c.seq))
+        async with self._transaction(write=False) as conn:
+            return [_object(row) for row in await conn.execute(query)]
+
+    async def delete_object(self, kind: str, object_id: str) -> bool:
+        async with self._transaction() as conn:
+            result = await conn.execute(
+                api_objects.delete().where(api_objects.c.id == object_id, api_objects.c.kind == kind))
+        return bool(result.rowcount)
 
 
 _SQLITE_SYNCHRONOUS = {"0": "off", "1": "normal", "2": "full", "3": "extra"}
