@@ -3,11 +3,15 @@
 from fastapi import APIRouter
 
 from app import admin
+from app.conversations import api_router as conversations
 from app.realtime import api_router as realtime
+from app.responses import api_router as responses
 from app.sessions import rest, ws
 
 api_router = APIRouter()
 api_router.include_router(rest.router)
 api_router.include_router(ws.router)
 api_router.include_router(realtime.router)
+api_router.include_router(responses.router)
+api_router.include_router(conversations.router)
 api_router.include_router(admin.router)

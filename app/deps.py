@@ -12,12 +12,22 @@ from typing import Annotated, Any
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
+from app.conversations.serving import ConversationsService
 from app.middleware import owner_of
+from app.responses.serving import ResponsesService
 from app.sessions.service import SessionService
 
 
 async def get_session_service(connection: HTTPConnection) -> SessionService:
     return connection.app.state.session_service
+
+
+async def get_responses_service(connection: HTTPConnection) -> ResponsesService:
+    return connection.app.state.responses_service
+
+
+async def get_conversations_service(connection: HTTPConnection) -> ConversationsService:
+    return connection.app.state.conversations_service
 
 
 async def get_owner(connection: HTTPConnection) -> str:
@@ -30,5 +40,7 @@ async def get_engine(connection: HTTPConnection) -> Any:
 
 
 ServiceDep = Annotated[SessionService, Depends(get_session_service)]
+ResponsesDep = Annotated[ResponsesService, Depends(get_responses_service)]
+ConversationsDep = Annotated[ConversationsService, Depends(get_conversations_service)]
 OwnerDep = Annotated[str, Depends(get_owner)]
 EngineDep = Annotated[Any, Depends(get_engine)]

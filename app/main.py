@@ -25,6 +25,7 @@ from app import vllm_fixes
 from app.api import api_router
 from app.auth import APIKeyMiddleware
 from app.cache_salt import cache_salter
+from app.conversations.serving import ConversationsService
 from app.engine import EngineConfigError, kv_transfer_config
 from app.http_errors import declare_error_codes, install_error_handlers
 from app.http_protocol import CoalescingHttpToolsProtocol
@@ -46,6 +47,7 @@ from app.openai_routes import (
     patch_openapi,
 )
 from app.openai_usage import UsageProvenanceMiddleware
+from app.responses.serving import ResponsesService
 from app.sessions.service import SessionService
 from app.settings import Settings, load_settings
 
@@ -99,6 +101,8 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         app.state.settings = settings
         app.state.provenance = service.recorder
         app.state.session_service = service
+        app.state.responses_service = ResponsesService(service)
+        app.state.conversations_service = ConversationsService(app.state.responses_service)
         await service.start()
         watchdog = asyncio.create_task(_exit_when_the_engine_dies(app, llm)) if owns_engine else None
         try:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from app.deps import OwnerDep, ServiceDep
 from app.errors import APIError, OpenAIErrorBody
@@ -30,7 +29,8 @@ from app.sessions.protocol import (
 )
 from app.sessions.run import ChunkRun
 from app.sessions.session import ChunkResult
-from app.transport.disconnect import cancel_on_disconnect
+from app.transport.disconnect import unless_disconnected
+from app.transport.sse import EventStream
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -118,8 +118,8 @@ async def append_chunk(
     )
     chunk_id = f"chunk_{secrets.token_hex(12)}"
     if body.stream:
-        return ChunkEventStream(run, chunk_id)
-    result = await _unless_disconnected(request, run.result())
+        return EventStream(_chunk_frames(run, chunk_id))
+    result = await unless_disconnected(request, run.result())
     answer = ChunkResponse(
         id=chunk_id,
         session_id=session_id,
@@ -133,100 +133,25 @@ async def append_chunk(
     return Response(answer.model_dump_json(), media_type="application/json")
 
 
-class ChunkEventStream(StreamingResponse):
-    """One chunk's answer as server-sent events.
-
-    The chunk runs in its own task (a ``ChunkRun``) from the start, so its lock is
-    released even if the response never begins. The headers wait for the first events and go out with
-    them (one write: a short chunk's whole answer, headers to ``[DONE]``, is one).
-    If the client goes away, the chunk's task is cancelled, which aborts its engine
-    request and undoes the chunk. (Starlette's StreamingResponse watches for the
-    disconnect through an anyio task group around the stream; one listener task
-    that cancels the chunk does the same here for less.)"""
-
-    def __init__(self, run: ChunkRun, chunk_id: str) -> None:
-        super().__init__(self._frames(), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
-        self._producer = asyncio.create_task(self._produce(run, chunk_id))
-
-    async def _produce(self, run: ChunkRun, chunk_id: str) -> None:
-        session_id = run.session.id
-        try:
-            async with contextlib.aclosing(run.events()) as events:
-                async for event in events:
-                    payload: ChunkDoneEvent | ChunkDeltaEvent
-                    if isinstance(event, ChunkResult):
-                        payload = ChunkDoneEvent(
-                            id=chunk_id, session_id=session_id, index=event.index,
-                            finish_reason=event.finish_reason, usage=event.usage,
-                        )
-                    else:
-                        payload = ChunkDeltaEvent(
-                            id=chunk_id, session_id=session_id, index=run.session.num_chunks,
-                            delta=ChunkOutput(text=event.text, token_ids=event.token_ids),
-                        )
-                    self._queue.put_nowait(f"data: {payload.model_dump_json()}\n\n")
-        except APIError as exc:
-            # Headers are gone already: the error travels as an SSE event.
-            self._queue.put_nowait(f"data: {json.dumps(exc.body())}\n\n")
-        finally:
-            self._queue.put_nowait("data: [DONE]\n\n")
-            self._queue.put_nowait(None)
-
-    async def _frames(self) -> AsyncIterator[bytes]:
-        """Frames that are ready go out in one write (a chunk's last delta, its done
-        event and [DONE] usually arrive together)."""
-        ended = False
-        while not ended:
-            ready = [await self._queue.get()]
-            while not self._queue.empty():
-                ready.append(self._queue.get_nowait())
-            if None in ready:
-                ended, ready = True, ready[: ready.index(None)]
-            if ready:
-                yield "".join(frame for frame in ready if frame is not None).encode()
-
-    async def _stop_producer(self) -> None:
-        if not self._producer.done():
-            self._producer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._producer
-
-    async def stream_response(self, send: Any) -> None:
-        start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        started = False
-        async for frames in self.body_iterator:
-            if not started:  # in the same tick as the first frames: one write
-                await send(start)
-                started = True
-            await send({"type": "http.response.body", "body": frames, "more_body": True})
-        if not started:
-            await send(start)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        # The producer's last frames end the stream when the client leaves.
-        listener = asyncio.create_task(cancel_on_disconnect(receive, self._producer))
-        try:
-            await self.stream_response(send)
-        finally:
-            listener.cancel()
-            await self._stop_producer()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it if the client disconnects first, so an abandoned
-    chunk aborts its engine request instead of running on."""
-    task = asyncio.ensure_future(work)
-    listener = asyncio.create_task(cancel_on_disconnect(request.receive, task))
+async def _chunk_frames(run: ChunkRun, chunk_id: str) -> AsyncIterator[str]:
+    """One chunk's answer as server-sent events, then ``[DONE]``."""
+    session_id = run.session.id
     try:
-        return await task
-    except asyncio.CancelledError:
-        if listener.done() and not listener.cancelled():
-            raise APIError(499, "The client closed the connection.", code="client_disconnected") from None
-        raise
-    finally:
-        listener.cancel()
-        if not task.done():
-            task.cancel()
+        async with contextlib.aclosing(run.events()) as events:
+            async for event in events:
+                payload: ChunkDoneEvent | ChunkDeltaEvent
+                if isinstance(event, ChunkResult):
+                    payload = ChunkDoneEvent(
+                        id=chunk_id, session_id=session_id, index=event.index,
+                        finish_reason=event.finish_reason, usage=event.usage,
+                    )
+                else:
+                    payload = ChunkDeltaEvent(
+                        id=chunk_id, session_id=session_id, index=run.session.num_chunks,
+                        delta=ChunkOutput(text=event.text, token_ids=event.token_ids),
+                    )
+                yield f"data: {payload.model_dump_json()}\n\n"
+    except APIError as exc:
+        # Headers are gone already: the error travels as an SSE event.
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    yield "data: [DONE]\n\n"

@@ -207,6 +207,13 @@ class SessionService:
         session.last_activity = now
         return session
 
+    async def update_metadata(self, owner: str, session_id: str, metadata: dict[str, str]) -> StreamingSession:
+        session = await self.registry.open_session(owner, session_id)
+        async with self.registry.store_errors():
+            await self.store.update(session.id, metadata=metadata)
+        session.metadata = dict(metadata)
+        return session
+
     async def transcript(self, owner: str, session_id: str) -> tuple[StreamingSession, str]:
         session = await self.registry.current(owner, session_id)
         return session, self.tokenizer.decode(session.token_ids)

@@ -1,0 +1,1 @@
+"""OpenAI's Conversations API: a conversation is a session, its items a log beside it."""

@@ -1,0 +1,337 @@
+"""The Responses API's logic on sessions. No FastAPI here.
+
+A response that starts nothing (no ``previous_response_id``, no ``conversation``) opens
+a session, named by its id; one that continues the latest response of a chain appends
+its turn to that response's session; one that continues an older response (or one whose
+session is closed, or busy with a response of its own) forks: a new session whose first
+chunk replays the older response's context (token ids from the store, served from the
+device cache or the CPU tier) and adds the turn. A response on a conversation appends
+to the conversation's session, re-rendering from the common prefix where its items
+changed (a deleted item, other instructions). Each turn's tokens are planned against
+the session's context under its lock (``chat.continue_to``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from openai.types.responses import ResponseOutputMessage
+from vllm.entrypoints.openai.responses.protocol import (
+    InputTokensDetails,
+    OutputTokensDetails,
+    ResponsesResponse,
+    ResponseUsage,
+)
+
+from app.errors import APIError
+from app.responses import items
+from app.responses.protocol import ResponsesCreateRequest
+from app.sessions.chat import ChatState, continue_to
+from app.sessions.inputs import Turn, TurnPlan
+from app.sessions.protocol import SamplingOptions, SessionCreateRequest
+from app.sessions.run import ChunkRun
+from app.sessions.service import SessionService
+from app.sessions.session import CANCELLED, ChunkResult
+from app.store import StoredObject
+
+RESPONSE, ITEM = "response", "item"
+
+
+@dataclass
+class ContextPoint:
+    """Where a response left its session: enough to continue or fork from it."""
+
+    session_id: str
+    num_chunks: int
+    token_end: int
+    messages: int
+    instructions: str | None
+
+
+@dataclass
+class PendingResponse:
+    """A response whose chunk is running."""
+
+    id: str
+    request: ResponsesCreateRequest
+    run: ChunkRun
+    session_id: str
+    wanted: ChatState
+    input_items: list[dict[str, Any]]
+    params: Any  # the chunk's SamplingParams, for the response object
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    message_id: str = field(default_factory=lambda: items.new_id("msg"))
+
+
+def superseded() -> APIError:
+    return APIError(409, "The response is no longer the latest of its session.", code="response_superseded")
+
+
+def previous_response_not_found(response_id: str) -> APIError:
+    return APIError(400, f"Previous response with id {response_id!r} not found.",
+                    code="previous_response_not_found", param="previous_response_id")
+
+
+def response_not_found(response_id: str) -> APIError:
+    return APIError(404, f"No response with id {response_id!r}.", code="response_not_found", param="response_id")
+
+
+def conversation_not_found(conversation_id: str) -> APIError:
+    return APIError(404, f"No conversation with id {conversation_id!r}.", code="conversation_not_found",
+                    param="conversation")
+
+
+class ResponsesService:
+    def __init__(self, sessions: SessionService) -> None:
+        self.sessions = sessions
+
+    @property
+    def store(self) -> Any:
+        return self.sessions.store
+
+    # ------------------------------------------------------------------ create
+    async def start(self, owner: str, request: ResponsesCreateRequest) -> PendingResponse:
+        """Check the request, plan its turn and start its chunk; every refusal is raised here."""
+        _check_supported(request)
+        new_items = items.input_items(request.input)
+        new_messages = items.as_messages(new_items)
+        options = self._options(request)
+        response_id = items.new_id("resp")
+        conversation_id = request.conversation_id
+        if conversation_id is not None:
+            stored = await self.conversation_items(owner, conversation_id)
+            wanted = ChatState(request.instructions, items.as_messages([o.data for o in stored]) + new_messages)
+            run = await self._start(owner, conversation_id, self._plan(wanted), options)
+            session_id = conversation_id
+        elif request.previous_response_id is not None:
+            point = await self._point(owner, request.previous_response_id)
+            run, session_id, wanted = await self._continue(owner, point, new_messages, request.instructions,
+                                                           options)
+        else:
+            wanted = ChatState(request.instructions, new_messages)
+            session_id = await self._new_session(owner, response_id)
+            run = await self._start(owner, session_id, self._plan(wanted), options, opened=True)
+        params = self.sessions.sampling_params(run.session, options)
+        return PendingResponse(response_id, request, run, session_id, wanted, new_items, params)
+
+    async def _continue(self, owner: str, point: ContextPoint, new_messages: list[dict[str, str]],
+                        instructions: str | None, options: SamplingOptions) -> tuple[ChunkRun, str, ChatState]:
+        """Append to the point's session if it is still there and still ends at the
+        point; otherwise fork."""
+        try:
+            session = await self.sessions.attach(owner, point.session_id)
+        except APIError:
+            session = None  # closed (idle too long, deleted) or purged: fork from the store
+        if session is not None and session.num_chunks == point.num_chunks and session.chat is not None:
+            wanted = ChatState(instructions, session.chat.messages[:point.messages] + new_messages)
+            try:
+                run = await self._start(owner, session.id, self._plan(wanted, expect=point), options)
+                return run, session.id, wanted
+            except APIError as exc:
+                if exc.code not in ("response_superseded", "chunk_in_flight"):
+                    raise
+        return await self._fork(owner, point, new_messages, instructions, options)
+
+    async def _fork(self, owner: str, point: ContextPoint, new_messages: list[dict[str, str]],
+                    instructions: str | None, options: SamplingOptions) -> tuple[ChunkRun, str, ChatState]:
+        prefix, chat = await self._context_at(point)
+        wanted = ChatState(instructions, chat.messages + new_messages)
+
+        def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
+            ids, start = continue_to(self.sessions.tokenizer, chat, wanted, prefix)
+            kept = prefix if start is None else prefix[:start]
+            return Turn(kept + ids, None, wanted, replayed=len(kept))
+
+        session_id = await self._new_session(owner, items.new_id("resp"))
+        return await self._start(owner, session_id, plan, options, opened=True), session_id, wanted
+
+    async def _context_at(self, point: ContextPoint) -> tuple[list[int], ChatState]:
+        """The token ids and the conversation of a session as a response left it."""
+        record = await self.store.get(point.session_id)
+        prefix = await self.store.transcript_at(point.session_id, point.num_chunks)
+        chat = None if record is None else ChatState.load(record.chat)
+        if prefix is None:  # a store that keeps no transcripts: the session in memory, if it is
+            try:
+                session = await self.sessions.get(record.owner if record else "", point.session_id,
+                                                  include_closed=True)
+                prefix, chat = session.token_ids[:point.token_end], session.chat
+            except APIError:
+                prefix = None
+        if prefix is None or chat is None or len(prefix) != point.token_end:
+            raise APIError(400, "The previous response's context is no longer kept; start a new chain.",
+                           code="previous_response_not_found", param="previous_response_id")
+        return prefix, ChatState(point.instructions, chat.messages[:point.messages])
+
+    def _plan(self, wanted: ChatState, expect: ContextPoint | None = None) -> TurnPlan:
+        tokenizer = self.sessions.tokenizer
+
+        def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
+            if expect is not None and (conversation is None or len(conversation.messages) != expect.messages
+                                       or len(context_ids) != expect.token_end):
+                raise superseded()  # another response went first: the caller forks
+            ids, start = continue_to(tokenizer, conversation, wanted, context_ids)
+            return Turn(ids, start, wanted)
+
+        return plan
+
+    async def _new_session(self, owner: str, session_id: str) -> str:
+        return (await self.sessions.create(owner, SessionCreateRequest(), session_id=session_id)).id
+
+    async def _start(self, owner: str, session_id: str, plan: TurnPlan, options: SamplingOptions,
+                     opened: bool = False) -> ChunkRun:
+        try:
+            await self.sessions.limits.admit_request(owner)
+            return await self.sessions.start_chunk(owner, session_id, plan, options, transport="responses",
+                                                   wait=False)
+        except BaseException:
+            if opened:  # a session opened for this response alone goes with it
+                await self.sessions.close(owner, session_id)
+            raise
+
+    def _options(self, request: ResponsesCreateRequest) -> SamplingOptions:
+        limit = self.sessions.max_chunk_output_tokens
+        if request.max_output_tokens is not None and not 1 <= request.max_output_tokens <= limit:
+            raise APIError(400, f"max_output_tokens must be between 1 and {limit}.", code="invalid_value",
+                           param="max_output_tokens")
+        return SamplingOptions(
+            max_tokens=request.max_output_tokens or limit, temperature=request.temperature, top_p=request.top_p,
+            top_k=request.top_k, min_p=request.min_p, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+            seed=request.seed, ignore_eos=request.ignore_eos or None,
+            stop_token_ids=request.stop_token_ids or None,
+        )
+
+    # ------------------------------------------------------------------ finish
+    def in_progress(self, pending: PendingResponse) -> ResponsesResponse:
+        return self._response(pending, "in_progress", [], None)
+
+    async def finish(self, owner: str, pending: PendingResponse, result: ChunkResult | None,
+                     error: APIError | None) -> ResponsesResponse:
+        """The response once its chunk has ended; stored (and added to its conversation)
+        when it completed or was cut at max_output_tokens."""
+        if result is None:
+            message = error.message if error else "The response failed."
+            return self._response(pending, "failed", [], None, error={"code": "server_error", "message": message})
+        status = "incomplete" if result.finish_reason == "length" else \
+            "cancelled" if result.finish_reason == CANCELLED else "completed"
+        output = items.message_item("assistant", result.text, pending.message_id,
+                                    status="completed" if status == "completed" else "incomplete")
+        response = self._response(pending, status, [output], _usage(result))
+        usage = result.usage
+        point = ContextPoint(pending.session_id, result.index + 1, usage.prompt_tokens + usage.completion_tokens,
+                             len(pending.wanted.messages) + 1, pending.wanted.instructions)
+        now = time.time()
+        if pending.request.store is not False:
+            data = {"response": response.model_dump(mode="json"), "input_items": pending.input_items,
+                    "context": asdict(point)}
+            await self.store.put_object(StoredObject(response.id, RESPONSE, owner, pending.session_id,
+                                                     result.index, now, data))
+        if (conversation_id := pending.request.conversation_id) is not None:
+            await self.add_items(owner, conversation_id, [*pending.input_items, output])
+        return response
+
+    def _response(self, pending: PendingResponse, status: str, output: list[dict[str, Any]],
+                  usage: ResponseUsage | None, **extra: Any) -> ResponsesResponse:
+        request, params = pending.request, pending.params
+        if (conversation_id := request.conversation_id) is not None:
+            extra["conversation"] = {"id": conversation_id}
+        return ResponsesResponse(
+            id=pending.id, created_at=pending.created_at, instructions=request.instructions,
+            metadata=request.metadata, model=self.sessions.model_name,
+            output=[ResponseOutputMessage.model_validate(item) for item in output],
+            incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
+            parallel_tool_calls=request.parallel_tool_calls is not False, temperature=params.temperature,
+            tool_choice=request.tool_choice, tools=[], top_p=params.top_p, background=False,
+            max_output_tokens=params.max_tokens, previous_response_id=request.previous_response_id,
+            service_tier=request.service_tier, status=status, truncation=request.truncation or "disabled",
+            usage=usage, user=request.user, store=request.store is not False, **extra,
+        )
+
+    # ------------------------------------------------------------------ stored objects
+    async def _stored(self, owner: str, response_id: str) -> StoredObject | None:
+        obj = await self.store.get_object(RESPONSE, response_id)
+        return obj if obj is not None and obj.owner == owner else None  # another key's: not found
+
+    async def _point(self, owner: str, response_id: str) -> ContextPoint:
+        obj = await self._stored(owner, response_id)
+        if obj is None:
+            raise previous_response_not_found(response_id)
+        return ContextPoint(**obj.data["context"])
+
+    async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
+        obj = await self._stored(owner, response_id)
+        if obj is None:
+            raise response_not_found(response_id)
+        return dict(obj.data["response"])
+
+    async def delete(self, owner: str, response_id: str) -> dict[str, Any]:
+        """The stored response goes; its session's context stays (a later response in
+        the chain still continues it)."""
+        if await self._stored(owner, response_id) is None or not await self.store.delete_object(RESPONSE, response_id):
+            raise response_not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def input_items(self, owner: str, response_id: str) -> list[dict[str, Any]]:
+        obj = await self._stored(owner, response_id)
+        if obj is None:
+            raise response_not_found(response_id)
+        return list(obj.data["input_items"])
+
+    # ------------------------------------------------------------------ conversations
+    async def conversation_items(self, owner: str, conversation_id: str) -> list[StoredObject]:
+        try:
+            await self.sessions.attach(owner, conversation_id)
+        except APIError as exc:
+            raise conversation_not_found(conversation_id) from exc
+        return list(await self.store.list_objects(ITEM, conversation_id))
+
+    async def add_items(self, owner: str, conversation_id: str, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Items appended to a conversation's log; they reach the model with its next response."""
+        stored = await self.store.list_objects(ITEM, conversation_id)
+        seq = stored[-1].seq + 1 if stored else 0
+        now = time.time()
+        for offset, item in enumerate(new):
+            await self.store.put_object(StoredObject(item["id"], ITEM, owner, conversation_id, seq + offset, now, item))
+        return new
+
+
+def _usage(result: ChunkResult) -> ResponseUsage:
+    """OpenAI's usage, with our split of the cached input as extra details."""
+    usage, details = result.usage, result.usage.prompt_tokens_details
+    return ResponseUsage(
+        input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=details.cached_tokens, cache_write_tokens=0, device_tokens=details.device_tokens,
+            cpu_tier_tokens=details.cpu_tier_tokens, computed_tokens=details.computed_tokens),
+        output_tokens_details=OutputTokensDetails(),
+    )
+
+
+# Fields of the create body that this server does not honour yet: refused by name,
+# never dropped (vLLM's own route drops what it does not know).
+_UNSUPPORTED: dict[str, str] = {
+    "tools": "Tools are not supported on stored responses yet.",
+    "background": "Background responses are not supported.",
+    "prompt": "Prompt templates are not supported.",
+    "structured_outputs": "Structured outputs are not supported on stored responses.",
+    "logit_bias": "logit_bias is not supported on stored responses.",
+    "stop": "Stop strings are not supported on stored responses (stop_token_ids are).",
+}
+
+
+def _check_supported(request: ResponsesCreateRequest) -> None:
+    if request.previous_response_id is not None and request.conversation is not None:
+        raise APIError(400, "Mutually exclusive parameters: provide only one of 'previous_response_id' or "
+                       "'conversation'.", code="mutually_exclusive_parameters", param="conversation")
+    for name, message in _UNSUPPORTED.items():
+        if getattr(request, name, None):
+            raise APIError(400, message, code="unsupported_parameter", param=name)
+    text_format = getattr(getattr(request.text, "format", None), "type", "text")
+    if text_format not in (None, "text"):
+        raise APIError(400, "Only text output is supported on stored responses.", code="unsupported_parameter",
+                       param="text.format")
+    if request.top_logprobs:
+        raise APIError(400, "top_logprobs is not supported on stored responses.", code="unsupported_parameter",
+                       param="top_logprobs")
