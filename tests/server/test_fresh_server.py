@@ -36,6 +36,7 @@ from app.models.builder import ensure_model
 from app.settings import Settings
 from benchmarks.common import RunningServer, free_port, serve
 from connectors.cpu_platform import cpu_has_amx
+from tests.server.openai_stateful import check_stateful_apis
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PRESET = Settings.model_fields["model_preset"].default
@@ -117,6 +118,11 @@ def test_the_default_model_answers_in_words_in_float32(tmp_path: Path) -> None:
         answer = capital_of_france(server)
         assert "Paris" in answer, answer
         asyncio.run(realtime_chat_is_the_conversation(server))
+        # OpenAI's stateful APIs through the official SDK (issue 27): tests/server/openai_stateful.py.
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(DEFAULT_PRESET)))
+        print(f"stateful APIs, token-exact throughout: {check_stateful_apis(server.base_url, tokenizer)}")
 
 
 CHAT = ["What is the capital of France?", "And of Germany?", "Name one river that flows through it.",
