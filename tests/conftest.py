@@ -96,3 +96,10 @@ async def server(engine: Any, server_settings: Settings) -> AsyncIterator[str]:
 
 def auth(key: str = API_KEYS[0]) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def tokenizer(engine: Any) -> Any:
+    """The server's own tokenizer object (the engine's): a template set on it is the
+    one the server renders with."""
+    return engine.get_tokenizer()

@@ -100,13 +100,6 @@ async def new_session(http: httpx.AsyncClient) -> str:
     return str(created.json()["id"])
 
 
-@pytest.fixture
-def tokenizer(engine: Any) -> Any:
-    """The server's own tokenizer object (the engine's): a template set on it is the
-    one the server renders with."""
-    return engine.get_tokenizer()
-
-
 async def test_instructions_replace_apply_per_response_and_survive_a_reattach(server: str, tokenizer: Any) -> None:
     first, second, own = "Speak like a pirate.", "Answer in one word.", "This answer only: be formal."
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:

@@ -1,0 +1,183 @@
+"""The Responses and Conversations APIs on sessions, over real HTTP on the shared engine
+(the random-weight tiny model: mechanics, not words; the real model's answers are
+checked against chat completions in tests/server/openai_stateful.py).
+
+Oracles: the server's own sessions (a chain is one session whose chunks grow by one a
+turn; a fork is a new session, the chain's left as it was), the usage's split of the
+prompt (a continued turn computes only its new tokens), and OpenAI's error shape and
+codes for each refusal, after which the chain or conversation still answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.conftest import API_KEYS, auth
+from tests.server.test_errors import assert_openai_error
+
+
+def clean(text: str) -> str:
+    """What a random reply's text and a decode of its ids agree on (test_realtime_conversation.py)."""
+    return text.replace("<|endoftext|>", "").replace("\ufffd", "")
+
+pytestmark = pytest.mark.server
+
+MODEL = "embedded-tiny"
+
+
+@pytest_asyncio.fixture
+async def http(server: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as client:
+        yield client
+
+
+@pytest_asyncio.fixture
+async def client(server: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEYS[0], max_retries=0) as sdk:
+        yield sdk
+
+
+async def respond(client: openai.AsyncOpenAI, text: str, **fields: Any) -> Any:
+    return await client.responses.create(model=MODEL, input=text, max_output_tokens=4, temperature=0, **fields)
+
+
+async def session_of(http: httpx.AsyncClient, session_id: str) -> dict[str, Any]:
+    return dict((await http.get(f"/v1/sessions/{session_id}")).json())
+
+
+async def test_a_chain_is_one_session_and_an_older_turn_forks(client: openai.AsyncOpenAI,
+                                                              http: httpx.AsyncClient) -> None:
+    first = await respond(client, "one")
+    second = await respond(client, "two", previous_response_id=first.id)
+    third = await respond(client, "three", previous_response_id=second.id)
+    chain = await session_of(http, first.id)  # a chain's session is named by its first response
+    assert chain["num_chunks"] == 3
+    for earlier, later in ((first, second), (second, third)):
+        details = later.usage.input_tokens_details
+        # Continued on the same engine request: all but the last token sent again is on the device.
+        assert details.cached_tokens == earlier.usage.input_tokens + earlier.usage.output_tokens - 1, details
+        assert details.computed_tokens == later.usage.input_tokens - details.cached_tokens
+    # Continue the first response again: a new session; the chain's is left as it was.
+    fork = await respond(client, "again", previous_response_id=first.id)
+    assert (await session_of(http, first.id))["num_chunks"] == 3
+    transcript = (await http.get(f"/v1/sessions/{first.id}/transcript")).json()["token_ids"]
+    sessions = (await http.get("/v1/sessions")).json()["data"]
+    forks = [s for s in sessions if s["num_chunks"] == 1 and s["id"] not in (first.id,)]
+    fork_transcripts = [(await http.get(f"/v1/sessions/{s['id']}/transcript")).json()["token_ids"] for s in forks]
+    first_context = first.usage.input_tokens + first.usage.output_tokens
+    # The fork's context starts with the first response's context, token for token.
+    assert any(t[:first_context] == transcript[:first_context] and len(t) == fork.usage.input_tokens
+               + fork.usage.output_tokens for t in fork_transcripts)
+    # The stored objects: the response, its input items; deleted, it is gone.
+    assert (await client.responses.retrieve(second.id)).output_text == second.output_text
+    items = [item async for item in client.responses.input_items.list(second.id)]
+    assert [item.content[0].text for item in items] == ["two"]
+    await client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(second.id)
+    # The chain goes on from its latest response.
+    fourth = await respond(client, "four", previous_response_id=third.id)
+    assert (await session_of(http, first.id))["num_chunks"] == 4 and fourth.status in ("completed", "incomplete")
+
+
+async def test_a_conversation_keeps_its_items_and_renders_a_deleted_one_away(
+        client: openai.AsyncOpenAI, http: httpx.AsyncClient, tokenizer: Any) -> None:
+    # A head of several KV blocks (32 tokens here), which a cut keeps.
+    head = "hello " * 80
+    conversation = await client.conversations.create(items=[{"role": "user", "content": head}],
+                                                     metadata={"topic": "x"})
+    assert conversation.metadata == {"topic": "x"}
+    first = await respond(client, "one", conversation=conversation.id)
+    assert first.conversation is not None and first.conversation.id == conversation.id
+    second = await respond(client, "two", conversation={"id": conversation.id})
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens - 1
+    items = [item async for item in client.conversations.items.list(conversation.id, order="asc")]
+    assert [(i.role, i.content[0].text) for i in items] == [
+        ("user", head), ("user", "one"), ("assistant", first.output_text),
+        ("user", "two"), ("assistant", second.output_text)]
+    # Delete the first reply: the next response renders the conversation without it and
+    # recomputes from where it was; what came before stays cached.
+    await client.conversations.items.delete(items[2].id, conversation_id=conversation.id)
+    third = await respond(client, "three", conversation=conversation.id)
+    details = third.usage.input_tokens_details
+    assert 64 <= details.cached_tokens < first.usage.input_tokens, details
+    # Oracle: the chat template over the items as they now are (text: a random reply
+    # need not re-tokenize to the ids sampled; see test_realtime_conversation.py).
+    now = [{"role": "user", "content": head}, {"role": "user", "content": "one"}, {"role": "user", "content": "two"},
+           {"role": "assistant", "content": second.output_text}, {"role": "user", "content": "three"}]
+    expected = tokenizer.apply_chat_template(now, chat_template=tokenizer.chat_template, tokenize=False,
+                                             add_generation_prompt=True)
+    transcript = (await http.get(f"/v1/sessions/{conversation.id}/transcript")).json()["token_ids"]
+    assert clean(tokenizer.decode(transcript[:third.usage.input_tokens])) == clean(expected)
+    updated = await client.conversations.update(conversation.id, metadata={"topic": "y"})
+    assert updated.metadata == {"topic": "y"} and (await client.conversations.retrieve(conversation.id)).metadata == {
+        "topic": "y"}
+    added = await client.conversations.items.create(conversation.id, items=[{"role": "user", "content": "later"}])
+    assert [i.content[0].text for i in added.data] == ["later"]
+    assert (await client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)).id \
+        == added.data[0].id
+    await client.conversations.delete(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.conversations.retrieve(conversation.id)
+
+
+async def test_refusals_have_openai_shapes_and_leave_the_chain_usable(client: openai.AsyncOpenAI,
+                                                                      http: httpx.AsyncClient, server: str) -> None:
+    first = await respond(client, "one")
+    conversation = await client.conversations.create()
+    body = {"model": MODEL, "input": "x", "max_output_tokens": 2}
+    cases: list[tuple[dict[str, Any], int, str]] = [
+        ({"previous_response_id": "resp_unknown"}, 400, "previous_response_not_found"),
+        ({"conversation": "conv_unknown"}, 404, "conversation_not_found"),
+        ({"previous_response_id": first.id, "conversation": conversation.id}, 400, "mutually_exclusive_parameters"),
+        ({"previous_response_id": first.id, "tools": [{"type": "function", "name": "f", "parameters": {}}]}, 400,
+         "unsupported_parameter"),
+        ({"previous_response_id": first.id, "input": [{"type": "function_call_output", "call_id": "c",
+                                                        "output": "1"}]}, 400, "unsupported_input_item"),
+        ({"previous_response_id": first.id, "max_output_tokens": 100_000}, 400, "invalid_value"),
+        ({"conversation": conversation.id, "stop": ["x"]}, 400, "unsupported_parameter"),
+    ]
+    for fields, status, code in cases:
+        assert_openai_error(await http.post("/v1/responses", json={**body, **fields}), status, code)
+    malformed = await http.post("/v1/responses", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert malformed.status_code == 400, malformed.text
+    # Another key's response and conversation do not exist for this one.
+    async with httpx.AsyncClient(base_url=server, headers=auth(API_KEYS[1]), timeout=60) as bob:
+        assert_openai_error(await bob.post("/v1/responses", json={**body, "previous_response_id": first.id}), 400,
+                            "previous_response_not_found")
+        assert_openai_error(await bob.get(f"/v1/responses/{first.id}"), 404, "response_not_found")
+        assert_openai_error(await bob.get(f"/v1/conversations/{conversation.id}"), 404, "conversation_not_found")
+        assert_openai_error(await bob.post("/v1/responses", json={**body, "conversation": conversation.id}), 404,
+                            "conversation_not_found")
+    # Nothing above touched the chain or the conversation.
+    assert (await session_of(http, first.id))["num_chunks"] == 1
+    assert (await respond(client, "two", previous_response_id=first.id)).status in ("completed", "incomplete")
+    assert (await respond(client, "hi", conversation=conversation.id)).status in ("completed", "incomplete")
+
+
+async def test_two_turns_at_once_on_a_conversation_get_one_answer_and_one_409(client: openai.AsyncOpenAI,
+                                                                             http: httpx.AsyncClient) -> None:
+    conversation = await client.conversations.create()
+    long_turn = asyncio.create_task(http.post("/v1/responses", json={
+        "model": MODEL, "input": "long", "conversation": conversation.id, "max_output_tokens": 1000,
+        "ignore_eos": True}))
+    for _ in range(500):
+        if (await session_of(http, conversation.id))["status"] == "generating":
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the long turn never started generating")
+    second = await http.post("/v1/responses", json={"model": MODEL, "input": "short", "conversation": conversation.id,
+                                                     "max_output_tokens": 2})
+    assert not long_turn.done(), "the long turn ended before the second was sent: nothing was concurrent"
+    assert_openai_error(second, 409, "chunk_in_flight")
+    assert (await long_turn).status_code == 200
+    items = [item async for item in client.conversations.items.list(conversation.id, order="asc")]
+    assert [i.role for i in items] == ["user", "assistant"]  # the refused turn left nothing behind
