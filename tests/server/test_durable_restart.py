@@ -61,6 +61,22 @@ def send(http: httpx.Client, session_id: str, chunk: list[int], max_tokens: int 
     return dict(response.json())
 
 
+TURNS = ["first turn", "second turn", "third turn"]
+
+
+def respond_chain(http: httpx.Client, turns: list[str], previous: str | None = None) -> list[dict[str, Any]]:
+    """Responses that continue one another (``previous_response_id``), greedy."""
+    responses = []
+    for text in turns:
+        body = {"model": "embedded-tiny", "input": text, "max_output_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "previous_response_id": previous}
+        response = http.post("/v1/responses", json=body)
+        assert response.status_code == 200, response.text
+        responses.append(response.json())
+        previous = responses[-1]["id"]
+    return responses
+
+
 def transcript_ids(http: httpx.Client, session_id: str) -> list[int]:
     response = http.get(f"/v1/sessions/{session_id}/transcript")
     assert response.status_code == 200, response.text
@@ -78,6 +94,9 @@ def test_sessions_survive_sigkill_between_and_during_chunks(tmp_path: Path) -> N
         for chunk in CHUNKS[:2]:
             send(http, between, chunk)
         before_kill = transcript_ids(http, between)
+        # A previous_response_id chain, and an uninterrupted one to compare with.
+        control_chain = respond_chain(http, TURNS)
+        chain = respond_chain(http, TURNS[:2])
         during = open_session(http)
         send(http, during, CHUNKS[0])
         during_before = transcript_ids(http, during)
@@ -104,6 +123,11 @@ def test_sessions_survive_sigkill_between_and_during_chunks(tmp_path: Path) -> N
         assert details["computed_tokens"] == resumed["usage"]["prompt_tokens"] - details["device_tokens"]
         assert details["computed_tokens"] >= len(before_kill) - 32  # at most a block of device hits
         assert send(http, between, CHUNKS[3])["output"]["token_ids"] == expected[3]
+        # The chain's next turn, after the kill: answered as without it, token for token.
+        chain += respond_chain(http, TURNS[2:], previous=chain[-1]["id"])
+        assert [r["output"][0]["content"][0]["text"] for r in chain] == \
+            [r["output"][0]["content"][0]["text"] for r in control_chain]
+        assert transcript_ids(http, chain[0]["id"]) == transcript_ids(http, control_chain[0]["id"])
 
         # Killed during a chunk: that chunk is not in the transcript, and the session goes on.
         state = http.get(f"/v1/sessions/{during}").json()
