@@ -41,6 +41,7 @@ from app.models.smollm2 import ModelUnavailable
 from app.openai_routes import (
     declare_filled_in_fields,
     declare_vllm_input_rules,
+    drop_replaced_routes,
     drop_routes_the_model_cannot_serve,
     drop_unserved_routes,
     openai_body_routes,
@@ -139,6 +140,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     body_routes = openai_body_routes(
         app, strict=settings.openai_strict_validation, generating=salter is not None or limits.counts_tokens,
     )
+    drop_replaced_routes(app)
     if body_routes:
         app.add_middleware(
             OpenAIRequestMiddleware, routes=body_routes, salter=salter, limits=limits if limits.counts_tokens else None,

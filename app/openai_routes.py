@@ -30,6 +30,10 @@ DISPATCHING_GENERATE_PATHS = frozenset({"/invocations"})
 # Data-parallel rescaling: this server runs one engine per replica, so a rescale
 # can only fail (vLLM answers 500), and any key could ask for it. Not served.
 UNSERVED_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep"})
+# vLLM's routes that ours replace (app.responses: stateful Responses on sessions). Their
+# body model still tells the request middleware how to validate, salt and charge the
+# body; then they go, so that no path is served twice.
+REPLACED_PATHS = frozenset({"/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"})
 # Routes vLLM mounts for every model but answers 501 on models without their serving
 # handler (set in app.state by vLLM's init_app_state): served only where they work.
 MODEL_DEPENDENT_PATHS = {"/v1/systemone": "serving_structured_decisions"}
@@ -182,6 +186,11 @@ def drop_routes_the_model_cannot_serve(app: FastAPI) -> None:
     before the schema is built)."""
     _drop_routes(app, {path for path, handler in MODEL_DEPENDENT_PATHS.items()
                        if getattr(app.state, handler, None) is None})
+
+
+def drop_replaced_routes(app: FastAPI) -> None:
+    app.router.routes[:] = [route for route in app.router.routes if not (
+        isinstance(route, APIRoute) and route.path in REPLACED_PATHS and not _is_ours(route))]
 
 
 def _drop_routes(app: FastAPI, paths: set[str] | frozenset[str]) -> None:

@@ -13,7 +13,7 @@ from app.errors import APIError
 from app.sessions.chat import Messages
 
 ROLES = ("user", "system", "developer", "assistant")
-TEXT_PARTS = ("input_text", "output_text", "text")
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 
 
 def new_id(prefix: str) -> str:
@@ -54,8 +54,8 @@ def input_items(raw: Any, param: str = "input") -> list[dict[str, Any]]:
         if isinstance(content, str):
             text = content
         elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
-                                               and isinstance(p.get("text"), str) for p in content):
-            text = "".join(p["text"] for p in content)
+                                               and isinstance(p.get(TEXT_PARTS[p["type"]]), str) for p in content):
+            text = "".join(p[TEXT_PARTS[p["type"]]] for p in content)  # an assistant's refusal is its text
         else:
             raise APIError(400, f"{where}: a message's content must be a string or text parts.",
                            code="unsupported_content", param=f"{where}.content")

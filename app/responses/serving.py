@@ -182,9 +182,9 @@ class ResponsesService:
     async def _start(self, owner: str, session_id: str, plan: TurnPlan, options: SamplingOptions,
                      opened: bool = False) -> ChunkRun:
         try:
-            await self.sessions.limits.admit_request(owner)
+            # Admitted and its tokens charged by the middlewares, from the body, as on vLLM's routes.
             return await self.sessions.start_chunk(owner, session_id, plan, options, transport="responses",
-                                                   wait=False)
+                                                   wait=False, charged=True)
         except BaseException:
             if opened:  # a session opened for this response alone goes with it
                 await self.sessions.close(owner, session_id)

@@ -232,18 +232,20 @@ class SessionService:
     # ------------------------------------------------------------------ chunks
     async def start_chunk(
         self, owner: str, session_id: str, chunk_input: inputs.ChunkInput, options: SamplingOptions,
-        *, transport: str, wait: bool,
+        *, transport: str, wait: bool, charged: bool = False,
     ) -> ChunkRun:
         """Check a chunk, take its session's lock and lease, admit it onto the device
         and start it. Every refusal comes from here, before a response has begun.
         ``wait=False`` (REST) refuses a second chunk in flight with 409; ``wait=True``
-        (websockets) queues behind it, in order."""
+        (websockets) queues behind it, in order. ``charged``: the request's tokens were
+        charged to its key already (an OpenAI route's body, by OpenAIRequestMiddleware)."""
         with self._counted():
             session = await self.registry.open_session(owner, session_id)
             turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat)
             params = self.sampling_params(session, options)
             self._check_chunk(session, turn, params)
-            await self.limits.charge_tokens(owner, len(turn.input_ids) + (params.max_tokens or 0))
+            if not charged:
+                await self.limits.charge_tokens(owner, len(turn.input_ids) + (params.max_tokens or 0))
             if not wait and session.answering:
                 raise errors.chunk_in_flight()
             await session.lock.acquire()

@@ -101,8 +101,9 @@ async def test_the_schema_does_not_require_what_vllm_fills_in(server: str) -> No
         # So for an assistant message's id and status and its texts' annotations.
         assert not {"id", "status"} & set(components["ResponseOutputMessageParam"]["required"])
         assert "annotations" not in components["ResponseOutputTextParam"]["required"]
+        # store: false, with no previous response or conversation: vLLM's own handler.
         response = await http.post("/v1/responses", json={
-            "model": "embedded-tiny", "max_output_tokens": 1,
+            "model": "embedded-tiny", "max_output_tokens": 1, "store": False,
             "input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "hi"},
                       {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
                       {"role": "user", "content": "go on"}]})
@@ -123,7 +124,8 @@ ITEMS_SENT_BACK = {
 
 @pytest.mark.parametrize("case", sorted(ITEMS_SENT_BACK))
 async def test_input_items_sent_back_as_returned_are_answered(server: str, case: str) -> None:
-    body = {"model": "embedded-tiny", "max_output_tokens": 1,
+    # Stateless (store: false): vLLM's own handler, which app/vllm_fixes.py patches.
+    body = {"model": "embedded-tiny", "max_output_tokens": 1, "store": False,
             "input": [{"role": "user", "content": "hi"}, ITEMS_SENT_BACK[case], {"role": "user", "content": "go on"}]}
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         response = await http.post("/v1/responses", json=body)
