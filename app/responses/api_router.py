@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from vllm.entrypoints.openai.responses import api_router as vllm_responses
 
 from app.deps import OwnerDep, ResponsesDep
 from app.errors import APIError, OpenAIErrorBody
 from app.responses.protocol import ResponsesCreateRequest
-from app.responses.streaming import response_events
+from app.responses.streaming import response_events, sse_frames
+from app.responses.websocket import ResponsesConnection
 from app.transport.disconnect import unless_disconnected
 from app.transport.sse import EventStream
 
@@ -38,10 +39,17 @@ async def create_response(body: ResponsesCreateRequest, request: Request, servic
         return await vllm_responses.create_responses(body, request)
     pending = await service.start(owner, body)
     if body.stream:
-        return EventStream(response_events(service, owner, pending))
+        return EventStream(sse_frames(response_events(service, owner, pending)))
     result = await unless_disconnected(request, pending.run.result())
     response = await service.finish(owner, pending, result, None)
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+@router.websocket("/v1/responses")
+async def responses_websocket(websocket: WebSocket, service: ResponsesDep, owner: OwnerDep) -> None:
+    """The Responses API over a websocket (``client.responses.connect()``)."""
+    await websocket.accept()
+    await ResponsesConnection(websocket, service, owner).run()
 
 
 @router.get("/v1/responses/{response_id}", responses=ERRORS)

@@ -63,6 +63,8 @@ class PendingResponse:
     params: Any  # the chunk's SamplingParams, for the response object
     created_at: int = field(default_factory=lambda: int(time.time()))
     message_id: str = field(default_factory=lambda: items.new_id("msg"))
+    steered: bool = False  # stopped by response.steer: ends incomplete, reason "steered"
+    point: ContextPoint | None = None  # where it left its session, once it has ended
 
 
 def superseded() -> APIError:
@@ -92,8 +94,11 @@ class ResponsesService:
         return self.sessions.store
 
     # ------------------------------------------------------------------ create
-    async def start(self, owner: str, request: ResponsesCreateRequest) -> PendingResponse:
-        """Check the request, plan its turn and start its chunk; every refusal is raised here."""
+    async def start(self, owner: str, request: ResponsesCreateRequest,
+                    unstored: dict[str, ContextPoint] | None = None) -> PendingResponse:
+        """Check the request, plan its turn and start its chunk; every refusal is raised
+        here. ``unstored``: responses a websocket connection keeps although they are not
+        stored (its latest), which ``previous_response_id`` may name."""
         _check_supported(request)
         new_items = items.input_items(request.input)
         new_messages = items.as_messages(new_items)
@@ -106,7 +111,8 @@ class ResponsesService:
             run = await self._start(owner, conversation_id, self._plan(wanted), options)
             session_id = conversation_id
         elif request.previous_response_id is not None:
-            point = await self._point(owner, request.previous_response_id)
+            point = (unstored or {}).get(request.previous_response_id) \
+                or await self._point(owner, request.previous_response_id)
             run, session_id, wanted = await self._continue(owner, point, new_messages, request.instructions,
                                                            options)
         else:
@@ -214,14 +220,17 @@ class ResponsesService:
         if result is None:
             message = error.message if error else "The response failed."
             return self._response(pending, "failed", [], None, error={"code": "server_error", "message": message})
-        status = "incomplete" if result.finish_reason == "length" else \
-            "cancelled" if result.finish_reason == CANCELLED else "completed"
+        reason = "max_output_tokens" if result.finish_reason == "length" else \
+            "steered" if pending.steered and result.finish_reason == CANCELLED else None
+        status = "incomplete" if reason else "cancelled" if result.finish_reason == CANCELLED else "completed"
         output = items.message_item("assistant", result.text, pending.message_id,
                                     status="completed" if status == "completed" else "incomplete")
-        response = self._response(pending, status, [output], _usage(result))
+        response = self._response(pending, status, [output], _usage(result),
+                                  incomplete_details={"reason": reason} if reason else None)
         usage = result.usage
-        point = ContextPoint(pending.session_id, result.index + 1, usage.prompt_tokens + usage.completion_tokens,
-                             len(pending.wanted.messages) + 1, pending.wanted.instructions)
+        point = pending.point = ContextPoint(
+            pending.session_id, result.index + 1, usage.prompt_tokens + usage.completion_tokens,
+            len(pending.wanted.messages) + 1, pending.wanted.instructions)
         now = time.time()
         if pending.request.store is not False:
             data = {"response": response.model_dump(mode="json"), "input_items": pending.input_items,
@@ -241,7 +250,6 @@ class ResponsesService:
             id=pending.id, created_at=pending.created_at, instructions=request.instructions,
             metadata=request.metadata, model=self.sessions.model_name,
             output=[ResponseOutputMessage.model_validate(item) for item in output],
-            incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
             parallel_tool_calls=request.parallel_tool_calls is not False, temperature=params.temperature,
             tool_choice=request.tool_choice, tools=[], top_p=params.top_p, background=False,
             max_output_tokens=params.max_tokens, previous_response_id=request.previous_response_id,

@@ -1,14 +1,14 @@
-"""A response's server-sent events, as OpenAI streams them: created, in_progress, the
-message item and its text part, text deltas, then the closing events and
-``response.completed`` (``incomplete`` at max_output_tokens, ``failed`` on an error).
-Each event carries its ``sequence_number``."""
+"""A response's stream events, as OpenAI sends them over SSE and over its websocket:
+created, in_progress, the message item and its text part, text deltas, then the closing
+events and ``response.completed`` (``incomplete`` at max_output_tokens or when steered,
+``failed`` on an error). Each event carries its ``sequence_number``."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 from app.errors import APIError
@@ -20,12 +20,19 @@ _CLOSING = {"completed": "response.completed", "incomplete": "response.incomplet
             "cancelled": "response.incomplete", "failed": "response.failed"}
 
 
-async def response_events(service: ResponsesService, owner: str, pending: PendingResponse) -> AsyncIterator[str]:
-    numbers = itertools.count()
+async def sse_frames(events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
-    def frame(event_type: str, **fields: Any) -> str:
-        event = {"type": event_type, "sequence_number": next(numbers), **fields}
-        return f"event: {event_type}\ndata: {json.dumps(event)}\n\n"
+
+async def response_events(service: ResponsesService, owner: str, pending: PendingResponse,
+                          numbers: Iterator[int] | None = None) -> AsyncGenerator[dict[str, Any], None]:
+    """``numbers``: the sequence numbers to use (a websocket numbers its events across responses)."""
+    numbers = numbers if numbers is not None else itertools.count()
+
+    def frame(event_type: str, **fields: Any) -> dict[str, Any]:
+        return {"type": event_type, "sequence_number": next(numbers), **fields}
 
     skeleton = service.in_progress(pending).model_dump(mode="json")
     yield frame("response.created", response=skeleton)

@@ -76,8 +76,8 @@ def text_prompt(seed: int) -> str:
 # vLLM's other generating routes: a body for a text prompt, and where the route's usage
 # says how many of its prompt tokens were cached.
 OTHER_ROUTES: dict[str, tuple[Any, Any]] = {
-    "/v1/responses": (
-        lambda text: {"input": text, "max_output_tokens": 1},
+    "/v1/responses": (  # store: false: vLLM's handler (a stored response is a session: tests above)
+        lambda text: {"input": text, "max_output_tokens": 1, "store": False},
         lambda usage: usage["input_tokens_details"]["cached_tokens"],
     ),
     "/v1/messages": (

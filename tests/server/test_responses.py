@@ -162,6 +162,19 @@ async def test_refusals_have_openai_shapes_and_leave_the_chain_usable(client: op
     assert (await respond(client, "hi", conversation=conversation.id)).status in ("completed", "incomplete")
 
 
+async def test_a_stored_response_is_cached_for_its_own_key_only(server: str) -> None:
+    text = " ".join(["amber basalt cobalt"] * 70)  # several 32-token blocks
+    body = {"model": MODEL, "input": text, "max_output_tokens": 1, "temperature": 0}
+    async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+        cached = []
+        for key in (API_KEYS[0], API_KEYS[0], API_KEYS[1]):
+            response = await http.post("/v1/responses", json=body, headers=auth(key))
+            assert response.status_code == 200, response.text
+            cached.append(response.json()["usage"]["input_tokens_details"]["cached_tokens"])
+    assert cached[1] >= 192, cached  # the positive control: the same key's second response
+    assert cached[2] == 0, cached
+
+
 async def test_two_turns_at_once_on_a_conversation_get_one_answer_and_one_409(client: openai.AsyncOpenAI,
                                                                              http: httpx.AsyncClient) -> None:
     conversation = await client.conversations.create()
