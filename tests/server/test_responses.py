@@ -11,6 +11,7 @@ codes for each refusal, after which the chain or conversation still answers.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
+import websockets
 
 from tests.conftest import API_KEYS, auth
 from tests.server.test_errors import assert_openai_error
@@ -36,6 +38,17 @@ MODEL = "embedded-tiny"
 async def http(server: str) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as client:
         yield client
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def close_sessions_after(server: str) -> AsyncIterator[None]:
+    """Chains, forks and conversations are sessions, open until idle: each test closes
+    those it opened (the shared server holds at most 8), whatever its outcome."""
+    yield
+    async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+        for key in API_KEYS:
+            for session in (await http.get("/v1/sessions", headers=auth(key))).json()["data"]:
+                await http.delete(f"/v1/sessions/{session['id']}", headers=auth(key))
 
 
 @pytest_asyncio.fixture
@@ -194,3 +207,87 @@ async def test_two_turns_at_once_on_a_conversation_get_one_answer_and_one_409(cl
     assert (await long_turn).status_code == 200
     items = [item async for item in client.conversations.items.list(conversation.id, order="asc")]
     assert [i.role for i in items] == ["user", "assistant"]  # the refused turn left nothing behind
+
+
+async def test_the_responses_websocket_chains_steers_and_refuses_in_openais_events(
+        server: str, http: httpx.AsyncClient) -> None:
+    """Over ``client.responses.connect()``: two turns chained with ``store: false`` (the
+    connection keeps its latest response), a steer while a long answer streams, and bad
+    events answered with error events on a connection that stays usable. Every event is
+    validated against the SDK's own server-event union, strictly."""
+    from openai.types.responses.responses_server_event import ResponsesServerEvent
+    from pydantic import TypeAdapter
+
+    server_event: TypeAdapter[Any] = TypeAdapter(ResponsesServerEvent)
+    seen: list[Any] = []
+
+    async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEYS[0], max_retries=0) as sdk, \
+            sdk.responses.connect() as connection:
+
+        async def until(*kinds: str) -> Any:
+            while True:
+                raw = await connection.recv_bytes()
+                event = server_event.validate_json(raw, strict=True)
+                seen.append(event)
+                assert event.type != "error" or "error" in kinds, event
+                if event.type in kinds:
+                    return event
+
+        turn = {"type": "response.create", "model": MODEL, "max_output_tokens": 4, "temperature": 0, "store": False}
+        await connection.send({**turn, "input": "one"})
+        first = (await until("response.completed", "response.incomplete")).response
+        await connection.send({**turn, "input": "two", "previous_response_id": first.id})
+        second = (await until("response.completed", "response.incomplete")).response
+        assert second.previous_response_id == first.id
+        assert second.usage.input_tokens_details.cached_tokens == \
+            first.usage.input_tokens + first.usage.output_tokens - 1
+        with pytest.raises(openai.NotFoundError):  # not stored: only this connection knows it
+            await sdk.responses.retrieve(second.id)
+
+        await connection.send({"type": "response.steer", "previous_response_id": second.id, "input": "x"})
+        assert (await until("response.steer.failed")).error.code == "response_already_completed"
+
+        # A steer while a long answer streams: it ends steered, and its successor answers.
+        await connection.send({**turn, "input": "long", "previous_response_id": second.id, "max_output_tokens": 1000,
+                               "ignore_eos": True})
+        running = (await until("response.created")).response.id
+        await until("response.output_text.delta")
+        await connection.send({"type": "response.steer", "previous_response_id": running,
+                               "input": [{"role": "user", "content": "now this"}]})
+        accepted = await until("response.steer.accepted")
+        assert accepted.steer.previous_response_id == running
+        steered = (await until("response.incomplete", "response.completed")).response
+        assert steered.id == running and steered.status == "incomplete", steered
+        assert steered.incomplete_details.reason == "steered" and steered.usage.output_tokens < 1000
+        successor = (await until("response.created")).response
+        assert successor.previous_response_id == running
+        done = (await until("response.completed", "response.incomplete")).response
+        assert done.id == successor.id
+        # The successor continued the steered response's session. A stop ends the engine
+        # request (a request cannot resume mid-answer), so the context comes back from the
+        # device prefix cache or the CPU tier, in whole blocks (32 tokens in the tests).
+        details = done.usage.input_tokens_details
+        context = steered.usage.input_tokens + steered.usage.output_tokens
+        assert details.cached_tokens >= context // 32 * 32, (details, context)
+    chain = await session_of(http, first.id)
+    assert chain["num_chunks"] == 4, chain
+    # Bad events (raw frames: the SDK sends only valid ones): an error event each, in the
+    # SDK's shape, and the connection goes on.
+    url = server.replace("http://", "ws://") + "/v1/responses"
+    async with websockets.connect(url, additional_headers=auth()) as ws:
+        for bad, code in (("{nope", "invalid_json"), ('{"type": "session.update"}', "invalid_event"),
+                          ('{"type": "response.create", "input": "x", "generate": false}', "unsupported_parameter"),
+                          ('{"type": "response.create", "input": "x", "stream": true}', "unsupported_parameter"),
+                          ('{"type": "response.create", "input": "x", "max_output_tokens": "many"}',
+                           "invalid_request"),
+                          ('{"type": "response.create", "input": "x", "previous_response_id": "resp_x"}',
+                           "previous_response_not_found")):
+            await ws.send(bad)
+            error = server_event.validate_json(await ws.recv(), strict=True)
+            assert error.type == "error" and error.error.code == code, (bad, error)
+        await ws.send(json.dumps({"type": "response.create", "model": MODEL, "input": "still here",
+                                  "max_output_tokens": 2}))
+        while (event := json.loads(await ws.recv()))["type"] not in ("response.completed", "response.incomplete"):
+            assert event["type"] != "error", event
+    transcript = (await http.get(f"/v1/sessions/{first.id}/transcript")).json()["text"]
+    assert clean(transcript).endswith(clean(done.output_text)) and "now this" in transcript
