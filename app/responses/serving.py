@@ -37,6 +37,7 @@ from app.sessions.session import CANCELLED, ChunkResult
 from app.store import StoredObject
 
 RESPONSE, ITEM = "response", "item"
+CHAIN_PREFIX = "resp_"  # a chain's session is named by its first response
 
 
 @dataclass
@@ -183,6 +184,18 @@ class ResponsesService:
         return plan
 
     async def _new_session(self, owner: str, session_id: str) -> str:
+        """A session for a new chain (or a fork). At the server's session limit, the
+        least recently used idle chain makes room: closed, it is still continued later,
+        by a fork from the store (conversations are never closed for room)."""
+        try:
+            return (await self.sessions.create(owner, SessionCreateRequest(), session_id=session_id)).id
+        except APIError as exc:
+            idle_chains = [s for s in self.sessions.registry.held.values()
+                           if s.id.startswith(CHAIN_PREFIX) and not s.lock.locked() and not s.closed]
+            if exc.code != "too_many_sessions" or not idle_chains:
+                raise
+        oldest = min(idle_chains, key=lambda s: s.last_activity)
+        await self.sessions.close(oldest.owner, oldest.id, reason="evicted")
         return (await self.sessions.create(owner, SessionCreateRequest(), session_id=session_id)).id
 
     async def _start(self, owner: str, session_id: str, plan: TurnPlan, options: SamplingOptions,

@@ -40,12 +40,14 @@ class ConversationCheck:
         assert answer.status_code == 200, answer.text
         return str(answer.json()["choices"][0]["message"]["content"])
 
-    def turn(self, question: str, response: Any, session_id: str, history_tokens: int) -> None:
-        """Check one response: its answer, its session's context, its usage."""
+    def turn(self, question: str, response: Any, session_id: str, history_tokens: int, longer: bool = False) -> None:
+        """Check one response: its answer, its session's context, its usage. ``longer``:
+        the response ran past MAX_OUTPUT (ignore_eos): the reference is its beginning."""
         self.messages.append({"role": "user", "content": question})
         expected = self.reference(self.messages)
         if self.canonical:
-            assert response.output_text == expected, (self.label, len(self.messages), response.output_text, expected)
+            answer = response.output_text[:len(expected)] if longer else response.output_text
+            assert answer == expected, (self.label, len(self.messages), response.output_text, expected)
         self.messages.append({"role": "assistant", "content": response.output_text})
         transcript = self.http.get(f"/v1/sessions/{session_id}/transcript").json()["token_ids"]
         from app.sessions.chat import reply_close
@@ -125,4 +127,48 @@ def check_stateful_apis(base_url: str, tokenizer: Any) -> dict[str, bool]:
         check.turn(question, response, first, history)
         previous, history = response.id, response.usage.input_tokens + response.usage.output_tokens
     results["streamed"] = check.canonical
+    results["websocket"] = _over_the_websocket(client, base_url, tokenizer)
     return results
+
+
+def _over_the_websocket(client: openai.OpenAI, base_url: str, tokenizer: Any) -> bool:
+    """The chain over ``client.responses.connect()`` (``store: false``: the connection keeps
+    its latest response), then a steer while a long answer streams: it ends ``steered``,
+    its successor answers the steered input, and the session's context is the template's
+    rendering of the conversation with the steered answer as far as it went."""
+    check = ConversationCheck(base_url, tokenizer, "websocket")
+    previous: str | None = None
+    first, history = None, 0
+    with client.responses.connect() as connection:
+        def until(*kinds: str) -> Any:
+            for event in connection:
+                assert event.type != "error", event
+                if event.type in kinds:
+                    return event
+            raise AssertionError("the connection closed")
+
+        for question in QUESTIONS:
+            connection.send({"type": "response.create", "model": MODEL, "input": question, "store": False,
+                             "previous_response_id": previous, "max_output_tokens": MAX_OUTPUT, "temperature": 0})
+            response = until("response.completed", "response.incomplete").response
+            first = first or response.id
+            check.turn(question, response, first, history)
+            previous, history = response.id, response.usage.input_tokens + response.usage.output_tokens
+        long_question, steer = "Write a long story about a dragon.", "Stop. What is the capital of Spain?"
+        connection.send({"type": "response.create", "model": MODEL, "input": long_question, "store": False,
+                         "previous_response_id": previous, "max_output_tokens": 400, "temperature": 0,
+                         "ignore_eos": True})
+        running = until("response.created").response.id
+        for _ in range(8):
+            until("response.output_text.delta")
+        connection.send({"type": "response.steer", "previous_response_id": running, "input": steer})
+        assert until("response.steer.accepted").steer.previous_response_id == running
+        steered = until("response.incomplete", "response.completed").response
+        assert steered.incomplete_details is not None and steered.incomplete_details.reason == "steered", steered
+        successor = until("response.created").response
+        assert successor.previous_response_id == running
+        done = until("response.completed", "response.incomplete").response
+    # The context: the conversation with the steered answer as far as it went, the steer, the answer.
+    check.messages += [{"role": "user", "content": long_question}, {"role": "assistant", "content": steered.output_text}]
+    check.turn(steer, done, first, 0, longer=True)  # the successor inherits max_output_tokens, ignore_eos
+    return check.canonical

@@ -291,3 +291,15 @@ async def test_the_responses_websocket_chains_steers_and_refuses_in_openais_even
             assert event["type"] != "error", event
     transcript = (await http.get(f"/v1/sessions/{first.id}/transcript")).json()["text"]
     assert clean(transcript).endswith(clean(done.output_text)) and "now this" in transcript
+
+
+async def test_at_the_session_limit_an_idle_chain_makes_room_and_is_continued_by_a_fork(
+        client: openai.AsyncOpenAI, http: httpx.AsyncClient, server_settings: Any) -> None:
+    limit = server_settings.max_sessions
+    firsts = [await respond(client, f"chain {index}") for index in range(limit + 1)]
+    oldest = await session_of(http, firsts[0].id)
+    assert (oldest["status"], oldest["close_reason"]) == ("closed", "evicted"), oldest
+    assert all((await session_of(http, first.id))["status"] != "closed" for first in firsts[1:])
+    # The evicted chain goes on: a new session replays its context from the store.
+    again = await respond(client, "more", previous_response_id=firsts[0].id)
+    assert again.usage.input_tokens > firsts[0].usage.input_tokens + firsts[0].usage.output_tokens
