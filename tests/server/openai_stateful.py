@@ -156,8 +156,7 @@ def _over_the_websocket(client: openai.OpenAI, base_url: str, tokenizer: Any) ->
             previous, history = response.id, response.usage.input_tokens + response.usage.output_tokens
         long_question, steer = "Write a long story about a dragon.", "Stop. What is the capital of Spain?"
         connection.send({"type": "response.create", "model": MODEL, "input": long_question, "store": False,
-                         "previous_response_id": previous, "max_output_tokens": 400, "temperature": 0,
-                         "ignore_eos": True})
+                         "previous_response_id": previous, "max_output_tokens": 400, "temperature": 0})
         running = until("response.created").response.id
         for _ in range(8):
             until("response.output_text.delta")
@@ -170,5 +169,5 @@ def _over_the_websocket(client: openai.OpenAI, base_url: str, tokenizer: Any) ->
         done = until("response.completed", "response.incomplete").response
     # The context: the conversation with the steered answer as far as it went, the steer, the answer.
     check.messages += [{"role": "user", "content": long_question}, {"role": "assistant", "content": steered.output_text}]
-    check.turn(steer, done, first, 0, longer=True)  # the successor inherits max_output_tokens, ignore_eos
+    check.turn(steer, done, first, 0, longer=True)  # the successor inherits max_output_tokens
     return check.canonical
