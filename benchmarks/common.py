@@ -189,10 +189,11 @@ def our_server(
 
 def vllm_server(
     setup: EngineSetup, log_dir: Path, prefix_caching: bool, extra_args: list[str] | None = None,
-    label: str | None = None,
+    label: str | None = None, env: dict[str, str] | None = None,
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """vLLM's own OpenAI server, as a user would run it, with the same engine settings
-    (``extra_args``: more of its flags, e.g. a --kv-transfer-config)."""
+    (``extra_args``: more of its flags, e.g. a --kv-transfer-config; ``env``: more of
+    its environment, e.g. VLLM_ENABLE_RESPONSES_API_STORE)."""
     port = free_port()
     name = f"embedded-{setup.preset}"
     command = [
@@ -210,7 +211,7 @@ def vllm_server(
         *(extra_args or []),
     ]
     label = label or f"vllm-prefix-{'on' if prefix_caching else 'off'}"
-    return serve(label, command, engine_env(), port, name, log_dir / f"{label}.log")
+    return serve(label, command, {**engine_env(), **(env or {})}, port, name, log_dir / f"{label}.log")
 
 
 @contextlib.contextmanager

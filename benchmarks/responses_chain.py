@@ -1,0 +1,147 @@
+"""Benchmark: a Responses API chain (``previous_response_id``), ours against vLLM's own.
+
+TURNS turns, each about CHUNK new tokens of text (random words) and GEN generated, every turn
+continuing the previous response, streamed; time to first token and total per turn:
+
+- ours: /v1/responses on our server: a chain is a session, a turn one chunk;
+- vllm-store-prefix-on / -off: vLLM's own server with its response store on
+  (VLLM_ENABLE_RESPONSES_API_STORE=1), which re-renders and re-sends the whole history
+  each turn, with prefix caching on and off.
+
+    python -m benchmarks.responses_chain          # bench model, 16 turns of 128 tokens
+    python -m benchmarks.responses_chain --turns 4 --chunk 32 --preset tiny
+
+Writes benchmarks/results/responses_chain.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import (
+    API_HEADERS,
+    EngineSetup,
+    benchmark_parser,
+    finish,
+    our_server,
+    pyplot,
+    vllm_server,
+)
+
+WORDS = ("amber", "basalt", "cobalt", "dune", "ember", "fjord", "glacier", "harbor", "island", "jade", "kelp",
+         "lagoon", "meadow", "nebula", "orchid", "prairie", "quartz", "river", "summit", "tundra")
+Turns = list[dict[str, float]]
+
+
+async def run_chain(base_url: str, model: str, texts: list[str], gen: int, headers: dict[str, str]) -> Turns:
+    turns: Turns = []
+    previous: str | None = None
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, headers=headers) as http:
+        for text in texts:
+            body = {"model": model, "input": text, "max_output_tokens": gen, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "previous_response_id": previous}
+            start = time.perf_counter()
+            first: float | None = None
+            final: dict[str, Any] = {}
+            async with http.stream("POST", "/v1/responses", json=body) as stream:
+                assert stream.status_code == 200, await stream.aread()
+                async for line in stream.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    if event["type"] == "response.output_text.delta" and first is None:
+                        first = time.perf_counter() - start
+                    if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
+                        final = event["response"]
+            total = time.perf_counter() - start
+            assert final.get("status") in ("completed", "incomplete"), final
+            usage = final["usage"]
+            turns.append({"ttft_s": first if first is not None else total, "total_s": total,
+                          "input_tokens": usage["input_tokens"],
+                          "cached_tokens": usage["input_tokens_details"]["cached_tokens"]})
+            previous = final["id"]
+    return turns
+
+
+def median(runs: list[Turns]) -> Turns:
+    return [{key: statistics.median(run[i][key] for run in runs) for key in runs[0][i]} for i in range(len(runs[0]))]
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
+                        dtype=args.dtype)
+    rng = random.Random(args.seed)
+
+    def text() -> str:  # the embedded models' tokenizer spends about 4.4 tokens on each of these words
+        return " ".join(rng.choice(WORDS) for _ in range(max(1, round(args.chunk / 4.44))))
+
+    warmup = [text() for _ in range(2)]
+    chains = [[text() for _ in range(args.turns)] for _ in range(args.repeats)]
+    log_dir = Path(args.out) / "logs"
+    sides: dict[str, Turns] = {}
+    with our_server(setup, log_dir) as server:
+        await run_chain(server.base_url, server.model, warmup, args.gen, API_HEADERS)
+        sides["ours"] = median([await run_chain(server.base_url, server.model, chain, args.gen, API_HEADERS)
+                                for chain in chains])
+    for prefix_caching in (True, False):
+        label = f"vllm-store-prefix-{'on' if prefix_caching else 'off'}"
+        with vllm_server(setup, log_dir, prefix_caching, label=label,
+                         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) as server:
+            await run_chain(server.base_url, server.model, warmup, args.gen, {})
+            sides[label] = median([await run_chain(server.base_url, server.model, chain, args.gen, {})
+                                   for chain in chains])
+    last = args.turns - 1
+    ours = sides["ours"][last]["ttft_s"]
+    return {
+        "settings": {**setup.describe(), "turns": args.turns, "chunk_tokens": args.chunk, "gen_tokens": args.gen,
+                     "repeats": args.repeats, "seed": args.seed},
+        "summary": {
+            "last_turn_ttft_s": {side: turns[last]["ttft_s"] for side, turns in sides.items()},
+            "last_turn_ours_vs_vllm_store_prefix_on": ours / sides["vllm-store-prefix-on"][last]["ttft_s"],
+            "last_turn_vllm_store_prefix_off_vs_ours": sides["vllm-store-prefix-off"][last]["ttft_s"] / ours,
+            "last_turn_input_tokens": sides["ours"][last]["input_tokens"],
+        },
+        "per_turn": sides,
+    }
+
+
+def plot(result: dict[str, Any]) -> Any:
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for side, turns in result["per_turn"].items():
+        axis.plot(range(1, len(turns) + 1), [t["ttft_s"] * 1000 for t in turns], marker="o", label=side)
+    axis.set_xlabel("turn")
+    axis.set_ylabel("time to first token (ms)")
+    axis.set_yscale("log")
+    settings = result["settings"]
+    axis.set_title(f"Responses chain: about {settings['chunk_tokens']} new tokens + {settings['gen_tokens']} generated "
+                   f"per turn ({settings['model_preset']} model)")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+    return figure
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
+    parser.add_argument("--turns", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument("--gen", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    finish("responses_chain", result, args.out, plot)
+    for key, value in result["summary"].items():
+        print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
