@@ -301,6 +301,24 @@ def pyplot() -> Any:
     return plt
 
 
+def plot_ttft_per_turn(per_turn: dict[str, list[dict[str, float]]], title: str) -> Any:
+    """Each side's time to first token by turn, on a log scale."""
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for side, turns in per_turn.items():
+        axis.plot(range(1, len(turns) + 1), [t["ttft_s"] * 1000 for t in turns], marker="o", label=side)
+    axis.set_xlabel("turn")
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axis.set_ylabel("time to first token (ms)")
+    axis.set_yscale("log")
+    axis.set_title(title)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+    return figure
+
+
 def random_tokens(rng: random.Random, count: int, vocab: int = 700) -> list[int]:
     return [rng.randrange(1, vocab) for _ in range(count)]
 

@@ -33,7 +33,7 @@ from benchmarks.common import (
     benchmark_parser,
     finish,
     our_server,
-    pyplot,
+    plot_ttft_per_turn,
     vllm_server,
 )
 
@@ -115,19 +115,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any]) -> Any:
-    plt = pyplot()
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for side, turns in result["per_turn"].items():
-        axis.plot(range(1, len(turns) + 1), [t["ttft_s"] * 1000 for t in turns], marker="o", label=side)
-    axis.set_xlabel("turn")
-    axis.set_ylabel("time to first token (ms)")
-    axis.set_yscale("log")
     settings = result["settings"]
-    axis.set_title(f"Responses chain: about {settings['chunk_tokens']} new tokens + {settings['gen_tokens']} generated "
-                   f"per turn ({settings['model_preset']} model)")
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend()
-    return figure
+    return plot_ttft_per_turn(result["per_turn"], f"Responses chain: about {settings['chunk_tokens']} new tokens "
+                              f"+ {settings['gen_tokens']} generated per turn ({settings['model_preset']} model)")
 
 
 def main() -> None:
