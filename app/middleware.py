@@ -15,7 +15,7 @@ from app.cache_salt import CacheSalter
 from app.errors import APIError
 from app.http_errors import send_http_error, send_refusal, validation_error
 from app.limits import UNLIMITED_PATHS, KeyLimits, estimated_tokens
-from app.openai_routes import OpenAIBodyRoute, strict_errors
+from app.openai_routes import STATEFUL_FIELDS, OpenAIBodyRoute, strict_errors
 
 
 class BodySizeLimitMiddleware:
@@ -138,6 +138,11 @@ class OpenAIRequestMiddleware:
         except (ValueError, RecursionError):  # not JSON (nor UTF-8), or nested too deep: vLLM refuses it
             payload = None
         if isinstance(payload, dict):
+            if not route.stateful and (field := next((f for f in STATEFUL_FIELDS if f in payload), None)):
+                await send_http_error(send, APIError(
+                    400, f"{field} is honoured on /v1/responses only; this route keeps no state.",
+                    code="unsupported_parameter", param=field))
+                return
             if route.strict_validator is not None:
                 try:
                     if errors := strict_errors(route.strict_validator, body, payload):

@@ -34,6 +34,9 @@ UNSERVED_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep"})
 # body model still tells the request middleware how to validate, salt and charge the
 # body; then they go, so that no path is served twice.
 REPLACED_PATHS = frozenset({"/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"})
+# What continues a stored conversation: honoured on the Responses API only. vLLM's other
+# routes would drop them with every unknown field, and answer as if no history existed.
+STATEFUL_FIELDS = ("conversation", "previous_response_id")
 # Routes vLLM mounts for every model but answers 501 on models without their serving
 # handler (set in app.state by vLLM's init_app_state): served only where they work.
 MODEL_DEPENDENT_PATHS = {"/v1/systemone": "serving_structured_decisions"}
@@ -52,6 +55,7 @@ class OpenAIBodyRoute:
 
     strict_validator: TypeAdapter[Any] | None  # validate in strict mode (None: leave it to vLLM)
     generates: bool  # it reaches the prefix cache: salt it, charge its tokens
+    stateful: bool = False  # it honours STATEFUL_FIELDS (ours replaces vLLM's: app.responses)
 
 
 def strict_errors(validator: TypeAdapter[Any], body: bytes, payload: Any) -> list[Any]:
@@ -173,7 +177,8 @@ def openai_body_routes(app: FastAPI, strict: bool, generating: bool) -> dict[str
         generates = generating and any("cache_salt" in model.model_fields for model in models)
         validator = TypeAdapter(annotation) if strict else None
         if generates or validator is not None:
-            routes[route.path] = OpenAIBodyRoute(strict_validator=validator, generates=generates)
+            routes[route.path] = OpenAIBodyRoute(strict_validator=validator, generates=generates,
+                                                 stateful=route.path in REPLACED_PATHS)
     return routes
 
 

@@ -7,9 +7,12 @@ import contextlib
 import itertools
 import os
 import random
+import signal
+import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import psutil
 import pytest
 from vllm import SamplingParams
 from vllm.engine.protocol import StreamingInput
@@ -212,3 +215,20 @@ async def close_code(ws: Any) -> int:
         await ws.recv()
     assert closed.value.rcvd is not None, "closed without a close frame"
     return int(closed.value.rcvd.code)
+
+
+@contextlib.contextmanager
+def paused_engine(process: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Stop a server's engine (every process under its API server), and continue it
+    afterwards. The API server runs on: it takes leases and sends requests, which the
+    engine answers only once continued."""
+    engine = psutil.Process(process.pid).children(recursive=True)
+    assert engine, "the replica's API server has no engine process under it"
+    for child in engine:
+        child.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for child in engine:
+            with contextlib.suppress(psutil.NoSuchProcess):  # killed meanwhile
+                child.send_signal(signal.SIGCONT)

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -23,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import pytest_asyncio
 import websockets
 
 from benchmarks.common import RunningServer, app_server, free_port, stop_group
+from tests.helpers import paused_engine
 from tests.postgres import needs_postgres, postgres_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,22 +129,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             except httpx.TransportError:
                 time.sleep(0.1)
         yield Cluster(proxy, {r.name: r for r in replicas})
-
-
-@contextlib.contextmanager
-def paused_engine(process: subprocess.Popen[bytes]) -> Iterator[None]:
-    """Stop a replica's engine (every process under its API server), and continue it
-    afterwards. The API server runs on: it takes leases and sends requests, which the
-    engine answers only once continued."""
-    engine = psutil.Process(process.pid).children(recursive=True)
-    assert engine, "the replica's API server has no engine process under it"
-    for child in engine:
-        child.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for child in engine:
-            child.send_signal(signal.SIGCONT)
 
 
 def stop_process(process: subprocess.Popen[bytes]) -> None:

@@ -141,10 +141,17 @@ async def run_python(code: str, server: str, *args: str, stdin: bytes | None = N
 async def test_readme_examples_run(server: str) -> None:
     blocks = readme_python_blocks()
     assert len(blocks) >= 2
-    for block in blocks:
-        code, out, err = await run_python(block, server)
-        assert code == 0, f"README example failed:\n{block}\n--- stderr ---\n{err}"
-        assert out.strip(), block
+    try:
+        for block in blocks:
+            code, out, err = await run_python(block, server)
+            assert code == 0, f"README example failed:\n{block}\n--- stderr ---\n{err}"
+            assert out.strip(), block
+    finally:
+        # The Responses example leaves a chain and a conversation open (sessions holding
+        # device blocks): later tests reset the device cache, which open sessions refuse.
+        async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+            for session in (await http.get("/v1/sessions")).json()["data"]:
+                await http.delete(f"/v1/sessions/{session['id']}")
     # The sync example ends on the typed 404.
     assert "404 session_not_found" in out
 

@@ -159,6 +159,13 @@ async def test_refusals_have_openai_shapes_and_leave_the_chain_usable(client: op
     ]
     for fields, status, code in cases:
         assert_openai_error(await http.post("/v1/responses", json={**body, **fields}), status, code)
+    # vLLM's stateless routes refuse what would continue a conversation (vLLM would drop it).
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    assert_openai_error(await http.post("/v1/chat/completions", json={**chat, "conversation": conversation.id}),
+                        400, "unsupported_parameter")
+    assert_openai_error(await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                                                  "previous_response_id": first.id}),
+                        400, "unsupported_parameter")
     malformed = await http.post("/v1/responses", content=b"{not json", headers={"Content-Type": "application/json"})
     assert malformed.status_code == 400, malformed.text
     # Another key's response and conversation do not exist for this one.
