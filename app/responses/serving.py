@@ -143,7 +143,7 @@ class ResponsesService:
 
     async def _fork(self, owner: str, point: ContextPoint, new_messages: list[dict[str, str]],
                     instructions: str | None, options: SamplingOptions) -> tuple[ChunkRun, str, ChatState]:
-        prefix, chat = await self._context_at(point)
+        prefix, chat = await self._context_at(owner, point)
         wanted = ChatState(instructions, chat.messages + new_messages)
 
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
@@ -154,15 +154,14 @@ class ResponsesService:
         session_id = await self._new_session(owner, items.new_id("resp"))
         return await self._start(owner, session_id, plan, options, opened=True), session_id, wanted
 
-    async def _context_at(self, point: ContextPoint) -> tuple[list[int], ChatState]:
-        """The token ids and the conversation of a session as a response left it."""
+    async def _context_at(self, owner: str, point: ContextPoint) -> tuple[list[int], ChatState]:
+        """The token ids and the conversation of ``owner``'s session as a response left it."""
         record = await self.store.get(point.session_id)
         prefix = await self.store.transcript_at(point.session_id, point.num_chunks)
         chat = None if record is None else ChatState.load(record.chat)
         if prefix is None:  # a store that keeps no transcripts: the session in memory, if it is
             try:
-                session = await self.sessions.get(record.owner if record else "", point.session_id,
-                                                  include_closed=True)
+                session = await self.sessions.get(owner, point.session_id, include_closed=True)
                 prefix, chat = session.token_ids[:point.token_end], session.chat
             except APIError:
                 prefix = None
