@@ -88,10 +88,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     chains = [[text() for _ in range(args.turns)] for _ in range(args.repeats)]
     log_dir = Path(args.out) / "logs"
     sides: dict[str, Turns] = {}
-    with our_server(setup, log_dir) as server:
-        await run_chain(server.base_url, server.model, warmup, args.gen, API_HEADERS)
-        sides["ours"] = median([await run_chain(server.base_url, server.model, chain, args.gen, API_HEADERS)
-                                for chain in chains])
+    # ours-no-store: the same server keeping its sessions in memory only, to tell the
+    # store's cost per turn (the lease, the chunk's commit, the stored response).
+    for label, store in (("ours", {}), ("ours-no-store", {"store_url": "none"})):
+        with our_server(setup, log_dir, **store) as server:
+            await run_chain(server.base_url, server.model, warmup, args.gen, API_HEADERS)
+            sides[label] = median([await run_chain(server.base_url, server.model, chain, args.gen, API_HEADERS)
+                                   for chain in chains])
     for prefix_caching in (True, False):
         label = f"vllm-store-prefix-{'on' if prefix_caching else 'off'}"
         with vllm_server(setup, log_dir, prefix_caching, label=label,
@@ -109,6 +112,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "last_turn_ours_vs_vllm_store_prefix_on": ours / sides["vllm-store-prefix-on"][last]["ttft_s"],
             "last_turn_vllm_store_prefix_off_vs_ours": sides["vllm-store-prefix-off"][last]["ttft_s"] / ours,
             "last_turn_input_tokens": sides["ours"][last]["input_tokens"],
+            # the store's share of a turn, over all turns (total time, ours against ours-no-store)
+            "store_cost_share_of_turn": 1 - sum(t["total_s"] for t in sides["ours-no-store"])
+            / sum(t["total_s"] for t in sides["ours"]),
         },
         "per_turn": sides,
     }
