@@ -42,6 +42,9 @@ class Turn:
     # continues an older point of another): served from the cache, so not counted
     # against the chunk size limit.
     replayed: int = 0
+    # A grammar for this chunk's answer alone (vLLM's StructuredOutputsParams): a call
+    # that tool_choice requires. Each chunk gets its own (connectors/streaming_grammar.py).
+    structured_outputs: Any = None
 
 
 # A chunk whose tokens depend on the session's context at the moment it runs (a chat

@@ -85,9 +85,12 @@ class SessionService:
         if recorder is None:
             recorder = ProvenanceRecorder()
             recorder.attach(engine)
+        tokenizer = engine.get_tokenizer()
+        if (chat_template := settings.resolved_chat_template()) is not None:
+            tokenizer.chat_template = chat_template  # as vLLM's routes render (--chat-template)
         return cls(
             engine=engine, settings=settings, model_name=settings.resolved_served_model_name(),
-            tokenizer=engine.get_tokenizer(), metrics=session_metrics(), recorder=recorder,
+            tokenizer=tokenizer, metrics=session_metrics(), recorder=recorder,
             store=store if store is not None else open_store(settings), salter=cache_salter(settings),
             limits=limits, observer=observer_of(engine),
         )
@@ -259,6 +262,7 @@ class SessionService:
                 if inputs.depends_on_context(chunk_input):
                     # A chat turn closes the reply it follows: the one of the chunk waited for.
                     turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat)
+                params.structured_outputs = turn.structured_outputs
                 self._check_chunk(session, turn, params)
                 context = len(session.token_ids) if turn.start is None else turn.start
                 await self.parking.admit(session, context + len(turn.input_ids) + (params.max_tokens or 0))
