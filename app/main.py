@@ -66,15 +66,20 @@ def vllm_server_args(settings: Settings, model_path: str) -> Namespace:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    return parser.parse_args(
-        [
-            "--model", model_path,
-            "--served-model-name", settings.resolved_served_model_name(),
-            "--max-model-len", str(settings.max_model_len),
-            # cached_tokens in usage; our middleware adds the source split.
-            "--enable-prompt-tokens-details",
-        ]
-    )
+    args = [
+        "--model", model_path,
+        "--served-model-name", settings.resolved_served_model_name(),
+        "--max-model-len", str(settings.max_model_len),
+        # cached_tokens in usage; our middleware adds the source split.
+        "--enable-prompt-tokens-details",
+    ]
+    if (tool_call_parser := settings.resolved_tool_call_parser()) is not None:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
+    if settings.reasoning_parser:
+        args += ["--reasoning-parser", settings.reasoning_parser]
+    if (chat_template := settings.resolved_chat_template()) is not None:
+        args += ["--chat-template", chat_template]
+    return parser.parse_args(args)
 
 
 def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:

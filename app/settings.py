@@ -56,6 +56,22 @@ class Settings(BaseSettings):
         description="Where preset models are built or converted. Default: ~/.cache/streaming-sessions/models.",
     )
 
+    # --- chat and tools ---------------------------------------------------------
+    chat_template: str | None = Field(
+        default=None,
+        description="A chat template (a file's path, or the template itself) in place of the model's own; "
+        "vLLM's routes and the sessions both render with it.",
+    )
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="vLLM's tool-call parser (as --tool-call-parser: hermes, llama3_json, mistral, ...), which "
+        "turns tool_choice auto on. Default: hermes for smollm2-135m-instruct (the format of its template), "
+        "none for other models (tool_choice required and named functions work without one). none: off.",
+    )
+    reasoning_parser: str | None = Field(
+        default=None, description="vLLM's reasoning parser (as --reasoning-parser), to split out reasoning text."
+    )
+
     # --- engine --------------------------------------------------------------
     kv_cache_gib: float = Field(default=1.0, gt=0, description="Device KV cache size in GiB.")
     cpu_tier_gib: float = Field(
@@ -278,6 +294,22 @@ class Settings(BaseSettings):
 
         cache_dir = Path(self.model_cache_dir) if self.model_cache_dir else None
         return str(ensure_model(self.model_preset, cache_dir))
+
+    def resolved_tool_call_parser(self) -> str | None:
+        if self.tool_call_parser in ("", "none"):
+            return None
+        if self.tool_call_parser is None and not self.model and self.model_preset == "smollm2-135m-instruct":
+            return "hermes"  # app/models/smollm2_chat_template.jinja writes its calls as Hermes does
+        return self.tool_call_parser
+
+    def resolved_chat_template(self) -> str | None:
+        """The chat template's text, where one replaces the model's own."""
+        if not self.chat_template:
+            return None
+        from pathlib import Path
+
+        path = Path(self.chat_template)
+        return path.read_text() if "{" not in self.chat_template and path.is_file() else self.chat_template
 
     def resolved_state_dir(self) -> str:
         from pathlib import Path

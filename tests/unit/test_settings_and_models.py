@@ -98,3 +98,22 @@ def test_our_routes_come_first_and_shadow_none_of_vllms() -> None:
     assert first == ours
     vllm_paths = {getattr(route, "path", None) for route in routes[len(ours):]}
     assert not {path for path, _ in ours} & vllm_paths
+
+
+def test_vllms_routes_get_the_tool_and_reasoning_parsers_and_the_chat_template(tmp_path: Path) -> None:
+    """What `vllm serve` would be given: the default model's parser is hermes (its
+    template's format); another model has none unless set; a template file is read."""
+    from app.main import vllm_server_args
+
+    default = vllm_server_args(Settings(model_preset="smollm2-135m-instruct"), "/models/x")
+    assert default.enable_auto_tool_choice and default.tool_call_parser == "hermes"
+    other = vllm_server_args(Settings(model="/models/x"), "/models/x")
+    assert not other.enable_auto_tool_choice and other.tool_call_parser is None
+    off = vllm_server_args(Settings(tool_call_parser="none"), "/models/x")
+    assert not off.enable_auto_tool_choice
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    chosen = vllm_server_args(Settings(model="/models/x", tool_call_parser="llama3_json", reasoning_parser="qwen3",
+                                       chat_template=str(template)), "/models/x")
+    assert (chosen.tool_call_parser, chosen.reasoning_parser) == ("llama3_json", "qwen3")
+    assert chosen.chat_template == "{{ messages[0]['content'] }}"

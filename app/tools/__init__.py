@@ -1,0 +1,1 @@
+"""Tool calling: vLLM's parsers on our sessions."""

@@ -1,0 +1,151 @@
+"""Tool calls read from scripted token streams with vLLM's own parsers (app/tools/parsing.py):
+a parser's job needs no trained model. Three formats: Hermes/Qwen ``<tool_call>`` (the
+default model's), Llama 3's JSON and Mistral's ``[TOOL_CALLS]``; each with text before a
+call, two parallel calls, a call split across many deltas, and malformed JSON.
+
+Oracle: the calls written into the scripted output. The stream's deltas (one token at a
+time, and three at a time) must add up to the calls that the final extraction (the
+authority) returns, and those to the calls written; malformed JSON ends as text,
+flagged, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from app.models.builder import ensure_model
+from app.tools.parsing import OutputParser, ParsedOutput, chat_tools
+
+TOOLS = [
+    {"type": "function", "name": "get_weather",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    {"type": "function", "function": {"name": "get_time",
+                                      "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}},
+]
+PARIS = ("get_weather", {"city": "Paris"})
+CET = ("get_time", {"zone": "CET"})
+
+
+def hermes(*calls: tuple[str, dict[str, Any]]) -> str:
+    return "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}\n</tool_call>' for n, a in calls)
+
+
+def llama3(*calls: tuple[str, dict[str, Any]]) -> str:
+    return "<|python_tag|>" + "; ".join(f'{{"name": "{n}", "parameters": {json.dumps(a)}}}' for n, a in calls)
+
+
+def mistral(*calls: tuple[str, dict[str, Any]]) -> str:
+    return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+
+
+FORMATS = {"hermes": hermes, "llama3_json": llama3, "mistral": mistral}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model("tiny")))
+    # Each format's markers as the special tokens its models have.
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]})
+    return tokenizer
+
+
+def run(tokenizer: Any, parser_name: str, output: str, step: int = 1) -> tuple[str, dict[int, list[str]], ParsedOutput]:
+    """The output fed ``step`` tokens at a time: the streamed text, each streamed call's
+    name and arguments, and the final extraction."""
+    parser = OutputParser(tokenizer, parser_name, None, TOOLS)
+    ids = tokenizer.encode(output, add_special_tokens=False)
+    text, calls = "", {}
+    for at in range(0, len(ids), step):
+        delta_ids = ids[at:at + step]
+        delta = parser.feed(tokenizer.decode(delta_ids, skip_special_tokens=False), delta_ids,
+                            finished=at + step >= len(ids))
+        text += delta.text
+        for call in delta.calls:
+            name_and_arguments = calls.setdefault(call.index, ["", ""])
+            name_and_arguments[0] += call.name or ""
+            name_and_arguments[1] += call.arguments
+    return text, calls, parser.final(output, ids)
+
+
+def as_written(parsed: ParsedOutput) -> list[tuple[str, dict[str, Any]]]:
+    return [(call.name, json.loads(call.arguments)) for call in parsed.calls]
+
+
+@pytest.mark.parametrize("step", [1, 3])
+@pytest.mark.parametrize("parser_name", FORMATS)
+def test_parallel_calls_stream_as_the_final_extraction_reads_them(tokenizer: Any, parser_name: str,
+                                                                   step: int) -> None:
+    text, streamed, final = run(tokenizer, parser_name, FORMATS[parser_name](PARIS, CET), step)
+    assert as_written(final) == [PARIS, CET]
+    assert [(name, json.loads(arguments)) for name, arguments in streamed.values()] == [PARIS, CET]
+    assert text.strip() == final.text.strip() == ""
+    assert len({call.call_id for call in final.calls}) == 2 and not final.malformed
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "mistral"])
+def test_text_before_a_call_streams_as_text(tokenizer: Any, parser_name: str) -> None:
+    text, streamed, final = run(tokenizer, parser_name, "Let me check. " + FORMATS[parser_name](PARIS))
+    assert as_written(final) == [PARIS]
+    assert text == final.text == "Let me check. "
+    assert [name for name, _ in streamed.values()] == ["get_weather"]
+
+
+def test_llama3_reads_a_call_only_at_the_start_of_the_output(tokenizer: Any) -> None:
+    """Llama 3's JSON format has no text before a call: vLLM's parser streams such an
+    output as text, and its final extraction still finds the call (it is the authority:
+    the call is kept, the text before it is not)."""
+    output = 'Let me check. {"name": "get_weather", "parameters": {"city": "Paris"}}'
+    text, streamed, final = run(tokenizer, "llama3_json", output)
+    assert streamed == {} and text == output
+    assert as_written(final) == [PARIS] and final.text == ""
+
+
+@pytest.mark.parametrize("parser_name", FORMATS)
+def test_a_call_split_across_many_deltas_is_one_call(tokenizer: Any, parser_name: str) -> None:
+    arguments = {"city": "Saint-Rémy-de-Provence, Bouches-du-Rhône, " + "France " * 20}
+    text, streamed, final = run(tokenizer, parser_name, FORMATS[parser_name](("get_weather", arguments)))
+    assert as_written(final) == [("get_weather", arguments)]
+    assert len(streamed) == 1 and json.loads(streamed[0][1]) == arguments and text.strip() == ""
+
+
+@pytest.mark.parametrize("parser_name", FORMATS)
+def test_malformed_json_ends_as_text_never_an_exception(tokenizer: Any, parser_name: str) -> None:
+    output = FORMATS[parser_name](PARIS)
+    cut = output[:output.index("Paris") + 3]  # the arguments' string never closes
+    _, _, final = run(tokenizer, parser_name, cut)
+    assert final.calls == [] and final.malformed
+    assert "Par" in final.text
+
+
+def test_without_a_parser_or_with_tool_choice_none_everything_is_text(tokenizer: Any) -> None:
+    output = hermes(PARIS)
+    for parser in (OutputParser(tokenizer, None, None, TOOLS), OutputParser(tokenizer, "hermes", None, TOOLS, "none"),
+                   OutputParser(tokenizer, "hermes", None, None)):
+        ids = tokenizer.encode(output, add_special_tokens=False)
+        assert parser.feed(output, ids, finished=True).calls == []
+        assert parser.final(output, ids) == ParsedOutput(output, None, [])
+
+
+def test_a_forced_opening_is_parsed_as_if_generated(tokenizer: Any) -> None:
+    """A call the prompt opened on the model's behalf: the output is only its rest."""
+    full = hermes(PARIS)
+    opening = '<tool_call>\n{"name": "get_weather", "arguments": '
+    parser = OutputParser(tokenizer, "hermes", None, TOOLS, forced=opening)
+    rest = full[len(opening):]
+    ids = tokenizer.encode(rest, add_special_tokens=False)
+    delta = parser.feed(rest, ids, finished=True)
+    assert [call.name for call in delta.calls if call.name] == ["get_weather"]
+    assert as_written(parser.final(rest, ids)) == [PARIS]
+
+
+def test_tools_of_either_shape_become_chat_completions_tools() -> None:
+    shaped = chat_tools(TOOLS)
+    assert shaped is not None
+    assert [tool["function"]["name"] for tool in shaped] == ["get_weather", "get_time"]
+    assert all(tool["type"] == "function" and "parameters" in tool["function"] for tool in shaped)
+    assert chat_tools(None) is None and chat_tools([]) is None
