@@ -3,7 +3,11 @@ in a venv of its own: the SDK pins its own openai).
 
 Three two-turn agents: one chained by ``previous_response_id``, one on a conversation
 (``conversation_id``), one with ``OpenAIConversationsSession``; each second turn's input
-mostly cached. Exits non-zero if any turn fails or a second turn finds nothing cached.
+mostly cached. Then a ``@function_tool`` with ``tool_choice="required"`` through the SDK's
+chat completions model (vLLM's route) and its Responses model chained by
+``previous_response_id`` (our sessions): the tool is called with valid JSON arguments, its
+output goes back, the agent answers, and (Responses) the round after the call computes
+only the tool's output and the turn's framing. Exits non-zero if any of it fails.
 """
 
 from __future__ import annotations
@@ -12,8 +16,16 @@ import asyncio
 import os
 import sys
 
-from agents import Agent, ModelSettings, OpenAIConversationsSession, OpenAIResponsesModel, Runner
-from agents import set_tracing_disabled
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIConversationsSession,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from openai import AsyncOpenAI
 
 BASE = os.environ.get("STREAMSESS_BASE_URL", "http://127.0.0.1:8000")
@@ -54,6 +66,34 @@ async def main() -> int:
     items = await session.get_items()
     await session.pop_item()  # the SDK's undo: deletes the conversation's last item
     assert len(await session.get_items()) == len(items) - 1
+    return failures + await tool_agents(client)
+
+
+async def tool_agents(client: AsyncOpenAI) -> int:
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return f"The weather in {city} is sunny, 21 C."
+
+    failures = 0
+    models = {"chat completions": OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+              "responses, previous_response_id": OpenAIResponsesModel(model=MODEL, openai_client=client)}
+    for label, model in models.items():
+        calls.clear()
+        # The SDK sets tool_choice back to auto once the tool has run (reset_tool_choice).
+        agent = Agent(name="weather", instructions="Answer with the tool's result.", tools=[get_weather], model=model,
+                      model_settings=ModelSettings(temperature=0, max_tokens=200, tool_choice="required"))
+        result = await Runner.run(agent, "What is the weather in Paris?", auto_previous_response_id=True)
+        responses = result.raw_responses
+        after_call = responses[1].usage if len(responses) > 1 else None
+        details = after_call.input_tokens_details if after_call else None
+        print(f"tools over {label}: called with {calls!r}, answered {result.final_output!r}; round 2: "
+              f"{details.cached_tokens if details else '-'} of {after_call.input_tokens if after_call else '-'} "
+              "input tokens cached")
+        failures += not calls or not result.final_output or after_call is None or not details.cached_tokens
     return failures
 
 

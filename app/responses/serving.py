@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from openai.types.responses import ResponseOutputMessage
+from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage
 from vllm.entrypoints.openai.responses.protocol import (
     InputTokensDetails,
     OutputTokensDetails,
@@ -35,6 +35,7 @@ from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
 from app.sessions.session import CANCELLED, ChunkResult
 from app.store import StoredObject
+from app.tools.parsing import OutputParser, chat_tools
 
 RESPONSE, ITEM = "response", "item"
 CHAIN_PREFIX = "resp_"  # a chain's session is named by its first response
@@ -49,6 +50,7 @@ class ContextPoint:
     token_end: int
     messages: int
     instructions: str | None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -62,6 +64,7 @@ class PendingResponse:
     wanted: ChatState
     input_items: list[dict[str, Any]]
     params: Any  # the chunk's SamplingParams, for the response object
+    parser: OutputParser  # reads the reply's text and calls
     created_at: int = field(default_factory=lambda: int(time.time()))
     message_id: str = field(default_factory=lambda: items.new_id("msg"))
     steered: bool = False  # stopped by response.steer: ends incomplete, reason "steered"
@@ -87,8 +90,10 @@ def conversation_not_found(conversation_id: str) -> APIError:
 
 
 class ResponsesService:
-    def __init__(self, sessions: SessionService) -> None:
+    def __init__(self, sessions: SessionService, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.sessions = sessions
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
 
     @property
     def store(self) -> Any:
@@ -101,55 +106,72 @@ class ResponsesService:
         here. ``unstored``: responses a websocket connection keeps although they are not
         stored (its latest), which ``previous_response_id`` may name."""
         _check_supported(request)
+        tools = self._tools(request)
+        parser = OutputParser(self.sessions.tokenizer, self.tool_parser, self.reasoning_parser, tools,
+                              request.tool_choice)
         new_items = items.input_items(request.input)
         new_messages = items.as_messages(new_items)
-        options = self._options(request)
+        options = _Options(self._options(request), parser)
         response_id = items.new_id("resp")
         conversation_id = request.conversation_id
         if conversation_id is not None:
             stored = await self.conversation_items(owner, conversation_id)
-            wanted = ChatState(request.instructions, items.as_messages([o.data for o in stored]) + new_messages)
-            run = await self._start(owner, conversation_id, self._plan(wanted), options)
+            wanted = ChatState(request.instructions, items.as_messages([o.data for o in stored]) + new_messages,
+                               tools)
+            run = await self._start(owner, conversation_id, self._plan(wanted, options), options)
             session_id = conversation_id
         elif request.previous_response_id is not None:
             point = (unstored or {}).get(request.previous_response_id) \
                 or await self._point(owner, request.previous_response_id)
-            run, session_id, wanted = await self._continue(owner, point, new_messages, request.instructions,
-                                                           options)
+            run, session_id, wanted = await self._continue(owner, point, new_messages,
+                                                           ChatState(request.instructions, [], tools), options)
         else:
-            wanted = ChatState(request.instructions, new_messages)
+            wanted = ChatState(request.instructions, new_messages, tools)
             session_id = await self._new_session(owner, response_id)
-            run = await self._start(owner, session_id, self._plan(wanted), options, opened=True)
-        params = self.sessions.sampling_params(run.session, options)
-        return PendingResponse(response_id, request, run, session_id, wanted, new_items, params)
+            run = await self._start(owner, session_id, self._plan(wanted, options), options, opened=True)
+        params = self.sessions.sampling_params(run.session, options.sampling)
+        return PendingResponse(response_id, request, run, session_id, wanted, new_items, params, parser)
 
-    async def _continue(self, owner: str, point: ContextPoint, new_messages: list[dict[str, str]],
-                        instructions: str | None, options: SamplingOptions) -> tuple[ChunkRun, str, ChatState]:
+    def _tools(self, request: ResponsesCreateRequest) -> list[dict[str, Any]] | None:
+        """The request's function tools, in the chat completions shape the template reads."""
+        tools = [tool.model_dump(exclude_none=True) if hasattr(tool, "model_dump") else dict(tool)
+                 for tool in request.tools or []]
+        for index, tool in enumerate(tools):
+            if tool.get("type") != "function":
+                raise APIError(400, f"Only function tools are supported; tools[{index}] is a {tool.get('type')!r} "
+                               "tool.", code="unsupported_tool", param=f"tools[{index}]")
+        if tools and self.tool_parser is None:
+            raise APIError(400, "Tools need a tool-call parser, and this server has none for its model (set "
+                           "STREAMSESS_TOOL_CALL_PARSER).", code="unsupported_parameter", param="tools")
+        return chat_tools(tools)
+
+    async def _continue(self, owner: str, point: ContextPoint, new_messages: list[dict[str, Any]],
+                        head: ChatState, options: _Options) -> tuple[ChunkRun, str, ChatState]:
         """Append to the point's session if it is still there and still ends at the
-        point; otherwise fork."""
+        point; otherwise fork. ``head``: the turn's instructions and tools."""
         try:
             session = await self.sessions.attach(owner, point.session_id)
         except APIError:
             session = None  # closed (idle too long, deleted) or purged: fork from the store
         if session is not None and session.num_chunks == point.num_chunks and session.chat is not None:
-            wanted = ChatState(instructions, session.chat.messages[:point.messages] + new_messages)
+            wanted = ChatState(head.instructions, session.chat.messages[:point.messages] + new_messages, head.tools)
             try:
-                run = await self._start(owner, session.id, self._plan(wanted, expect=point), options)
+                run = await self._start(owner, session.id, self._plan(wanted, options, expect=point), options)
                 return run, session.id, wanted
             except APIError as exc:
                 if exc.code not in ("response_superseded", "chunk_in_flight"):
                     raise
-        return await self._fork(owner, point, new_messages, instructions, options)
+        return await self._fork(owner, point, new_messages, head, options)
 
-    async def _fork(self, owner: str, point: ContextPoint, new_messages: list[dict[str, str]],
-                    instructions: str | None, options: SamplingOptions) -> tuple[ChunkRun, str, ChatState]:
+    async def _fork(self, owner: str, point: ContextPoint, new_messages: list[dict[str, Any]],
+                    head: ChatState, options: _Options) -> tuple[ChunkRun, str, ChatState]:
         prefix, chat = await self._context_at(owner, point)
-        wanted = ChatState(instructions, chat.messages + new_messages)
+        wanted = ChatState(head.instructions, chat.messages + new_messages, head.tools)
 
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
             ids, start = continue_to(self.sessions.tokenizer, chat, wanted, prefix)
             kept = prefix if start is None else prefix[:start]
-            return Turn(kept + ids, None, wanted, replayed=len(kept))
+            return options.turn(kept + ids, None, wanted, replayed=len(kept))
 
         session_id = await self._new_session(owner, items.new_id("resp"))
         return await self._start(owner, session_id, plan, options, opened=True), session_id, wanted
@@ -168,9 +190,9 @@ class ResponsesService:
         if prefix is None or chat is None or len(prefix) != point.token_end:
             raise APIError(400, "The previous response's context is no longer kept; start a new chain.",
                            code="previous_response_not_found", param="previous_response_id")
-        return prefix, ChatState(point.instructions, chat.messages[:point.messages])
+        return prefix, ChatState(point.instructions, chat.messages[:point.messages], point.tools)
 
-    def _plan(self, wanted: ChatState, expect: ContextPoint | None = None) -> TurnPlan:
+    def _plan(self, wanted: ChatState, options: _Options, expect: ContextPoint | None = None) -> TurnPlan:
         tokenizer = self.sessions.tokenizer
 
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
@@ -178,7 +200,7 @@ class ResponsesService:
                                        or len(context_ids) != expect.token_end):
                 raise superseded()  # another response went first: the caller forks
             ids, start = continue_to(tokenizer, conversation, wanted, context_ids)
-            return Turn(ids, start, wanted)
+            return options.turn(ids, start, wanted)
 
         return plan
 
@@ -197,11 +219,11 @@ class ResponsesService:
         await self.sessions.close(oldest.owner, oldest.id, reason="evicted")
         return (await self.sessions.create(owner, SessionCreateRequest(), session_id=session_id)).id
 
-    async def _start(self, owner: str, session_id: str, plan: TurnPlan, options: SamplingOptions,
+    async def _start(self, owner: str, session_id: str, plan: TurnPlan, options: _Options,
                      opened: bool = False) -> ChunkRun:
         try:
             # Admitted and its tokens charged by the middlewares, from the body, as on vLLM's routes.
-            return await self.sessions.start_chunk(owner, session_id, plan, options, transport="responses",
+            return await self.sessions.start_chunk(owner, session_id, plan, options.sampling, transport="responses",
                                                    wait=False, charged=True)
         except BaseException:
             if opened:  # a session opened for this response alone goes with it
@@ -235,14 +257,14 @@ class ResponsesService:
         reason = "max_output_tokens" if result.finish_reason == "length" else \
             "steered" if pending.steered and result.finish_reason == CANCELLED else None
         status = "incomplete" if reason else "cancelled" if result.finish_reason == CANCELLED else "completed"
-        output = items.message_item("assistant", result.text, pending.message_id,
+        output = items.output_items(pending.parser.final(result.text, result.token_ids), pending.message_id,
                                     status="completed" if status == "completed" else "incomplete")
-        response = self._response(pending, status, [output], _usage(result),
+        response = self._response(pending, status, output, _usage(result),
                                   incomplete_details={"reason": reason} if reason else None)
         usage = result.usage
         point = pending.point = ContextPoint(
             pending.session_id, result.index + 1, usage.prompt_tokens + usage.completion_tokens,
-            len(pending.wanted.messages) + 1, pending.wanted.instructions)
+            len(pending.wanted.messages) + 1, pending.wanted.instructions, pending.wanted.tools)
         now = time.time()
         if pending.request.store is not False:
             data = {"response": response.model_dump(mode="json"), "input_items": pending.input_items,
@@ -250,7 +272,7 @@ class ResponsesService:
             await self.store.put_object(StoredObject(response.id, RESPONSE, owner, pending.session_id,
                                                      result.index, now, data))
         if (conversation_id := pending.request.conversation_id) is not None:
-            await self.add_items(owner, conversation_id, [*pending.input_items, output])
+            await self.add_items(owner, conversation_id, [*pending.input_items, *output])
         return response
 
     def _response(self, pending: PendingResponse, status: str, output: list[dict[str, Any]],
@@ -261,9 +283,9 @@ class ResponsesService:
         return ResponsesResponse(
             id=pending.id, created_at=pending.created_at, instructions=request.instructions,
             metadata=request.metadata, model=self.sessions.model_name,
-            output=[ResponseOutputMessage.model_validate(item) for item in output],
+            output=[_OUTPUT_MODELS[item["type"]].model_validate(item) for item in output],
             parallel_tool_calls=request.parallel_tool_calls is not False, temperature=params.temperature,
-            tool_choice=request.tool_choice, tools=[], top_p=params.top_p, background=False,
+            tool_choice=request.tool_choice, tools=request.tools or [], top_p=params.top_p, background=False,
             max_output_tokens=params.max_tokens, previous_response_id=request.previous_response_id,
             service_tier=request.service_tier, status=status, truncation=request.truncation or "disabled",
             usage=usage, user=request.user, store=request.store is not False, **extra,
@@ -317,6 +339,23 @@ class ResponsesService:
         return new
 
 
+@dataclass
+class _Options:
+    """A turn's sampling options and the parser of its reply: each chunk the turn
+    plans gets the reply's grammar (a required call) and records the reply as the
+    parser reads it."""
+
+    sampling: SamplingOptions
+    parser: OutputParser
+
+    def turn(self, input_ids: list[int], start: int | None, wanted: ChatState, replayed: int = 0) -> Turn:
+        return Turn(input_ids, start, wanted, replayed, structured_outputs=self.parser.structured_outputs(),
+                    reply=lambda text: items.reply_message(self.parser.final(text)))
+
+
+_OUTPUT_MODELS: dict[str, Any] = {"message": ResponseOutputMessage, "function_call": ResponseFunctionToolCall}
+
+
 def _usage(result: ChunkResult) -> ResponseUsage:
     """OpenAI's usage, with our split of the cached input as extra details."""
     usage, details = result.usage, result.usage.prompt_tokens_details
@@ -332,7 +371,6 @@ def _usage(result: ChunkResult) -> ResponseUsage:
 # Fields of the create body that this server does not honour yet: refused by name,
 # never dropped (vLLM's own route drops what it does not know).
 _UNSUPPORTED: dict[str, str] = {
-    "tools": "Tools are not supported on stored responses yet.",
     "background": "Background responses are not supported.",
     "prompt": "Prompt templates are not supported.",
     "structured_outputs": "Structured outputs are not supported on stored responses.",

@@ -17,30 +17,38 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]  # chat messages: an assistant's may hold tool_calls, a tool's a tool_call_id
+Tools = list[dict[str, Any]] | None  # function tools in the chat completions shape
 
 
 @dataclass
 class ChatState:
     """A chat session's conversation, as its context renders it: the instructions (a
-    system message at its head) and every message since, replies included."""
+    system message at its head), the tools the template renders (at the head too, in
+    most templates) and every message since, replies included."""
 
     instructions: str | None = None
     messages: Messages = field(default_factory=list)
+    tools: Tools = None
 
     def rendered(self) -> Messages:
         head = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return head + self.messages
 
     def with_messages(self, messages: Messages) -> ChatState:
-        return ChatState(self.instructions, self.messages + messages)
+        return ChatState(self.instructions, self.messages + messages, self.tools)
+
+    def same_head(self, other: ChatState) -> bool:
+        return self.instructions == other.instructions and (self.tools or None) == (other.tools or None)
 
     def dump(self) -> dict[str, Any]:
-        return {"instructions": self.instructions, "messages": self.messages}
+        return {"instructions": self.instructions, "messages": self.messages, "tools": self.tools}
 
     @classmethod
     def load(cls, data: dict[str, Any] | None) -> ChatState | None:
-        return None if data is None else cls(data.get("instructions"), list(data.get("messages", [])))
+        if data is None:
+            return None
+        return cls(data.get("instructions"), list(data.get("messages", [])), data.get("tools"))
 
 
 class NotIncrementalError(ValueError):
@@ -53,7 +61,7 @@ _BEFORE_A_TURN: Messages = [{"role": "user", "content": "."}, {"role": "assistan
 _REPLY_MARK = "Zq7xW"
 
 
-def render_turn(tokenizer: Any, messages: Messages, context_ids: list[int]) -> str:
+def render_turn(tokenizer: Any, messages: Messages, context_ids: list[int], tools: Tools = None) -> str:
     """The text to append for ``messages`` and the assistant prefix, to a session whose
     context is ``context_ids`` (empty: the conversation starts here). Raises ValueError
     where the template cannot continue a conversation (it rewrites earlier turns)."""
@@ -62,16 +70,16 @@ def render_turn(tokenizer: Any, messages: Messages, context_ids: list[int]) -> s
         turn = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return f"\n{turn}" if context_ids else turn
     if not context_ids:
-        return _apply(tokenizer, messages, generation_prompt=True)
-    before = _apply(tokenizer, _BEFORE_A_TURN)
-    full = _apply(tokenizer, _BEFORE_A_TURN + messages, generation_prompt=True)
+        return _apply(tokenizer, messages, generation_prompt=True, tools=tools)
+    before = _apply(tokenizer, _BEFORE_A_TURN, tools=tools)
+    full = _apply(tokenizer, _BEFORE_A_TURN + messages, generation_prompt=True, tools=tools)
     if not full.startswith(before):
         raise NotIncrementalError("the model's chat template does not render conversations incrementally")
     return reply_close(tokenizer, context_ids[-1]) + full[len(before):]
 
 
 def plan_turn(tokenizer: Any, conversation: Messages | None, messages: Messages,
-              context_ids: list[int]) -> tuple[list[int], int | None]:
+              context_ids: list[int], tools: Tools = None) -> tuple[list[int], int | None]:
     """The token ids of the turn ``messages`` and where they go (None: after the whole
     context), for a session whose context is ``context_ids`` and holds ``conversation``
     (every message so far, replies included; None where it is not known).
@@ -81,13 +89,13 @@ def plan_turn(tokenizer: Any, conversation: Messages | None, messages: Messages,
     rendered again and the turn starts where that rendering parts from the context:
     the session keeps the common prefix and recomputes only the rest."""
     try:
-        return _encode(tokenizer, render_turn(tokenizer, messages, context_ids)), None
+        return _encode(tokenizer, render_turn(tokenizer, messages, context_ids, tools)), None
     except NotIncrementalError:
         if conversation is None:
             raise NotIncrementalError(
                 "the model's chat template rewrites earlier turns, and this session's earlier turns are not "
                 "known as messages (its context was not built from chat messages here)") from None
-        return rerender(tokenizer, conversation + messages, context_ids)
+        return rerender(tokenizer, conversation + messages, context_ids, tools)
 
 
 def continue_to(tokenizer: Any, have: ChatState | None, wanted: ChatState,
@@ -95,19 +103,21 @@ def continue_to(tokenizer: Any, have: ChatState | None, wanted: ChatState,
     """The token ids that take a context rendering ``have`` (None: not known as a chat)
     to one rendering ``wanted``, and where they go (None: after the whole context).
     Appended where ``wanted`` only adds messages to ``have`` under the same
-    instructions; otherwise (instructions changed, a message deleted, an older point
-    of the conversation continued) rendered again from the longest common prefix."""
-    if have is not None and have.instructions == wanted.instructions \
-            and wanted.messages[:len(have.messages)] == have.messages:
-        return plan_turn(tokenizer, have.rendered(), wanted.messages[len(have.messages):], context_ids)
-    return rerender(tokenizer, wanted.rendered(), context_ids)
+    instructions and tools; otherwise (instructions or tools changed, a message
+    deleted, an older point of the conversation continued) rendered again from the
+    longest common prefix."""
+    if have is not None and have.same_head(wanted) and wanted.messages[:len(have.messages)] == have.messages:
+        return plan_turn(tokenizer, have.rendered(), wanted.messages[len(have.messages):], context_ids,
+                         wanted.tools)
+    return rerender(tokenizer, wanted.rendered(), context_ids, wanted.tools)
 
 
-def rerender(tokenizer: Any, conversation: Messages, context_ids: list[int]) -> tuple[list[int], int]:
+def rerender(tokenizer: Any, conversation: Messages, context_ids: list[int],
+             tools: Tools = None) -> tuple[list[int], int]:
     """The whole ``conversation`` with the assistant prefix, against ``context_ids``: the
     ids past their longest common prefix, and where that prefix ends (at least one id
     is sent: a chunk is never empty)."""
-    ids = _encode(tokenizer, _apply(tokenizer, conversation, generation_prompt=True))
+    ids = _encode(tokenizer, _apply(tokenizer, conversation, generation_prompt=True, tools=tools))
     keep = 0
     for ours, theirs in zip(context_ids, ids):
         if ours != theirs:
@@ -152,12 +162,12 @@ def _close_of_a_reply(tokenizer: Any) -> str:
 _CLOSES: dict[tuple[int, str], str] = {}
 
 
-def _apply(tokenizer: Any, messages: Messages, generation_prompt: bool = False) -> str:
+def _apply(tokenizer: Any, messages: Messages, generation_prompt: bool = False, tools: Tools = None) -> str:
     try:
         # The template named explicitly: vLLM's tokenizer pool renders on copies of the
         # tokenizer, which would not see a template set on it after it was built.
         return str(tokenizer.apply_chat_template(messages, chat_template=tokenizer.chat_template, tokenize=False,
-                                                 add_generation_prompt=generation_prompt))
+                                                 add_generation_prompt=generation_prompt, tools=tools or None))
     except TemplateError as exc:
         # A template that refuses the conversation (Gemma: no system role; Mistral:
         # roles must alternate): the client's input, not a server fault.

@@ -45,6 +45,9 @@ class Turn:
     # A grammar for this chunk's answer alone (vLLM's StructuredOutputsParams): a call
     # that tool_choice requires. Each chunk gets its own (connectors/streaming_grammar.py).
     structured_outputs: Any = None
+    # The reply as the conversation records it, from its text (a tool call's parsed
+    # message); None: the text as an assistant message's content.
+    reply: Callable[[str], dict[str, Any]] | None = None
 
 
 # A chunk whose tokens depend on the session's context at the moment it runs (a chat

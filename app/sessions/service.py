@@ -304,8 +304,8 @@ class SessionService:
                                                     start=turn.start if cut else None):
                     if isinstance(event, ChunkResult):
                         chat_before = session.chat
-                        session.chat = turn.chat and turn.chat.with_messages(
-                            [{"role": "assistant", "content": event.text}])
+                        reply = turn.reply(event.text) if turn.reply else {"role": "assistant", "content": event.text}
+                        session.chat = turn.chat and turn.chat.with_messages([reply])
                         try:
                             await self.registry.commit(session, event, context_before, transcript_before)
                         except BaseException:

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.parser.parser_manager import ParserManager
 
@@ -76,33 +77,42 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 
 class OutputParser:
-    """Reads one generation. ``forced`` is text the prompt already wrote on the model's
-    behalf (a call's opening tag, where the call is required): parsed as if generated."""
+    """Reads one generation, for a request's ``tools`` and ``tool_choice`` (either
+    API's shape). ``structured_outputs`` is the grammar vLLM's chat completions would
+    set for them (a required or named call; under vLLM's strict tool calling, the
+    format of every call), for the chunk that generates it."""
 
     def __init__(self, tokenizer: Any, tool_parser: str | None, reasoning_parser: str | None,
-                 tools: list[dict[str, Any]] | None, tool_choice: Any = "auto", forced: str = "",
+                 tools: list[dict[str, Any]] | None, tool_choice: Any = "auto",
                  prompt_ids: list[int] | None = None) -> None:
         tools = chat_tools(tools)
         self.parses_calls = bool(tools) and tool_parser is not None and tool_choice != "none"
         parser_cls = ParserManager.get_parser(
             tool_parser_name=tool_parser if self.parses_calls else None,
             reasoning_parser_name=reasoning_parser, enable_auto_tools=True)
-        # tool_choice "auto" for the parser: a required or named call is forced by the
-        # prompt (see forced), and then read as the model's format writes any call.
         self._request = ChatCompletionRequest(
             model="-", messages=[], tools=tools if self.parses_calls else None,
-            tool_choice="auto" if self.parses_calls else "none", include_reasoning=True)
+            tool_choice=chat_tool_choice(tool_choice) if self.parses_calls else "none", include_reasoning=True)
         self._parser = parser_cls(tokenizer, list(self._request.tools or []) or None) if parser_cls else None
-        self._forced = forced  # the whole output begins with it
-        self._unfed = forced  # not yet given to the stream's parser
         # The prompt's ids tell a reasoning parser whether the prompt already closed reasoning.
         self._prompt_ids: list[int] | None = list(prompt_ids or [])
+        self._final: dict[str, ParsedOutput] = {}
+        self._call_ids: dict[int, str] = {}
+
+    def call_id(self, index: int) -> str:
+        """The id of the output's ``index``-th call: the same in its stream and in its final reading."""
+        if index not in self._call_ids:
+            self._call_ids[index] = new_call_id()
+        return self._call_ids[index]
+
+    def structured_outputs(self) -> Any:
+        if self._parser is None or not self.parses_calls:
+            return None
+        return self._parser.adjust_request(self._request.model_copy(deep=True)).structured_outputs
 
     def feed(self, delta_text: str, delta_ids: list[int], finished: bool = False) -> StreamDelta:
         if self._parser is None:
             return StreamDelta(text=delta_text)
-        if self._unfed:
-            delta_text, self._unfed = self._unfed + delta_text, ""
         message = self._parser.parse_delta(delta_text, list(delta_ids), self._request, self._prompt_ids,
                                            finished=finished)
         self._prompt_ids = None
@@ -114,25 +124,58 @@ class OutputParser:
         return StreamDelta(message.content or "", message.reasoning or "", calls)
 
     def final(self, text: str, token_ids: list[int] | None = None) -> ParsedOutput:
-        """The whole output's text, reasoning and calls. A call whose JSON does not parse
-        stays in the text (``malformed``), as vLLM's routes leave it."""
+        """The whole output's text, reasoning and calls (the same object for the same
+        text: its call ids are kept). A call whose JSON does not parse stays in the text
+        (``malformed``), as vLLM's routes leave it."""
         if self._parser is None:
             return ParsedOutput(text, None, [])
-        output = self._forced + text
-        reasoning, content, calls = self._parser.parse(
-            output, self._request, enable_auto_tools=self.parses_calls, model_output_token_ids=token_ids or ())
-        parsed = [ToolCall(call.id or new_call_id(), call.name or "", _json_object(call.arguments))
-                  for call in calls or [] if call.name]
-        malformed = self.parses_calls and not parsed and _opens_a_call(self._parser, output)
-        return ParsedOutput(content or "", reasoning, parsed, malformed)
+        if (parsed := self._final.get(text)) is None:
+            reasoning, content, calls = self._parser.parse(
+                text, self._request, enable_auto_tools=self.parses_calls, model_output_token_ids=token_ids or ())
+            named = [call for call in calls or [] if call.name]
+            arguments = _as_written(text, [call.arguments or "{}" for call in named])
+            found = [ToolCall(self.call_id(index), call.name or "", arguments[index])
+                     for index, call in enumerate(named)]
+            malformed = self.parses_calls and not found and _opens_a_call(self._parser, text)
+            parsed = self._final[text] = ParsedOutput(content or "", reasoning, found, malformed)
+        return parsed
 
 
-def _json_object(arguments: str | None) -> str:
-    """Arguments as compact JSON where they parse (the same call, whoever formats it)."""
-    try:
-        return json.dumps(json.loads(arguments or "{}"), ensure_ascii=False)
-    except ValueError:
-        return arguments or ""
+def chat_tool_choice(tool_choice: Any) -> Any:
+    """A tool_choice in the chat completions shape, from it or from the Responses and
+    Realtime shape (``{"type": "function", "name": ...}``)."""
+    if isinstance(tool_choice, BaseModel):
+        tool_choice = tool_choice.model_dump(exclude_none=True)
+    if isinstance(tool_choice, dict) and "function" not in tool_choice and "name" in tool_choice:
+        return {"type": "function", "function": {"name": tool_choice["name"]}}
+    return tool_choice if tool_choice is not None else "auto"
+
+
+def _as_written(text: str, arguments: list[str]) -> list[str]:
+    """Each call's arguments as the model wrote them, where the output holds them in
+    order (vLLM's parsers re-serialize them): the streamed argument deltas add up to
+    them, and a chat template that renders the call writes the model's own text again,
+    so a session's context stays the template's rendering of the conversation.
+    Arguments not found as written keep the parser's text."""
+    decoder = json.JSONDecoder()
+    written, cursor = [], 0
+    for serialized in arguments:
+        try:
+            wanted = json.loads(serialized)
+        except ValueError:
+            written.append(serialized)
+            continue
+        found = None
+        for start in (i for i in range(cursor, len(text)) if text[i] == "{"):
+            try:
+                value, end = decoder.raw_decode(text, start)
+            except ValueError:
+                continue
+            if value == wanted:
+                found, cursor = text[start:end], end
+                break
+        written.append(found if found is not None else serialized)
+    return written
 
 
 def _opens_a_call(parser: Any, output: str) -> bool:

@@ -83,6 +83,8 @@ def test_parallel_calls_stream_as_the_final_extraction_reads_them(tokenizer: Any
     text, streamed, final = run(tokenizer, parser_name, FORMATS[parser_name](PARIS, CET), step)
     assert as_written(final) == [PARIS, CET]
     assert [(name, json.loads(arguments)) for name, arguments in streamed.values()] == [PARIS, CET]
+    # Arguments as the model wrote them: the deltas add up to the final ones, string for string.
+    assert [arguments for _, arguments in streamed.values()] == [call.arguments for call in final.calls]
     assert text.strip() == final.text.strip() == ""
     assert len({call.call_id for call in final.calls}) == 2 and not final.malformed
 
@@ -131,16 +133,19 @@ def test_without_a_parser_or_with_tool_choice_none_everything_is_text(tokenizer:
         assert parser.final(output, ids) == ParsedOutput(output, None, [])
 
 
-def test_a_forced_opening_is_parsed_as_if_generated(tokenizer: Any) -> None:
-    """A call the prompt opened on the model's behalf: the output is only its rest."""
-    full = hermes(PARIS)
-    opening = '<tool_call>\n{"name": "get_weather", "arguments": '
-    parser = OutputParser(tokenizer, "hermes", None, TOOLS, forced=opening)
-    rest = full[len(opening):]
-    ids = tokenizer.encode(rest, add_special_tokens=False)
-    delta = parser.feed(rest, ids, finished=True)
-    assert [call.name for call in delta.calls if call.name] == ["get_weather"]
-    assert as_written(parser.final(rest, ids)) == [PARIS]
+def test_required_and_named_calls_get_the_grammar_of_vllms_chat_completions(tokenizer: Any) -> None:
+    """Under vLLM's strict tool calling (its default), Hermes calls get a structural tag
+    (the format with each tool's schema); tool_choice none gets no grammar."""
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        grammar = OutputParser(tokenizer, "hermes", None, TOOLS, choice).structured_outputs()
+        assert grammar is not None and "get_weather" in grammar.structural_tag and "<tool_call>" in grammar.structural_tag
+    assert OutputParser(tokenizer, "hermes", None, TOOLS, "none").structured_outputs() is None
+    assert OutputParser(tokenizer, None, None, TOOLS, "required").structured_outputs() is None
+
+
+def test_the_final_extraction_of_one_output_keeps_its_call_ids(tokenizer: Any) -> None:
+    parser = OutputParser(tokenizer, "hermes", None, TOOLS)
+    assert parser.final(hermes(PARIS)).calls[0].call_id == parser.final(hermes(PARIS)).calls[0].call_id
 
 
 def test_tools_of_either_shape_become_chat_completions_tools() -> None:
