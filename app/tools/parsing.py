@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionToolsParam
 from vllm.parser.parser_manager import ParserManager
 
 
@@ -62,17 +62,15 @@ def new_call_id() -> str:
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Tools in the chat completions shape (``{"type": "function", "function": {...}}``),
-    from it or from the flat shape of the Responses and Realtime APIs."""
+    """Tools as vLLM's chat completions hands them to the chat template (its
+    ``ChatCompletionToolsParam`` dumped), from that shape or from the flat one of the
+    Responses and Realtime APIs: the same tools render the same prompt on every route."""
     if not tools:
         return None
     shaped = []
     for tool in tools:
-        if "function" in tool:
-            shaped.append({"type": "function", "function": dict(tool["function"])})
-        else:
-            function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
-            shaped.append({"type": "function", "function": function})
+        function = tool["function"] if "function" in tool else {k: v for k, v in tool.items() if k != "type"}
+        shaped.append(ChatCompletionToolsParam.model_validate({"type": "function", "function": function}).model_dump())
     return shaped
 
 

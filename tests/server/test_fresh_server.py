@@ -37,6 +37,7 @@ from app.settings import Settings
 from benchmarks.common import RunningServer, free_port, serve
 from connectors.cpu_platform import cpu_has_amx
 from tests.server.openai_stateful import check_stateful_apis
+from tests.server.openai_tools import check_tool_round_trip
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PRESET = Settings.model_fields["model_preset"].default
@@ -123,6 +124,8 @@ def test_the_default_model_answers_in_words_in_float32(tmp_path: Path) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(DEFAULT_PRESET)))
         print(f"stateful APIs, token-exact throughout: {check_stateful_apis(server.base_url, tokenizer)}")
+        # A tool round trip on a Responses chain (issue 28): tests/server/openai_tools.py.
+        check_tool_round_trip(server.base_url, tokenizer)
 
 
 CHAT = ["What is the capital of France?", "And of Germany?", "Name one river that flows through it.",
