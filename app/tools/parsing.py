@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionToolsParam
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionToolsParam,
+)
 from vllm.parser.parser_manager import ParserManager
 
 
