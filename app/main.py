@@ -107,8 +107,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         app.state.settings = settings
         app.state.provenance = service.recorder
         app.state.session_service = service
-        app.state.responses_service = ResponsesService(service, settings.resolved_tool_call_parser(),
-                                                       settings.reasoning_parser)
+        app.state.responses_service = ResponsesService(service)
         app.state.conversations_service = ConversationsService(app.state.responses_service)
         await service.start()
         watchdog = asyncio.create_task(_exit_when_the_engine_dies(app, llm)) if owns_engine else None

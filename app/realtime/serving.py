@@ -17,19 +17,22 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from openai.types import realtime as rt
 from pydantic import BaseModel
 
 from app.errors import APIError
 from app.realtime.protocol import ClientEventError, new_id
+from app.realtime.responding import RealtimeResponse
+from app.responses.items import reply_message
 from app.sessions.chat import ChatState, Messages, continue_to, plan_turn
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions, SessionDefaults
 from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
-from app.sessions.session import CANCELLED, ChunkDelta, ChunkResult, StreamingSession
+from app.sessions.session import StreamingSession
+from app.tools.parsing import OutputParser, ToolCall
 
 
 def check_max_output_tokens(value: int | str | None, param: str, event_id: str | None) -> None:
@@ -44,6 +47,8 @@ class RealtimeConfig:
     # The client's audio settings, echoed back and otherwise unused: clients such as
     # the Agents SDK's Realtime model always send them, text output or not.
     audio: Any = None
+    tools: list[dict[str, Any]] = field(default_factory=list)  # as the client declared them
+    tool_choice: Any = "auto"
 
 
 @dataclass
@@ -56,8 +61,8 @@ class Conversation:
     tokenizer: Any
     emit: Callable[[BaseModel], Any]  # sends one server event
     config: RealtimeConfig = field(default_factory=RealtimeConfig)
-    items: dict[str, rt.ConversationItem] = field(default_factory=dict)
-    pending: list[dict[str, str]] = field(default_factory=list)
+    items: dict[str, Any] = field(default_factory=dict)
+    pending: list[dict[str, Any]] = field(default_factory=list)
     response: asyncio.Task[None] | None = None
     run: ChunkRun | None = None
     # For a session whose context is not a chat's: the instructions last added to it.
@@ -83,7 +88,8 @@ class Conversation:
         config = rt.RealtimeSessionCreateRequest(
             type="realtime", model=self.session.model, instructions=self.config.instructions,
             output_modalities=["text"], max_output_tokens=self.config.max_output_tokens or "inf",
-            audio=self.config.audio,
+            audio=self.config.audio, tools=self.config.tools or None,
+            tool_choice=self.config.tool_choice,
         )
         # Extension: the session's id, to attach to it again (?session_id=).
         config.id = self.session.id  # type: ignore[attr-defined]
@@ -98,9 +104,7 @@ class Conversation:
         if update.output_modalities is not None and update.output_modalities != ["text"]:
             raise ClientEventError("This server answers in text only: output_modalities must be ['text'].",
                                    "unsupported_modality", "session.output_modalities", event.event_id)
-        if update.tools:
-            raise ClientEventError("session.tools is not supported (no tools yet).",
-                                   "unsupported_session_field", "session.tools", event.event_id)
+        tools = self._tools(update.tools, "session.tools", event.event_id)
         limit = self.service.max_chunk_output_tokens
         check_max_output_tokens(update.max_output_tokens, "session.max_output_tokens", event.event_id)
         if isinstance(update.max_output_tokens, int) and update.max_output_tokens > limit:
@@ -119,27 +123,28 @@ class Conversation:
             self.config.max_output_tokens = explicit
         if update.audio is not None:  # output is text (checked above): audio settings change nothing
             self.config.audio = update.audio
+        if update.tools is not None:  # they reach the model with the next turn (the head re-rendered)
+            self.config.tools = tools
+        if update.tool_choice is not None:
+            self.config.tool_choice = _plain(update.tool_choice)
         await self.emit(rt.SessionUpdatedEvent(type="session.updated", event_id=self.event_id(),
                                                session=self.session_config()))
 
     # ------------------------------------------------------------------ items
     async def add_item(self, event: rt.ConversationItemCreateEvent) -> None:
         item = event.item
-        if not isinstance(item, rt.RealtimeConversationItemUserMessage | rt.RealtimeConversationItemSystemMessage):
-            raise ClientEventError("Only user and system messages with input_text content can be added.",
-                                   "unsupported_item", "item", event.event_id)
-        texts = [part.text for part in item.content if part.type == "input_text" and part.text is not None]
-        if len(texts) != len(item.content) or not texts:
-            raise ClientEventError("A message's content must be input_text parts, with text.",
-                                   "unsupported_content", "item.content", event.event_id)
+        message = self._message_of(item, event.event_id)
         if item.id is not None and item.id in self.items:
             raise ClientEventError(f"An item with id {item.id!r} exists already.", "item_exists", "item.id",
                                    event.event_id)
         item.id = item.id or new_id("item")
-        item.object, item.status = "realtime.item", "completed"
+        item.object, item.status = "realtime.item", "completed"  # type: ignore[union-attr]  # (checked above)
         previous = next(reversed(self.items), None)
         self.items[item.id] = item
-        self.pending.append({"role": item.role, "content": "".join(texts)})
+        if message.get("tool_calls") and self.pending and self.pending[-1].get("tool_calls"):
+            self.pending[-1]["tool_calls"] += message["tool_calls"]  # parallel calls: one assistant turn
+        else:
+            self.pending.append(message)
         await self.emit(rt.ConversationItemAdded(type="conversation.item.added", event_id=self.event_id(),
                                                  item=item, previous_item_id=previous))
         await self.emit(rt.ConversationItemDone(type="conversation.item.done", event_id=self.event_id(),
@@ -173,8 +178,17 @@ class Conversation:
             if isinstance(overrides.max_output_tokens, int):
                 max_tokens = overrides.max_output_tokens
             instructions = overrides.instructions
+        # A response's own tools and tool_choice apply to it alone, as its instructions do.
+        tools = self._tools(overrides.tools, "response.tools", event.event_id) \
+            if overrides is not None and overrides.tools is not None else self.config.tools
+        tool_choice = _plain(overrides.tool_choice) if overrides is not None and overrides.tool_choice is not None \
+            else self.config.tool_choice
+        try:
+            parser = self.service.reply_parser(tools, tool_choice)
+        except (APIError, ValueError) as exc:
+            raise ClientEventError(str(exc), "invalid_value", "response.tool_choice", event.event_id) from None
         in_force = (instructions if instructions is not None else self.config.instructions) or None
-        plan = self._turn_plan(list(self.pending), in_force)
+        plan = self._turn_plan(list(self.pending), in_force, tools, parser)
         options = SamplingOptions(max_tokens=max_tokens or self.service.max_chunk_output_tokens)
         try:
             await self.service.limits.admit_request(self.owner)
@@ -186,9 +200,10 @@ class Conversation:
         # The turn is on its way to the model: its items are sent.
         self.pending.clear()
         self.sent_instructions = in_force
-        self.response = asyncio.create_task(self._respond(self.run), name=f"realtime-{self.session.id}")
+        self.response = asyncio.create_task(self._respond(self.run, parser), name=f"realtime-{self.session.id}")
 
-    def _turn_plan(self, messages: Messages, instructions: str | None) -> TurnPlan:
+    def _turn_plan(self, messages: Messages, instructions: str | None, tools: list[dict[str, Any]],
+                   parser: OutputParser) -> TurnPlan:
         """The turn, planned against the session's context once its lock is held. The
         instructions in force head the conversation: where they differ from those its
         context renders (changed by ``session.update``, or a response's own), the
@@ -200,15 +215,44 @@ class Conversation:
         head = [{"role": "system", "content": instructions}] if instructions and instructions != self.sent_instructions \
             else []
 
+        chat_tools = self.service.declared_tools(tools, "tools")
+        replies = {"structured_outputs": parser.structured_outputs(),
+                   "reply": lambda text: reply_message(parser.final(text))}
+
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
             if conversation is None:
-                ids, start = plan_turn(tokenizer, None, head + messages, context_ids)
-                return Turn(ids, start, None)
-            wanted = ChatState(instructions, conversation.messages + messages)
+                ids, start = plan_turn(tokenizer, None, head + messages, context_ids, chat_tools)
+                return Turn(ids, start, None, **replies)
+            wanted = ChatState(instructions, conversation.messages + messages, chat_tools)
             ids, start = continue_to(tokenizer, conversation, wanted, context_ids)
-            return Turn(ids, start, wanted)
+            return Turn(ids, start, wanted, **replies)
 
         return plan
+
+    def _tools(self, tools: Any, param: str, event_id: str | None) -> list[dict[str, Any]]:
+        declared = [_plain(tool) for tool in tools or []]
+        try:
+            self.service.declared_tools(declared, param)
+        except APIError as exc:
+            raise ClientEventError(exc.message, exc.code, exc.param, event_id) from None
+        return declared
+
+    def _message_of(self, item: Any, event_id: str | None) -> dict[str, Any]:
+        """The chat message an added item is: a user or system message with input_text
+        content, a function call (the client's record of one), or a function's output."""
+        if isinstance(item, rt.RealtimeConversationItemFunctionCallOutput):
+            return {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+        if isinstance(item, rt.RealtimeConversationItemFunctionCall):
+            call = ToolCall(item.call_id or new_id("call"), item.name, item.arguments)
+            return {"role": "assistant", "content": "", "tool_calls": [call.as_message_call()]}
+        if not isinstance(item, rt.RealtimeConversationItemUserMessage | rt.RealtimeConversationItemSystemMessage):
+            raise ClientEventError("Only user and system messages with input_text content, function calls and "
+                                   "function call outputs can be added.", "unsupported_item", "item", event_id)
+        texts = [part.text for part in item.content if part.type == "input_text" and part.text is not None]
+        if len(texts) != len(item.content) or not texts:
+            raise ClientEventError("A message's content must be input_text parts, with text.",
+                                   "unsupported_content", "item.content", event_id)
+        return {"role": item.role, "content": "".join(texts)}
 
     async def cancel_response(self, event: rt.ResponseCancelEvent) -> None:
         if self.response is None or self.response.done() or self.run is None:
@@ -225,79 +269,10 @@ class Conversation:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.response
 
-    async def _respond(self, run: ChunkRun) -> None:
-        response_id, item_id = new_id("resp"), new_id("item")
-        response = rt.RealtimeResponse(id=response_id, object="realtime.response", status="in_progress",
-                                       output=[], output_modalities=["text"], conversation_id=self.session.id)
-        await self.emit(rt.ResponseCreatedEvent(type="response.created", event_id=self.event_id(), response=response))
-        item = rt.RealtimeConversationItemAssistantMessage(
-            id=item_id, type="message", role="assistant", object="realtime.item", status="in_progress", content=[])
-        ids = {"response_id": response_id, "item_id": item_id, "output_index": 0}
-        await self.emit(rt.ResponseOutputItemAddedEvent(type="response.output_item.added", event_id=self.event_id(),
-                                                        response_id=response_id, output_index=0, item=item))
-        previous = next(reversed(self.items), None)
-        self.items[item_id] = item
-        await self.emit(rt.ConversationItemAdded(type="conversation.item.added", event_id=self.event_id(),
-                                                 item=item, previous_item_id=previous))
-        await self.emit(rt.ResponseContentPartAddedEvent(
-            type="response.content_part.added", event_id=self.event_id(), content_index=0,
-            part={"type": "text", "text": ""}, **ids))
-        parts: list[str] = []
-        result: ChunkResult | None = None
-        error: APIError | None = None
-        try:
-            async with contextlib.aclosing(run.events()) as events:
-                async for chunk_event in events:
-                    if isinstance(chunk_event, ChunkDelta):
-                        if chunk_event.text:
-                            parts.append(chunk_event.text)
-                            await self.emit(rt.ResponseTextDeltaEvent(
-                                type="response.output_text.delta", event_id=self.event_id(), content_index=0,
-                                delta=chunk_event.text, **ids))
-                    else:
-                        result = chunk_event
-        except APIError as exc:
-            error = exc
-        text = "".join(parts)
-        cancelled = result is not None and result.finish_reason == CANCELLED
-        cut = result is not None and result.finish_reason == "length"  # at max_output_tokens
-        status: Literal["failed", "cancelled", "incomplete", "completed"] = (
-            "failed" if error is not None else "cancelled" if cancelled else "incomplete" if cut else "completed"
-        )
-        await self.emit(rt.ResponseTextDoneEvent(type="response.output_text.done", event_id=self.event_id(),
-                                                 content_index=0, text=text, **ids))
-        await self.emit(rt.ResponseContentPartDoneEvent(
-            type="response.content_part.done", event_id=self.event_id(), content_index=0,
-            part={"type": "text", "text": text}, **ids))
-        item.status = "completed" if status == "completed" else "incomplete"
-        item.content = [rt.realtime_conversation_item_assistant_message.Content(type="output_text", text=text)]
-        await self.emit(rt.ResponseOutputItemDoneEvent(type="response.output_item.done", event_id=self.event_id(),
-                                                       response_id=response_id, output_index=0, item=item))
-        await self.emit(rt.ConversationItemDone(type="conversation.item.done", event_id=self.event_id(),
-                                                item=item, previous_item_id=previous))
-        response.status, response.output = status, [item]
-        if error is not None:
-            response.status_details = rt.RealtimeResponseStatus(
-                type="failed", error={"type": error.type, "code": error.code})
-        elif cancelled:
-            response.status_details = rt.RealtimeResponseStatus(type="cancelled", reason="client_cancelled")
-        elif cut:
-            response.status_details = rt.RealtimeResponseStatus(type="incomplete", reason="max_output_tokens")
-        if result is not None:
-            response.usage = usage_of(result)
-        await self.emit(rt.ResponseDoneEvent(type="response.done", event_id=self.event_id(), response=response))
+    async def _respond(self, run: ChunkRun, parser: OutputParser) -> None:
+        await RealtimeResponse(run, parser, self.session.id, self.items, self.emit, self.event_id).stream()
 
 
-def usage_of(result: ChunkResult) -> rt.RealtimeResponseUsage:
-    """GA usage, with our split of the prompt as extra input_token_details fields."""
-    usage, details = result.usage, result.usage.prompt_tokens_details
-    input_details = rt.RealtimeResponseUsageInputTokenDetails(
-        cached_tokens=details.cached_tokens, text_tokens=usage.prompt_tokens,
-        device_tokens=details.device_tokens, cpu_tier_tokens=details.cpu_tier_tokens,
-        computed_tokens=details.computed_tokens,
-    )
-    return rt.RealtimeResponseUsage(
-        input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
-        input_token_details=input_details,
-        output_token_details=rt.RealtimeResponseUsageOutputTokenDetails(text_tokens=usage.completion_tokens),
-    )
+def _plain(value: Any) -> Any:
+    """An SDK model as the plain dict the rest of the server reads."""
+    return value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value

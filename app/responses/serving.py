@@ -35,7 +35,7 @@ from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
 from app.sessions.session import CANCELLED, ChunkResult
 from app.store import StoredObject
-from app.tools.parsing import OutputParser, chat_tools
+from app.tools.parsing import OutputParser
 
 RESPONSE, ITEM = "response", "item"
 CHAIN_PREFIX = "resp_"  # a chain's session is named by its first response
@@ -90,10 +90,8 @@ def conversation_not_found(conversation_id: str) -> APIError:
 
 
 class ResponsesService:
-    def __init__(self, sessions: SessionService, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+    def __init__(self, sessions: SessionService) -> None:
         self.sessions = sessions
-        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
 
     @property
     def store(self) -> Any:
@@ -106,9 +104,9 @@ class ResponsesService:
         here. ``unstored``: responses a websocket connection keeps although they are not
         stored (its latest), which ``previous_response_id`` may name."""
         _check_supported(request)
-        tools = self._tools(request)
-        parser = OutputParser(self.sessions.tokenizer, self.tool_parser, self.reasoning_parser, tools,
-                              request.tool_choice)
+        tools = self.sessions.declared_tools(
+            [tool.model_dump(exclude_none=True) for tool in request.tools or []], "tools")
+        parser = self.sessions.reply_parser(tools, request.tool_choice)
         new_items = items.input_items(request.input)
         new_messages = items.as_messages(new_items)
         options = _Options(self._options(request), parser)
@@ -131,19 +129,6 @@ class ResponsesService:
             run = await self._start(owner, session_id, self._plan(wanted, options), options, opened=True)
         params = self.sessions.sampling_params(run.session, options.sampling)
         return PendingResponse(response_id, request, run, session_id, wanted, new_items, params, parser)
-
-    def _tools(self, request: ResponsesCreateRequest) -> list[dict[str, Any]] | None:
-        """The request's function tools, in the chat completions shape the template reads."""
-        tools = [tool.model_dump(exclude_none=True) if hasattr(tool, "model_dump") else dict(tool)
-                 for tool in request.tools or []]
-        for index, tool in enumerate(tools):
-            if tool.get("type") != "function":
-                raise APIError(400, f"Only function tools are supported; tools[{index}] is a {tool.get('type')!r} "
-                               "tool.", code="unsupported_tool", param=f"tools[{index}]")
-        if tools and self.tool_parser is None:
-            raise APIError(400, "Tools need a tool-call parser, and this server has none for its model (set "
-                           "STREAMSESS_TOOL_CALL_PARSER).", code="unsupported_parameter", param="tools")
-        return chat_tools(tools)
 
     async def _continue(self, owner: str, point: ContextPoint, new_messages: list[dict[str, Any]],
                         head: ChatState, options: _Options) -> tuple[ChunkRun, str, ChatState]:

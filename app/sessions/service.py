@@ -39,6 +39,7 @@ from app.sessions.run import ChunkEvent, ChunkRun
 from app.sessions.session import ENGINE_ERROR, ChunkResult, StreamingSession
 from app.settings import Settings
 from app.store import NullStore, SessionStore
+from app.tools.parsing import OutputParser, function_tools
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,16 @@ class SessionService:
     @property
     def max_chunk_output_tokens(self) -> int:
         return self._settings.max_chunk_output_tokens
+
+    def reply_parser(self, tools: list[dict[str, Any]] | None, tool_choice: Any) -> OutputParser:
+        """A reader of one reply, with this server's tool-call and reasoning parsers."""
+        return OutputParser(self.tokenizer, self._settings.resolved_tool_call_parser(),
+                            self._settings.reasoning_parser, tools, tool_choice)
+
+    def declared_tools(self, tools: list[dict[str, Any]], param: str) -> list[dict[str, Any]] | None:
+        """A request's tools, checked: function tools only, and a tool-call parser to read
+        their calls (without one they would be rendered and never read)."""
+        return function_tools(tools, self._settings.resolved_tool_call_parser(), param)
 
     def declare_bounds(self, schema: dict[str, Any]) -> None:
         """This server's input bounds, in its published OpenAPI schema."""

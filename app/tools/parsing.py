@@ -22,6 +22,8 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 from vllm.parser.parser_manager import ParserManager
 
+from app.errors import APIError
+
 
 @dataclass
 class ToolCall:
@@ -75,6 +77,19 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         function = tool["function"] if "function" in tool else {k: v for k, v in tool.items() if k != "type"}
         shaped.append(ChatCompletionToolsParam.model_validate({"type": "function", "function": function}).model_dump())
     return shaped
+
+
+def function_tools(tools: list[dict[str, Any]], tool_parser: str | None, param: str) -> list[dict[str, Any]] | None:
+    """A request's tools (either shape), checked: function tools only, and a tool-call
+    parser to read their calls (without one they would be rendered and never read)."""
+    for index, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise APIError(400, f"Only function tools are supported; {param}[{index}] is a {tool.get('type')!r} "
+                           "tool.", code="unsupported_tool", param=f"{param}[{index}]")
+    if tools and tool_parser is None:
+        raise APIError(400, "Tools need a tool-call parser, and this server has none for its model (set "
+                       "STREAMSESS_TOOL_CALL_PARSER).", code="unsupported_parameter", param=param)
+    return chat_tools(tools)
 
 
 class OutputParser:
