@@ -74,7 +74,8 @@ def vllm_server_args(settings: Settings, model_path: str) -> Namespace:
         "--enable-prompt-tokens-details",
     ]
     if (tool_call_parser := settings.resolved_tool_call_parser()) is not None:
-        args += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser,
+                 "--tool-strict-level", settings.tool_strict_level]
     if settings.reasoning_parser:
         args += ["--reasoning-parser", settings.reasoning_parser]
     if (chat_template := settings.resolved_chat_template()) is not None:

@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     reasoning_parser: str | None = Field(
         default=None, description="vLLM's reasoning parser (as --reasoning-parser), to split out reasoning text."
     )
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        default="parameter",
+        description="How far a tool call is held to its grammar (as --tool-strict-level): parameter, every "
+        "call's arguments follow its tool's schema (as if each tool were strict); function, the call's "
+        "format and name only; auto, vLLM's default (schemas of tools marked strict only).",
+    )
 
     # --- engine --------------------------------------------------------------
     kv_cache_gib: float = Field(default=1.0, gt=0, description="Device KV cache size in GiB.")

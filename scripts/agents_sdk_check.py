@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from typing import Any
 
 from agents import (
     Agent,
@@ -94,7 +95,46 @@ async def tool_agents(client: AsyncOpenAI) -> int:
               f"{details.cached_tokens if details else '-'} of {after_call.input_tokens if after_call else '-'} "
               "input tokens cached")
         failures += not calls or not result.final_output or after_call is None or not details.cached_tokens
-    return failures
+    return failures + await realtime_tool_agent(get_weather, calls)
+
+
+async def realtime_tool_agent(tool: object, calls: list[str]) -> int:
+    """The SDK's Realtime agent (text) with the same tool: called once (required), then
+    answered (tool_choice back to auto, as the SDK's other runners do after a call)."""
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+    from agents.realtime.model_inputs import RealtimeModelSendSessionUpdate
+
+    calls.clear()
+    agent = RealtimeAgent(name="weather", instructions="Answer with the tool's result.", tools=[tool])
+    settings: Any = {"model_name": MODEL, "output_modalities": ["text"], "tool_choice": "required"}
+    runner = RealtimeRunner(agent, config={"model_settings": settings})
+    url = BASE.replace("http", "ws", 1) + f"/v1/realtime?model={MODEL}"
+    session = await runner.run(model_config={"url": url, "api_key": os.environ.get("STREAMSESS_API_KEY", "unused"),
+                                             "initial_model_settings": settings})
+    answer, after_call = "", None
+    async with session:
+        await session.send_message("What is the weather in Paris?")
+        async for event in session:
+            if event.type == "tool_end":
+                # The SDK sends its whole session config again: text output and tools included.
+                await session.model.send_event(RealtimeModelSendSessionUpdate(
+                    session_settings={**settings, "tool_choice": "auto", "tools": [tool]}))
+            elif event.type == "raw_model_event" and event.data.type == "raw_server_event":
+                raw = event.data.data
+                if raw.get("type") == "response.done" and raw["response"]["output"][0]["type"] == "message":
+                    after_call = raw["response"].get("usage")  # the round after the call
+                    texts = [part.get("text", "") for item in raw["response"]["output"] if item["type"] == "message"
+                             for part in item.get("content", [])]
+                    answer = "".join(texts)
+                    if answer:
+                        break
+            elif event.type == "error":
+                print(f"realtime error: {event.error}")
+                break
+    cached = (after_call or {}).get("input_token_details", {}).get("cached_tokens", 0)
+    print(f"tools over realtime: called with {calls!r}, answered {answer!r}; round 2: {cached} of "
+          f"{(after_call or {}).get('input_tokens', '-')} input tokens cached")
+    return int(not calls or not answer or not cached)
 
 
 if __name__ == "__main__":

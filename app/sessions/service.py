@@ -107,7 +107,7 @@ class SessionService:
     def reply_parser(self, tools: list[dict[str, Any]] | None, tool_choice: Any) -> OutputParser:
         """A reader of one reply, with this server's tool-call and reasoning parsers."""
         return OutputParser(self.tokenizer, self._settings.resolved_tool_call_parser(),
-                            self._settings.reasoning_parser, tools, tool_choice)
+                            self._settings.reasoning_parser, tools, tool_choice, self._settings.tool_strict_level)
 
     def declared_tools(self, tools: list[dict[str, Any]], param: str) -> list[dict[str, Any]] | None:
         """A request's tools, checked: function tools only, and a tool-call parser to read

@@ -99,13 +99,13 @@ class OutputParser:
     format of every call), for the chunk that generates it."""
 
     def __init__(self, tokenizer: Any, tool_parser: str | None, reasoning_parser: str | None,
-                 tools: list[dict[str, Any]] | None, tool_choice: Any = "auto",
+                 tools: list[dict[str, Any]] | None, tool_choice: Any = "auto", strict_level: str = "auto",
                  prompt_ids: list[int] | None = None) -> None:
         tools = chat_tools(tools)
         self.parses_calls = bool(tools) and tool_parser is not None and tool_choice != "none"
         parser_cls = ParserManager.get_parser(
             tool_parser_name=tool_parser if self.parses_calls else None,
-            reasoning_parser_name=reasoning_parser, enable_auto_tools=True)
+            reasoning_parser_name=reasoning_parser, enable_auto_tools=True, tool_strict_level=strict_level)
         self._request = ChatCompletionRequest(
             model="-", messages=[], tools=tools if self.parses_calls else None,
             tool_choice=chat_tool_choice(tool_choice) if self.parses_calls else "none", include_reasoning=True)
