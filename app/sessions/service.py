@@ -13,6 +13,7 @@ leases and admits, then returns a running ``ChunkRun``; its task runs
 from __future__ import annotations
 
 import asyncio
+import copy
 import contextlib
 import logging
 import time
@@ -88,7 +89,9 @@ class SessionService:
             recorder.attach(engine)
         tokenizer = engine.get_tokenizer()
         if (chat_template := settings.resolved_chat_template()) is not None:
-            tokenizer.chat_template = chat_template  # as vLLM's routes render (--chat-template)
+            # As vLLM's routes render (--chat-template); on a copy: the engine's is shared.
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = chat_template
         return cls(
             engine=engine, settings=settings, model_name=settings.resolved_served_model_name(),
             tokenizer=tokenizer, metrics=session_metrics(), recorder=recorder,
