@@ -17,6 +17,7 @@ import platform
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -299,6 +300,17 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# Random words for filler text: the embedded models' tokenizer spends about 4.4 tokens on each.
+WORDS = ("amber", "basalt", "cobalt", "dune", "ember", "fjord", "glacier", "harbor", "island", "jade", "kelp",
+         "lagoon", "meadow", "nebula", "orchid", "prairie", "quartz", "river", "summit", "tundra")
+PerTurn = list[dict[str, float]]
+
+
+def median_per_turn(runs: list[PerTurn]) -> PerTurn:
+    """Each turn's median over runs of the same turns, key by key."""
+    return [{key: statistics.median(run[i][key] for run in runs) for key in runs[0][i]} for i in range(len(runs[0]))]
 
 
 def plot_ttft_per_turn(per_turn: dict[str, list[dict[str, float]]], title: str) -> Any:

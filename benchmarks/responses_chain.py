@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -29,17 +28,18 @@ import httpx
 
 from benchmarks.common import (
     API_HEADERS,
+    WORDS,
     EngineSetup,
+    PerTurn,
     benchmark_parser,
     finish,
+    median_per_turn,
     our_server,
     plot_ttft_per_turn,
     vllm_server,
 )
 
-WORDS = ("amber", "basalt", "cobalt", "dune", "ember", "fjord", "glacier", "harbor", "island", "jade", "kelp",
-         "lagoon", "meadow", "nebula", "orchid", "prairie", "quartz", "river", "summit", "tundra")
-Turns = list[dict[str, float]]
+Turns = PerTurn
 
 
 async def run_chain(base_url: str, model: str, texts: list[str], gen: int, headers: dict[str, str]) -> Turns:
@@ -72,9 +72,6 @@ async def run_chain(base_url: str, model: str, texts: list[str], gen: int, heade
     return turns
 
 
-def median(runs: list[Turns]) -> Turns:
-    return [{key: statistics.median(run[i][key] for run in runs) for key in runs[0][i]} for i in range(len(runs[0]))]
-
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
@@ -93,14 +90,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for label, store in (("ours", {}), ("ours-no-store", {"store_url": "none"})):
         with our_server(setup, log_dir, **store) as server:
             await run_chain(server.base_url, server.model, warmup, args.gen, API_HEADERS)
-            sides[label] = median([await run_chain(server.base_url, server.model, chain, args.gen, API_HEADERS)
+            sides[label] = median_per_turn([await run_chain(server.base_url, server.model, chain, args.gen, API_HEADERS)
                                    for chain in chains])
     for prefix_caching in (True, False):
         label = f"vllm-store-prefix-{'on' if prefix_caching else 'off'}"
         with vllm_server(setup, log_dir, prefix_caching, label=label,
                          env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) as server:
             await run_chain(server.base_url, server.model, warmup, args.gen, {})
-            sides[label] = median([await run_chain(server.base_url, server.model, chain, args.gen, {})
+            sides[label] = median_per_turn([await run_chain(server.base_url, server.model, chain, args.gen, {})
                                    for chain in chains])
     last = args.turns - 1
     ours = sides["ours"][last]["ttft_s"]

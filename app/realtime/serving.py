@@ -184,7 +184,8 @@ class Conversation:
         tool_choice = _plain(overrides.tool_choice) if overrides is not None and overrides.tool_choice is not None \
             else self.config.tool_choice
         try:
-            parser = self.service.reply_parser(tools, tool_choice)
+            parser = self.service.reply_parser(tools, tool_choice,
+                                               overrides.parallel_tool_calls if overrides is not None else None)
         except (APIError, ValueError) as exc:
             raise ClientEventError(str(exc), "invalid_value", "response.tool_choice", event.event_id) from None
         in_force = (instructions if instructions is not None else self.config.instructions) or None

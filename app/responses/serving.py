@@ -106,7 +106,7 @@ class ResponsesService:
         _check_supported(request)
         tools = self.sessions.declared_tools(
             [tool.model_dump(exclude_none=True) for tool in request.tools or []], "tools")
-        parser = self.sessions.reply_parser(tools, request.tool_choice)
+        parser = self.sessions.reply_parser(tools, request.tool_choice, request.parallel_tool_calls)
         new_items = items.input_items(request.input)
         new_messages = items.as_messages(new_items)
         options = _Options(self._options(request), parser)

@@ -13,8 +13,8 @@ leases and admits, then returns a running ``ChunkRun``; its task runs
 from __future__ import annotations
 
 import asyncio
-import copy
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -107,10 +107,12 @@ class SessionService:
     def max_chunk_output_tokens(self) -> int:
         return self._settings.max_chunk_output_tokens
 
-    def reply_parser(self, tools: list[dict[str, Any]] | None, tool_choice: Any) -> OutputParser:
+    def reply_parser(self, tools: list[dict[str, Any]] | None, tool_choice: Any,
+                     parallel_calls: bool | None = None) -> OutputParser:
         """A reader of one reply, with this server's tool-call and reasoning parsers."""
         return OutputParser(self.tokenizer, self._settings.resolved_tool_call_parser(),
-                            self._settings.reasoning_parser, tools, tool_choice, self._settings.tool_strict_level)
+                            self._settings.reasoning_parser, tools, tool_choice, self._settings.tool_strict_level,
+                            parallel_calls is not False)
 
     def declared_tools(self, tools: list[dict[str, Any]], param: str) -> list[dict[str, Any]] | None:
         """A request's tools, checked: function tools only, and a tool-call parser to read

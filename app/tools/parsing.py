@@ -100,7 +100,7 @@ class OutputParser:
 
     def __init__(self, tokenizer: Any, tool_parser: str | None, reasoning_parser: str | None,
                  tools: list[dict[str, Any]] | None, tool_choice: Any = "auto", strict_level: str = "auto",
-                 prompt_ids: list[int] | None = None) -> None:
+                 parallel_calls: bool = True, prompt_ids: list[int] | None = None) -> None:
         tools = chat_tools(tools)
         self.parses_calls = bool(tools) and tool_parser is not None and tool_choice != "none"
         parser_cls = ParserManager.get_parser(
@@ -108,7 +108,8 @@ class OutputParser:
             reasoning_parser_name=reasoning_parser, enable_auto_tools=True, tool_strict_level=strict_level)
         self._request = ChatCompletionRequest(
             model="-", messages=[], tools=tools if self.parses_calls else None,
-            tool_choice=chat_tool_choice(tool_choice) if self.parses_calls else "none", include_reasoning=True)
+            tool_choice=chat_tool_choice(tool_choice) if self.parses_calls else "none", include_reasoning=True,
+            parallel_tool_calls=parallel_calls)
         self._parser = parser_cls(tokenizer, list(self._request.tools or []) or None) if parser_cls else None
         # The prompt's ids tell a reasoning parser whether the prompt already closed reasoning.
         self._prompt_ids: list[int] | None = list(prompt_ids or [])

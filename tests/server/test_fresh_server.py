@@ -38,6 +38,7 @@ from benchmarks.common import RunningServer, free_port, serve
 from connectors.cpu_platform import cpu_has_amx
 from tests.server.openai_stateful import check_stateful_apis
 from tests.server.openai_tools import check_tool_round_trip
+from tests.server.test_clients import is_tool_example, readme_python_blocks, run_python
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PRESET = Settings.model_fields["model_preset"].default
@@ -126,6 +127,10 @@ def test_the_default_model_answers_in_words_in_float32(tmp_path: Path) -> None:
         print(f"stateful APIs, token-exact throughout: {check_stateful_apis(server.base_url, tokenizer)}")
         # A tool round trip on a Responses chain (issue 28): tests/server/openai_tools.py.
         check_tool_round_trip(server.base_url, tokenizer)
+        # The README's tool calling example, on the model it is written for.
+        (example,) = [block for block in readme_python_blocks() if is_tool_example(block)]
+        code, out, err = asyncio.run(run_python(example, server.base_url, model=MODEL))
+        assert code == 0 and "get_weather" in out, err
 
 
 CHAT = ["What is the capital of France?", "And of Germany?", "Name one river that flows through it.",

@@ -134,3 +134,35 @@ async def test_a_realtime_tool_round_trip_streams_sdk_events(tool_server: str) -
         error = await frames.next()
         assert error["type"] == "error" and error["error"]["code"] == "unsupported_tool", error
     await close_sessions(tool_server, session_id)
+
+
+async def test_chat_completions_and_conversations_carry_tool_calls(tool_server: str) -> None:
+    """vLLM's own route with this server's parser settings (streamed calls too), and a
+    conversation whose item log keeps the call and its output."""
+    client = AsyncOpenAI(api_key=API_KEYS[0], base_url=f"{tool_server}/v1", max_retries=0)
+    chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    messages: Any = [{"role": "user", "content": "Weather?"}]
+    completion = await client.chat.completions.create(model=MODEL, messages=messages, tools=[chat_tool],
+                                                      tool_choice="required", max_tokens=160, temperature=0,
+                                                      parallel_tool_calls=False)
+    (call,) = completion.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, tools=[chat_tool],
+                                                  tool_choice="required", max_tokens=160, temperature=0, stream=True,
+                                                  parallel_tool_calls=False)
+    streamed = "".join([tc.function.arguments or "" async for chunk in stream for tc in
+                        (chunk.choices[0].delta.tool_calls or []) if chunk.choices and tc.function])
+    assert json.loads(streamed) == json.loads(call.function.arguments)
+
+    conversation = await client.conversations.create()
+    response = await client.responses.create(model=MODEL, input="Weather?", conversation=conversation.id,
+                                             tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+                                             parallel_tool_calls=False, max_output_tokens=160, temperature=0)
+    (function_call,) = [item for item in response.output if item.type == "function_call"]
+    await client.responses.create(model=MODEL, conversation=conversation.id, tools=[WEATHER],  # type: ignore[list-item]
+                                  tool_choice="none", max_output_tokens=4, temperature=0,
+                                  input=[{"type": "function_call_output", "call_id": function_call.call_id,
+                                          "output": "Sunny."}])
+    kinds = [item.type for item in (await client.conversations.items.list(conversation.id, order="asc")).data]
+    assert kinds == ["message", "function_call", "function_call_output", "message"], kinds
+    await close_sessions(tool_server, conversation.id)
