@@ -282,13 +282,16 @@ def quick_engine(args: argparse.Namespace) -> None:
 
 
 def finish(name: str, result: dict[str, Any], out: str, plot: Callable[[dict[str, Any]], Any]) -> Path:
-    """Write the JSON and the plot's PNG, and print the JSON's path (the smoke test reads it)."""
+    """Write the JSON and the plot's PNG, and print the JSON's path (the smoke test reads
+    it), then the summary, if the result has one."""
     path = write_result(name, result, Path(out))
     figure = plot(result)
     figure.tight_layout()
     figure.savefig(path.with_suffix(".png"), dpi=110)
     pyplot().close(figure)
     print(path)
+    for key, value in result.get("summary", {}).items():
+        print(f"{key}: {value}")
     return path
 
 

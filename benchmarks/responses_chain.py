@@ -132,8 +132,6 @@ def main() -> None:
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     finish("responses_chain", result, args.out, plot)
-    for key, value in result["summary"].items():
-        print(f"{key}: {value}")
 
 
 if __name__ == "__main__":

@@ -238,8 +238,6 @@ def main() -> None:
         name = "soak-quick"
     result = asyncio.run(main_async(args))
     finish(name, result, args.out, plot)
-    for key, value in result["summary"].items():
-        print(f"{key}: {value}")
 
 
 if __name__ == "__main__":

@@ -193,8 +193,6 @@ def main() -> None:
         args.rounds, args.output_tokens, args.repeats, args.gen = 3, 32, 1, 160
     result = asyncio.run(main_async(args))
     finish("tool_loop", result, args.out, plot)
-    for key, value in result["summary"].items():
-        print(f"{key}: {value}")
 
 
 if __name__ == "__main__":
