@@ -14,7 +14,8 @@ The plugin carries the update's grammar to the session with the update, and make
 session wait for its compilation as a new request would
 (``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``). It runs in every vLLM process (entry point
 ``vllm.general_plugins``); only the engine core's scheduler uses what it patches.
-Guarded: where vLLM's code differs, it does nothing and says so.
+Guarded: where vLLM's code differs, it does nothing and says so. vLLM PR #57685 (open)
+makes the same change upstream; once a release has it, this plugin goes.
 """
 
 from __future__ import annotations
