@@ -216,7 +216,7 @@ class Conversation:
         head = [{"role": "system", "content": instructions}] if instructions and instructions != self.sent_instructions \
             else []
 
-        chat_tools = self.service.declared_tools(tools, "tools")
+        chat_tools = parser.tools  # checked by _tools already
         replies = {"structured_outputs": parser.structured_outputs(),
                    "reply": lambda text: reply_message(parser.final(text))}
 

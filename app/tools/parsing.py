@@ -100,8 +100,9 @@ class OutputParser:
 
     def __init__(self, tokenizer: Any, tool_parser: str | None, reasoning_parser: str | None,
                  tools: list[dict[str, Any]] | None, tool_choice: Any = "auto", strict_level: str = "auto",
-                 parallel_calls: bool = True, prompt_ids: list[int] | None = None) -> None:
-        tools = chat_tools(tools)
+                 parallel_calls: bool = True) -> None:
+        # The tools as the chat template renders them (with tool_choice none too: rendered, not read).
+        self.tools = tools = chat_tools(tools)
         self.parses_calls = bool(tools) and tool_parser is not None and tool_choice != "none"
         parser_cls = ParserManager.get_parser(
             tool_parser_name=tool_parser if self.parses_calls else None,
@@ -111,9 +112,11 @@ class OutputParser:
             tool_choice=chat_tool_choice(tool_choice) if self.parses_calls else "none", include_reasoning=True,
             parallel_tool_calls=parallel_calls)
         self._parser = parser_cls(tokenizer, list(self._request.tools or []) or None) if parser_cls else None
-        # The prompt's ids tell a reasoning parser whether the prompt already closed reasoning.
-        self._prompt_ids: list[int] | None = list(prompt_ids or [])
+        # Given with the first delta only: the parser then settles whether the prompt closed
+        # reasoning (a turn's prompt never does here) and starts reading calls.
+        self._prompt_ids: list[int] | None = []
         self._final: dict[str, ParsedOutput] = {}
+        self._grammar: Any = None
         self._call_ids: dict[int, str] = {}
 
     def call_id(self, index: int) -> str:
@@ -123,9 +126,11 @@ class OutputParser:
         return self._call_ids[index]
 
     def structured_outputs(self) -> Any:
-        if self._parser is None or not self.parses_calls:
-            return None
-        return self._parser.adjust_request(self._request.model_copy(deep=True)).structured_outputs
+        """The grammar for the reply (None where no call is read), built once: a turn's
+        plan asks for it each time it is planned."""
+        if self._grammar is None and self._parser is not None and self.parses_calls:
+            self._grammar = self._parser.adjust_request(self._request.model_copy(deep=True)).structured_outputs
+        return self._grammar
 
     def feed(self, delta_text: str, delta_ids: list[int], finished: bool = False) -> StreamDelta:
         if self._parser is None:
