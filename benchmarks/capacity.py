@@ -149,7 +149,7 @@ def plot(result: dict[str, Any]) -> Any:
     return figure
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=0.0)
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--device-sessions", type=int, default=50, help="sessions the device holds at their final size")
@@ -157,15 +157,23 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--gen", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     name = "capacity"
     if args.quick:
         # The device must still hold one max_model_len request (2,048 tokens).
         args.sessions, args.device_sessions, args.full_device_sessions = 40, 16, 4
         name = "capacity-quick"
-    result = asyncio.run(main_async(args))
+    return name, args
+
+
+async def run(name: str, args: argparse.Namespace) -> None:
+    result = await main_async(args)
     finish(name, result, args.out, plot)
     print({"errors": result["errors"], "states": result["session_states_after_phase1"]})
+
+
+def main() -> None:
+    asyncio.run(run(*parse_args()))
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import json
 import os
 import platform
 import random
+import re
 import signal
 import socket
 import statistics
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 API_KEY = "bench-key"
 API_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+T = TypeVar("T")
 RESERVED_CPUS = "1"  # VLLM_CPU_NUM_OF_RESERVED_CPU on every side of every comparison
 
 
@@ -69,10 +72,62 @@ class EngineSetup:
         }
 
 
+class Pool:
+    """Engines and servers that the benchmarks run by one process share when their
+    settings are the same (``python -m benchmarks.smoke`` runs every --quick run so):
+    each is started on first use and kept; at most ``keep`` engines and ``keep``
+    servers stay up (the least recently used is stopped first), and the rest stop
+    when the pool closes. Outside a pool every benchmark starts and stops its own."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.engines: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.servers: collections.OrderedDict[Any, tuple[RunningServer, contextlib.ExitStack]] = collections.OrderedDict()
+
+    def engine(self, key: str, build: Callable[[], Any]) -> Any:
+        if key not in self.engines:
+            if len(self.engines) >= self.keep:
+                stop_engine(self.engines.popitem(last=False)[1])
+            self.engines[key] = build()
+        self.engines.move_to_end(key)
+        return self.engines[key]
+
+    def server(self, key: Any, start: Callable[[], contextlib.AbstractContextManager[RunningServer]]) -> RunningServer:
+        if key not in self.servers:
+            if len(self.servers) >= self.keep:
+                self.servers.popitem(last=False)[1][1].close()
+            stack = contextlib.ExitStack()
+            self.servers[key] = (stack.enter_context(start()), stack)
+        self.servers.move_to_end(key)
+        return self.servers[key][0]
+
+    def close(self) -> None:
+        while self.servers:
+            self.servers.popitem()[1][1].close()
+        while self.engines:
+            stop_engine(self.engines.popitem()[1])
+
+
+_POOL: Pool | None = None
+
+
+@contextlib.contextmanager
+def pooled(keep: int = 2) -> Iterator[Pool]:
+    """Within the block, engines and servers with the same settings are shared."""
+    global _POOL
+    _POOL = Pool(keep)
+    try:
+        yield _POOL
+    finally:
+        pool, _POOL = _POOL, None
+        pool.close()
+
+
 def in_process_engine(setup: EngineSetup, served_model_name: str, **settings: Any) -> tuple[Any, Any, Any]:
     """(engine, provenance recorder, settings) for a benchmark that drives AsyncLLM in
-    process, with ``setup``'s engine settings and the same thread count as the servers."""
-    from app.engine import build_engine
+    process, with ``setup``'s engine settings and the same thread count as the servers.
+    Hand the engine back with ``release_engine``."""
+    from app.engine import build_engine, build_engine_args
     from app.provenance import ProvenanceRecorder
     from app.settings import Settings
 
@@ -82,10 +137,29 @@ def in_process_engine(setup: EngineSetup, served_model_name: str, **settings: An
         cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size, max_model_len=setup.max_model_len,
         enforce_eager=setup.enforce_eager, dtype=setup.dtype, served_model_name=served_model_name, **settings,
     )
-    engine = build_engine(engine_settings)
+    if _POOL is None:
+        engine = build_engine(engine_settings)
+    else:
+        # What the engine is made of: its vLLM arguments, less the name it serves under
+        # and the connector's engine id (random per call).
+        args = repr(build_engine_args(engine_settings.model_copy(update={"served_model_name": "pooled"})))
+        key = re.sub(r"engine_id='[^']*'", "", args)
+        engine = _POOL.engine(key, lambda: build_engine(engine_settings))
     recorder = ProvenanceRecorder()
     recorder.attach(engine)
     return engine, recorder, engine_settings
+
+
+def release_engine(engine: Any) -> None:
+    """The benchmark is done with ``engine``: stopped, unless a pool keeps it."""
+    if _POOL is None or engine not in _POOL.engines.values():
+        stop_engine(engine)
+
+
+def stop_engine(engine: Any) -> None:
+    from app.engine import shutdown_engine
+
+    shutdown_engine(engine)
 
 
 def engine_env() -> dict[str, str]:
@@ -121,9 +195,14 @@ def wait_healthy(server: RunningServer, timeout_s: float = 600) -> None:
 
 
 @contextlib.contextmanager
-def serve(name: str, command: list[str], env: dict[str, str], port: int, model: str, log: Path) -> Iterator[RunningServer]:
+def serve(name: str, command: list[str], env: dict[str, str], port: int, model: str, log: Path,
+          key: Any = None) -> Iterator[RunningServer]:
     """A server in a fresh process (its own process group), healthy before it is
-    yielded and stopped with everything it started afterwards."""
+    yielded and stopped with everything it started afterwards; or, in a pool, the
+    pool's server of the same ``key`` (what the server is, less its port and paths)."""
+    if _POOL is not None and key is not None:
+        yield _POOL.server(key, lambda: serve(name, command, env, port, model, log))
+        return
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True)
@@ -133,6 +212,18 @@ def serve(name: str, command: list[str], env: dict[str, str], port: int, model: 
             yield server
         finally:
             stop_group(process)
+
+
+def enter_together(stack: contextlib.ExitStack, managers: list[contextlib.AbstractContextManager[T]]) -> list[T]:
+    """Enter ``managers`` side by side, each in a thread, and leave them with ``stack``.
+    For servers: most of a start is one process importing torch and vLLM, so two
+    servers on 2 cores start in little more than the time of one."""
+    with concurrent.futures.ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(manager.__enter__) for manager in managers]
+    for manager, future in zip(managers, futures):
+        if future.exception() is None:
+            stack.push(manager.__exit__)
+    return [future.result() for future in futures]  # the first failure raises; the stack leaves the rest
 
 
 def stop_group(process: subprocess.Popen[bytes]) -> None:
@@ -156,6 +247,7 @@ def app_server(
     it serves the preset ``model`` names (``embedded-tiny`` by default) unless they say.
     Its sessions go to a fresh state directory unless ``state_dir`` or
     ``store_url`` is given."""
+    key = ("app", model, tuple(sorted(settings.items()))) if "state_dir" not in settings else None
     port = port or free_port()
     settings = dict(settings)
     if "model" not in settings:
@@ -164,7 +256,7 @@ def app_server(
         settings["state_dir"] = tempfile.mkdtemp(prefix=f"streamsess-{name}-state-")
     env = engine_env()
     env.update({f"STREAMSESS_{key.upper()}": value for key, value in {"port": str(port), **settings}.items()})
-    return serve(name, [sys.executable, "-m", "app.main"], env, port, model, log)
+    return serve(name, [sys.executable, "-m", "app.main"], env, port, model, log, key)
 
 
 def our_server(
@@ -212,7 +304,8 @@ def vllm_server(
         *(extra_args or []),
     ]
     label = label or f"vllm-prefix-{'on' if prefix_caching else 'off'}"
-    return serve(label, command, {**engine_env(), **(env or {})}, port, name, log_dir / f"{label}.log")
+    key = ("vllm", label, tuple(arg for arg in command if arg != str(port)), tuple(sorted((env or {}).items())))
+    return serve(label, command, {**engine_env(), **(env or {})}, port, name, log_dir / f"{label}.log", key)
 
 
 @contextlib.contextmanager

@@ -142,22 +142,30 @@ def plot(result: dict[str, Any]) -> Any:
     return figure
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=2.0)
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--gen", type=int, default=16)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     name = "concurrency"
     if args.quick:
         args.sessions, args.turns, args.chunk, args.gen = [1, 2], 2, 64, 4
         quick_engine(args)
         name = "concurrency-quick"
-    result = asyncio.run(main_async(args))
+    return name, args
+
+
+async def run(name: str, args: argparse.Namespace) -> None:
+    result = await main_async(args)
     finish(name, result, args.out, plot)
     for n, ratio in result["ratios"].items():
         print(n, ratio)
+
+
+def main() -> None:
+    asyncio.run(run(*parse_args()))
 
 
 if __name__ == "__main__":

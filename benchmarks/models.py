@@ -30,6 +30,7 @@ from benchmarks.common import (
     in_process_engine,
     pyplot,
     random_tokens,
+    release_engine,
 )
 
 PRESETS = ("tiny", "bench", "smollm2-135m-instruct")
@@ -60,7 +61,7 @@ async def measure(setup: EngineSetup, prefill_tokens: int, decode_tokens: int, r
         prefill = [await run(random_tokens(rng, prefill_tokens), 1) for _ in range(repeats)]
         decode = [await run(random_tokens(rng, 16), decode_tokens) for _ in range(repeats)]
     finally:
-        engine.shutdown()
+        release_engine(engine)
     prefill_s = statistics.median(first for first, _ in prefill)
     decode_s = statistics.median(rest for _, rest in decode)
     return {
@@ -82,21 +83,29 @@ def plot(result: dict[str, Any]) -> Any:
     return figure
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.presets, args.dtypes, args.prefill_tokens, args.decode_tokens, args.repeats = "tiny", "float32", 256, 16, 1
         args.kv_cache_gib, args.cpu_tier_gib = 0.25, 0.5
-    asyncio.run(run_all(args))
+    return "models", args
 
 
-async def run_all(args: argparse.Namespace) -> None:
+async def run(name: str, args: argparse.Namespace) -> None:
+    await run_all(args, name)
+
+
+def main() -> None:
+    asyncio.run(run(*parse_args()))
+
+
+async def run_all(args: argparse.Namespace, name: str = "models") -> None:
     from connectors.cpu_platform import kernel_flags
 
     rng = random.Random(args.seed)
@@ -109,7 +118,7 @@ async def run_all(args: argparse.Namespace) -> None:
                    **await measure(setup, args.prefill_tokens, args.decode_tokens, args.repeats, rng)}
             print(row, flush=True)
             rows.append(row)
-    finish("models", {"cpu_flags": " ".join(kernel_flags()), "repeats": args.repeats, "rows": rows}, args.out, plot)
+    finish(name, {"cpu_flags": " ".join(kernel_flags()), "repeats": args.repeats, "rows": rows}, args.out, plot)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from benchmarks.common import (
     pyplot,
     quick_engine,
     random_tokens,
+    release_engine,
 )
 
 SIDES = ("never-parked", "parked-device", "parked-cpu-tier", "recompute")
@@ -106,7 +107,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             })
     finally:
         await service.stop()
-        engine.shutdown()
+        release_engine(engine)
     return {"settings": {**setup.describe(), "repeats": args.repeats, "seed": args.seed, "next_chunk": NEXT_CHUNK},
             "rows": rows}
 
@@ -128,20 +129,28 @@ def plot(result: dict[str, Any]) -> Any:
     return figure
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     name = "park_resume"
     if args.quick:
         args.sizes, args.repeats = [256], 1
         quick_engine(args)
         name = "park_resume-quick"
-    result = asyncio.run(main_async(args))
+    return name, args
+
+
+async def run(name: str, args: argparse.Namespace) -> None:
+    result = await main_async(args)
     finish(name, result, args.out, plot)
     for row in result["rows"]:
         print(row)
+
+
+def main() -> None:
+    asyncio.run(run(*parse_args()))
 
 
 if __name__ == "__main__":

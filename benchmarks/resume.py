@@ -37,6 +37,7 @@ from benchmarks.common import (
     plot_ttft_per_turn,
     quick_engine,
     random_tokens,
+    release_engine,
     sse_completion,
     vllm_server,
 )
@@ -116,7 +117,7 @@ async def run_in_process(setup: EngineSetup, sessions: list[list[list[int]]], ge
                 pass
             results.append(turns)
     finally:
-        engine.shutdown()
+        release_engine(engine)
     return results
 
 
@@ -187,20 +188,28 @@ def plot(result: dict[str, Any]) -> Any:
                               f"{settings['gen_tokens']} generated per turn ({settings['model_preset']} model)")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--turns", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--gen", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     name = "resume"
     if args.quick:
         args.turns, args.repeats, args.chunk, args.gen = 3, 1, 64, 4
         quick_engine(args)
         name = "resume-quick"
-    result = asyncio.run(main_async(args))
+    return name, args
+
+
+async def run(name: str, args: argparse.Namespace) -> None:
+    result = await main_async(args)
     finish(name, result, args.out, plot)
+
+
+def main() -> None:
+    asyncio.run(run(*parse_args()))
 
 
 if __name__ == "__main__":

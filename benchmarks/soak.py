@@ -20,6 +20,7 @@ afterwards no session left open.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -218,7 +219,7 @@ def plot(result: dict[str, Any]) -> Any:
     return figure
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=0.25)
     parser.set_defaults(preset="tiny", dtype="float32", cpu_tier_gib=0.5)
     parser.add_argument("--duration-s", type=float, default=600.0)
@@ -230,14 +231,22 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=8)
     parser.add_argument("--rss-bound-pct", type=float, default=5.0)
     parser.add_argument("--name", default="soak", help="the result files' name")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     name = args.name
     if args.quick:
         quick_engine(args)
         args.duration_s, args.window_s, args.websocket_workers = 20.0, 5.0, 3
         name = "soak-quick"
-    result = asyncio.run(main_async(args))
+    return name, args
+
+
+async def run(name: str, args: argparse.Namespace) -> None:
+    result = await main_async(args)
     finish(name, result, args.out, plot)
+
+
+def main() -> None:
+    asyncio.run(run(*parse_args()))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from benchmarks.common import (
     pyplot,
     quick_engine,
     random_tokens,
+    release_engine,
 )
 from benchmarks.postgres import postgres_bin_dir, postgres_server
 
@@ -137,7 +138,7 @@ class Bench:
 
 async def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype, max_model_len=max(args.contexts) + 256)
+                        dtype=args.dtype, max_model_len=max(4096, max(args.contexts) + 256))
     engine, recorder, settings = in_process_engine(setup, "store-bench", session_park_after_s=3600)
     bench = Bench(engine, recorder, settings)
     overhead: dict[str, dict[str, float]] = {}
@@ -151,7 +152,7 @@ async def measure_all(args: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(args.seed)
         resume = {str(context): await bench.resume(context, args.repeats, rng) for context in args.contexts}
     finally:
-        engine.shutdown()
+        release_engine(engine)
     base = overhead["none"]["p50_s"]
     for row in overhead.values():
         row["p50_over_none_ms"] = (row["p50_s"] - base) * 1000
@@ -182,23 +183,31 @@ def plot(result: dict[str, Any]) -> Any:
     return figure
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--chunks", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     name = "store"
     if args.quick:
         quick_engine(args)
         args.chunks, args.repeats, args.contexts = 10, 1, [128]
         name = "store-quick"
-    result = asyncio.run(measure_all(args))
+    return name, args
+
+
+async def run(name: str, args: argparse.Namespace) -> None:
+    result = await measure_all(args)
     finish(name, result, args.out, plot)
     for store, row in result["per_chunk"].items():
         print(store, f"p50 {row['p50_s'] * 1000:.1f} ms (+{row['p50_over_none_ms']:.1f} ms)")
     for context, row in result["resume"].items():
         print(context, {k: round(v, 3) for k, v in row.items() if isinstance(v, float)})
+
+
+def main() -> None:
+    asyncio.run(run(*parse_args()))
 
 
 if __name__ == "__main__":

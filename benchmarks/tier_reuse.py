@@ -57,6 +57,7 @@ from benchmarks.common import (
     pyplot,
     quick_engine,
     random_tokens,
+    release_engine,
     summarize_profile,
 )
 
@@ -134,6 +135,9 @@ LOAD_PATHS: dict[str, dict[str, Any]] = {
 
 async def measure_load_path(setup: EngineSetup, args: argparse.Namespace, load_path: str) -> list[dict[str, Any]]:
     engine, recorder, _ = in_process_engine(setup, "tier-bench", **LOAD_PATHS[load_path])
+    # vLLM's metrics are labelled with the name the engine serves (a pooled engine's
+    # is its first user's).
+    served = engine.vllm_config.model_config.served_model_name
     rng = random.Random(args.seed)  # the same prompts on every path
     rows = []
     try:
@@ -154,12 +158,12 @@ async def measure_load_path(setup: EngineSetup, args: argparse.Namespace, load_p
                 # A small request steps the engine once more so the deferred stores land.
                 await first_token(engine, recorder, random_tokens(rng, 8))
                 assert await engine.reset_prefix_cache(), "device cache reset refused"
-                bytes_before = registry_total("vllm:kv_offload_load_bytes_total", "tier-bench")
-                time_before = registry_total("vllm:kv_offload_load_time_total", "tier-bench")
+                bytes_before = registry_total("vllm:kv_offload_load_bytes_total", served)
+                time_before = registry_total("vllm:kv_offload_load_time_total", served)
                 tier = await first_token(engine, recorder, prompt)
                 await asyncio.sleep(0.2)  # let the step's stats reach the registry
-                loaded = registry_total("vllm:kv_offload_load_bytes_total", "tier-bench") - bytes_before
-                load_time = registry_total("vllm:kv_offload_load_time_total", "tier-bench") - time_before
+                loaded = registry_total("vllm:kv_offload_load_bytes_total", served) - bytes_before
+                load_time = registry_total("vllm:kv_offload_load_time_total", served) - time_before
                 samples["device"].append(device.elapsed_s)
                 samples["cpu-tier"].append(tier.elapsed_s)
                 for side, sample in (("device", device), ("cpu-tier", tier)):
@@ -187,7 +191,7 @@ async def measure_load_path(setup: EngineSetup, args: argparse.Namespace, load_p
         if args.profile:
             rows[-1]["profile"] = await profile_tier_hits(engine, recorder, prompt, args, load_path)
     finally:
-        engine.shutdown()
+        release_engine(engine)
     return rows
 
 
@@ -265,7 +269,7 @@ def plot(result: dict[str, Any]) -> Any:
     return figure
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=7)
@@ -277,19 +281,27 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR",
                         help="also sample each load path's tier hits with py-spy (stacks into DIR)")
     parser.add_argument("--profile-hits", type=int, default=60, help="tier hits sampled per load path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     # bf16 is the embedded models' own dtype; other dtypes are recorded beside it.
     name = "tier_reuse" if args.dtype == "bfloat16" else f"tier_reuse-{args.dtype}"
     if args.quick:
         args.sizes, args.repeats, args.load_paths = [256], 1, ["synchronous"]
         quick_engine(args)
         name = "tier_reuse-quick"
-    result = asyncio.run(main_async(args))
+    return name, args
+
+
+async def run(name: str, args: argparse.Namespace) -> None:
+    result = await main_async(args)
     finish(name, result, args.out, plot)
     print(f"host memcpy: {result['host_memcpy_gbps']:.1f} GB/s")
     for path, rows in result["by_load_path"].items():
         for row in rows:
             print(path, row)
+
+
+def main() -> None:
+    asyncio.run(run(*parse_args()))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ the last round's collapsed stacks there, and per side and round the busiest func
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -58,6 +59,7 @@ from benchmarks.common import (
     py_spy_sampled,
     pyplot,
     quick_engine,
+    release_engine,
     serve,
     summarize_profile,
 )
@@ -122,7 +124,7 @@ class InProcessSession:
         self.queue.put_nowait(None)
         async for _ in self.outputs:
             pass
-        self.engine.shutdown()
+        release_engine(self.engine)
 
 
 async def rest(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
@@ -297,7 +299,7 @@ def plot(result: dict[str, Any]) -> Any:
     return figure
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=0.25)
     parser.set_defaults(preset="tiny", dtype="float32", cpu_tier_gib=0.5)
     parser.add_argument("--chunks", type=int, default=120)
@@ -308,18 +310,26 @@ def main() -> None:
     parser.add_argument("--server-setting", metavar="NAME=VALUE", action="append", default=[],
                         type=lambda text: tuple(text.split("=", 1)),
                         help="a setting of the server (e.g. http_coalesce_writes=false); repeatable")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     name = "transport"
     if args.quick:
         quick_engine(args)
         args.chunks, args.warmup, args.rounds = 8, 2, 2
         name = "transport-quick"
-    result = asyncio.run(main_async(args))
+    return name, args
+
+
+async def run(name: str, args: argparse.Namespace) -> None:
+    result = await main_async(args)
     finish(name, result, args.out, plot)
     for side, row in result["per_side"].items():
         beyond_hop = row["p50_over_in_process_and_bare_hop_ms"]
         print(f"{side}: p50 {row['p50_ms']:.2f} ms, over in-process {row['p50_over_in_process_ms']:+.2f} ms"
               + (f", beyond the bare hop {beyond_hop:+.2f} ms" if beyond_hop is not None else ""))
+
+
+def main() -> None:
+    asyncio.run(run(*parse_args()))
 
 
 if __name__ == "__main__":

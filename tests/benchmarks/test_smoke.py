@@ -1,7 +1,10 @@
 """Every benchmark runs at a tiny size (--quick), so the scripts keep working.
 
 These check that each script runs end to end and writes complete results; they
-assert no timings (timings are measured and recorded in docs/benchmarks.md)."""
+assert no timings (timings are measured and recorded in docs/benchmarks.md). All the
+quick runs happen in one process, ``python -m benchmarks.smoke``, which shares
+engines and servers between benchmarks with the same settings (started once for the
+module); each test then checks its own benchmark's result."""
 
 from __future__ import annotations
 
@@ -17,57 +20,63 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.server
 
 
-def run_quick(module: str, out: Path) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("benchmarks")
+    result = subprocess.run([sys.executable, "-m", "benchmarks.smoke", "--out", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
-    # Each script prints the path of its JSON result, then a summary.
-    written = Path(next(line for line in result.stdout.splitlines() if line.endswith(".json")))
+    return out, json.loads((out / "smoke.json").read_text())
+
+
+def run_quick(module: str, quick_runs: tuple[Path, dict]) -> dict:
+    out, index = quick_runs
+    entry = index[module]
+    assert "error" not in entry, entry["error"]
+    written = Path(entry["result"])
     assert written.parent == out and written.with_suffix(".png").stat().st_size > 10_000
     return dict(json.loads(written.read_text()))
 
 
-def test_resume_quick(tmp_path: Path) -> None:
-    result = run_quick("resume", tmp_path)
+def test_resume_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("resume", quick_runs)
     assert set(result["per_turn"]) == {"in-process", "ours-sse", "ours-ws", "vllm-prefix-on"}
     assert all(len(turns) == 3 for turns in result["per_turn"].values())
     assert result["summary"]["http_overhead_ttft_ratio_max"] > 0
 
 
-def test_tier_reuse_quick(tmp_path: Path) -> None:
-    result = run_quick("tier_reuse", tmp_path)
+def test_tier_reuse_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("tier_reuse", quick_runs)
     (row,) = result["rows"]
     # The measured run really loaded from the CPU tier.
     assert row["cpu_tier_tokens"] >= 224 and row["tier_load_gbps"] > 0
     assert result["host_memcpy_gbps"] > 0
 
 
-def test_concurrency_quick(tmp_path: Path) -> None:
-    result = run_quick("concurrency", tmp_path)
+def test_concurrency_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("concurrency", quick_runs)
     assert set(result["results"]) == {"ours-sse", "vllm-prefix-on"}
     for side in result["results"].values():
         assert set(side) == {"1", "2"} and all(run["generated_tokens"] > 0 for run in side.values())
 
 
-def test_capacity_quick(tmp_path: Path) -> None:
-    result = run_quick("capacity", tmp_path)
+def test_capacity_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("capacity", quick_runs)
     assert result["errors"] == {}
     assert result["chunks_answered"] == 2 * 40 + 4
     parks = {k: v for k, v in result["metrics_at_end"].items() if k.startswith("streamsess_session_parks_total")}
     assert sum(parks.values()) > 0, result["metrics_at_end"]
 
 
-def test_park_resume_quick(tmp_path: Path) -> None:
-    result = run_quick("park_resume", tmp_path)
+def test_park_resume_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("park_resume", quick_runs)
     (row,) = result["rows"]
     # The measured resume really loaded the parked session from the CPU tier.
     assert row["cpu_tier_tokens"] >= 224 and row["tier_vs_never_parked"] > 0
 
 
-def test_store_quick(tmp_path: Path) -> None:
-    result = run_quick("store", tmp_path)
+def test_store_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("store", quick_runs)
     assert {"none", "sqlite"} <= set(result["per_chunk"])
     assert all(row["p50_s"] > 0 for row in result["per_chunk"].values())
     (row,) = result["resume"].values()
@@ -77,8 +86,8 @@ def test_store_quick(tmp_path: Path) -> None:
     assert restarted["cpu_tier_tokens"] == 0 and restarted["computed_tokens"] >= 96
 
 
-def test_transport_quick(tmp_path: Path) -> None:
-    result = run_quick("transport", tmp_path)
+def test_transport_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("transport", quick_runs)
     assert set(result["per_side"]) == {"in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx",
                                        "sse-httpx", "rest-bare", "sse-bare", "websocket-bare"}
     assert all(len(samples) == 8 for samples in result["samples_ms"].values())
@@ -87,16 +96,16 @@ def test_transport_quick(tmp_path: Path) -> None:
     assert result["per_side"]["rest"]["p50_over_in_process_and_bare_hop_ms"] is not None
 
 
-def test_soak_quick(tmp_path: Path) -> None:
-    result = run_quick("soak", tmp_path)
+def test_soak_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("soak", quick_runs)
     summary = result["summary"]
     assert summary["errors"] == 0, result["errors_sample"]
     assert summary["chunks"] > 0 and summary["sessions_left_open"] == 0
     assert all(row["rss_mb"] > 0 for row in result["windows"])
 
 
-def test_models_quick(tmp_path: Path) -> None:
-    result = run_quick("models", tmp_path)
+def test_models_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("models", quick_runs)
     (row,) = result["rows"]
     assert (row["preset"], row["dtype"]) == ("tiny", "float32")
     assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
