@@ -131,3 +131,12 @@ def build_engine(settings: Settings) -> AsyncLLM:
     # The admission backstop reads it (app.sessions.admission.observer_of).
     setattr(engine, OBSERVER_ATTRIBUTE, observer)
     return engine
+
+
+def shutdown_engine(engine: AsyncLLM) -> None:
+    """Stop the engine as vLLM's own server does: its ``shutdown_timeout`` (0 unless
+    set; then requests still running are aborted, ours are ended before this) is
+    the engine process's time to exit before it is killed. Without a timeout vLLM
+    waits 5 s, which on CPU it always spends (its worker alone takes about 3 s to
+    exit), so every stop or restart took 5 s longer."""
+    engine.shutdown(timeout=engine.vllm_config.shutdown_timeout)

@@ -26,7 +26,7 @@ from app.api import api_router
 from app.auth import APIKeyMiddleware
 from app.cache_salt import cache_salter
 from app.conversations.serving import ConversationsService
-from app.engine import EngineConfigError, kv_transfer_config
+from app.engine import EngineConfigError, kv_transfer_config, shutdown_engine
 from app.http_errors import declare_error_codes, install_error_handlers
 from app.http_protocol import CoalescingHttpToolsProtocol
 from app.limits import KeyLimits
@@ -120,7 +120,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
                 watchdog.cancel()
             await service.stop()
             if owns_engine:
-                llm.shutdown()
+                shutdown_engine(llm)
 
     app.router.lifespan_context = lifespan
     drop_unserved_routes(app)

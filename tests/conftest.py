@@ -63,13 +63,13 @@ def engine_settings() -> Settings:
 
 @pytest_asyncio.fixture(scope="session")
 async def engine(engine_settings: Settings) -> AsyncIterator[Any]:
-    from app.engine import build_engine
+    from app.engine import build_engine, shutdown_engine
     from tests.helpers import record_attention_kernels
 
     llm = build_engine(engine_settings)
     await record_attention_kernels(llm)
     yield llm
-    llm.shutdown()
+    shutdown_engine(llm)
 
 
 @pytest.fixture(scope="session")

@@ -50,14 +50,14 @@ def environment(**values: str) -> Iterator[None]:
 @contextlib.asynccontextmanager
 async def started_engine(settings: Any, attention: str = "auto") -> AsyncIterator[Any]:
     """A real AsyncLLM of its own for one test, shut down after it."""
-    from app.engine import build_engine
+    from app.engine import build_engine, shutdown_engine
 
     with environment(**{ATTENTION_ENV: attention}):
         llm = build_engine(settings)
     try:
         yield llm
     finally:
-        llm.shutdown()
+        shutdown_engine(llm)
 
 
 async def record_attention_kernels(engine: Any) -> list[str]:

@@ -43,7 +43,7 @@ OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "seed-text-smol
 
 
 async def validate(disable_fix: bool) -> dict[str, Any]:
-    from app.engine import build_engine
+    from app.engine import build_engine, shutdown_engine
     from app.settings import Settings
     from tests.helpers import run_streaming_session
 
@@ -68,7 +68,7 @@ async def validate(disable_fix: bool) -> dict[str, Any]:
             })
         return {"streaming_fix": not disable_fix, "context_tokens": len(context), "probes": probes}
     finally:
-        engine.shutdown()
+        shutdown_engine(engine)
 
 
 async def greedy(engine: Any, prompt: list[int], salt: str | None) -> Any:
