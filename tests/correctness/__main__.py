@@ -2,7 +2,7 @@
 
     python -m tests.correctness --sessions 500 --seed 1            # in process, every config, fp32
     python -m tests.correctness --sessions 500 --seed 1 --oracle device   # bf16: tier hit vs device hit
-    python -m tests.correctness --sessions 50 --config bpc2-async --disable-fix   # negative control
+    python -m tests.correctness --sessions 50 --config bpc2-inline --disable-fix   # negative control
     python -m tests.correctness --sessions 20 --url http://127.0.0.1:8000 --api-key KEY
 
 Exit status 1 when any output differs from its recompute or a config had no tier hit.

@@ -5,8 +5,8 @@ scheduling mode are engine settings), started and shut down around its test.
 
 Oracles: the configs run in float32 against a recompute (sound only in fp32);
 one config runs again in bf16 with the tier-against-device oracle, under every CPU
-attention kernel this machine has. Each oracle has a negative control that must
-catch the seed bug.
+attention kernel this machine has, in test_tier_vs_device.py (on the engine of the
+other bf16 checks). Each oracle has a negative control that must catch the seed bug.
 """
 
 from __future__ import annotations
@@ -22,34 +22,37 @@ from tests.correctness.harness import (
     run_workload,
     workload_for,
 )
-from tests.helpers import ATTENTION_KERNELS
 
 pytestmark = pytest.mark.engine
 
-SESSIONS_PER_CONFIG = 14  # 4 configs: 56 sessions per suite run
+SESSIONS_PER_CONFIG = 28  # 2 configs: 56 sessions per suite run
 SEED = 20261130
 
 
-# Two configs park their sessions between chunks (always, or at random): the next
-# chunk resumes from the transcript, its prefix from the device cache or the tier,
-# and must still equal its recompute, which in fp32 is what a session never parked
-# answers. The other two keep every session's engine request.
-PARK_RATES = {"bpc1-sync": 1.0, "bpc1-async": 0.0, "bpc2-sync-inline": 0.0, "bpc2-async": 0.5}
+# Both configs park sessions at random between chunks: a parked session's next chunk
+# resumes from the transcript, its prefix from the device cache or the tier, and must
+# still equal its recompute, which in fp32 is what a session never parked answers;
+# the chunks not parked after continue their session's engine request (the seed
+# bug's path).
+PARK_RATE = 0.5
 
 
 @pytest.mark.parametrize("config", list(HARNESS_CONFIGS))
 async def test_harness_offloading_connector(config: str) -> None:
     settings = harness_settings(config)
-    park_rate = PARK_RATES[config]
-    async with InProcessHarness(settings) as backend:
-        report = await run_workload(backend, workload_for(settings, SEED, SESSIONS_PER_CONFIG, park_rate))
+    harness = InProcessHarness(settings)
+    async with harness as backend:
+        scheduler = harness.engine.vllm_config.scheduler_config
+        report = await run_workload(backend, workload_for(settings, SEED, SESSIONS_PER_CONFIG, PARK_RATE))
+    assert not scheduler.async_scheduling, "vLLM schedules asynchronously on CPU now: add an async config"
     summary = report.summary()
     assert report.sessions == SESSIONS_PER_CONFIG, summary
     assert report.chunks_checked == report.chunks > 0, summary
-    assert (report.parks > 0) == (park_rate > 0), summary
+    assert report.parks > 0 and report.chunks - report.parks > report.sessions, summary
     assert report.passed, summary
-    # A run that never reads the CPU tier proves nothing about it.
-    assert report.prefix_requests_with_tier_hits > 0, summary
+    # A run that rarely reads the CPU tier proves little about it (about one prefix
+    # request a session hits it: 508 in 500 sessions, docs/correctness.md).
+    assert report.prefix_requests_with_tier_hits >= SESSIONS_PER_CONFIG // 4, summary
     assert report.preemptions > 0, summary
     assert report.leftover_requests == [], summary
 
@@ -63,7 +66,7 @@ async def test_harness_simple_connector() -> None:
 
 
 async def test_negative_control_harness_catches_the_seed_bug() -> None:
-    settings = harness_settings("bpc1-sync", disable_streaming_session_fix=True)
+    settings = harness_settings("bpc1", disable_streaming_session_fix=True)
     # No forced preemptions: unfixed vLLM 0.32 also dies on a preempt-and-reload
     # in one step (see test_reset_that_preempts_and_reloads_in_one_step), and this
     # control is about the seed bug alone.
@@ -72,19 +75,3 @@ async def test_negative_control_harness_catches_the_seed_bug() -> None:
         report = await run_workload(backend, workload)
     assert report.prefix_requests_with_tier_hits > 0
     assert any(m.kind == "prefix" for m in report.failures), report.summary()
-
-
-@pytest.mark.parametrize("fix", [True, False], ids=["fixed", "negative-control-unfixed"])
-@pytest.mark.parametrize("attention", ATTENTION_KERNELS)
-async def test_harness_bf16_tier_against_device(attention: str, fix: bool) -> None:
-    settings = harness_settings("bpc1-sync", oracle="device", disable_streaming_session_fix=not fix)
-    async with InProcessHarness(settings, attention) as backend:
-        report = await run_workload(backend, workload_for(settings, SEED, SESSIONS_PER_CONFIG))
-    summary = report.summary()
-    # Enough probes that both paths served in full, or the run proves nothing.
-    assert report.prefix_requests_compared >= SESSIONS_PER_CONFIG // 2, summary
-    if fix:
-        assert report.passed, summary
-        assert report.leftover_requests == [], summary
-    else:
-        assert any(m.kind == "prefix" for m in report.failures), summary

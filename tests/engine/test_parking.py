@@ -124,19 +124,18 @@ async def chunks_unlike_a_recompute(engine: Any, results: list[ChunkResult], see
     return unlike
 
 
-async def test_negative_control_unfixed_connector_resumes_a_parked_session_wrong() -> None:
+async def test_negative_control_unfixed_connector_resumes_a_parked_session_wrong(unfixed_engine: Any) -> None:
     """With vLLM's unfixed connector, a resumed chunk's blocks reach the tier with
     another chunk's pages: the parked session's resume reads them, and the recompute
     oracle above sees its answer differ."""
-    async with started_engine(make_settings(disable_streaming_session_fix=True)) as engine:
-        service = make_service(engine, disable_streaming_session_fix=True)
-        await service.start()
-        try:
-            results, _ = await park_reset_resume(service, engine, seed=3)
-        finally:
-            await service.stop()
-        assert results[-1].resumed_from == "cpu_tier"
-        assert 2 in await chunks_unlike_a_recompute(engine, results, seed=3)
+    service = make_service(unfixed_engine, disable_streaming_session_fix=True)
+    await service.start()
+    try:
+        results, _ = await park_reset_resume(service, unfixed_engine, seed=3)
+    finally:
+        await service.stop()
+    assert results[-1].resumed_from == "cpu_tier"
+    assert 2 in await chunks_unlike_a_recompute(unfixed_engine, results, seed=3)
 
 
 async def test_negative_control_without_the_tail_store_the_resume_misses_the_tier() -> None:

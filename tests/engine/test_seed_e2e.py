@@ -13,13 +13,10 @@ check compares a tier hit with a device hit instead (test_tier_vs_device.py).
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
-from tests.conftest import make_settings
 from tests.helpers import generate_once, random_tokens, run_streaming_session
 
 pytestmark = pytest.mark.engine
@@ -49,17 +46,6 @@ async def test_session_prefix_served_from_cpu_tier_equals_recompute(engine: Any,
     # five blocks at least (a prompt wholly in the tier computes its last token).
     assert served.num_cached_tokens >= 159
     assert list(served.outputs[0].token_ids) == list(recomputed.outputs[0].token_ids)
-
-
-@pytest_asyncio.fixture(scope="module")
-async def unfixed_engine() -> AsyncIterator[Any]:
-    """A second engine running vLLM's unfixed connector code (float32, like the
-    shared one), for the negative control only; shut down when this module ends."""
-    from app.engine import build_engine
-
-    llm = build_engine(make_settings(disable_streaming_session_fix=True))
-    yield llm
-    llm.shutdown()
 
 
 async def test_negative_control_unfixed_connector_corrupts_the_tier(unfixed_engine: Any) -> None:

@@ -16,9 +16,12 @@ Oracles, and why these and not a recompute:
   least one token, so it recomputes the whole last block), while a tier hit returns
   every block and vLLM recomputes only the last token; in bf16 those differ.
 
+- **The randomized harness** (tests/correctness/harness.py) with the same oracle:
+  its prefix probes are served once from the device and once from the tier.
+
 Each check runs under every CPU attention kernel this machine has (AMX and the
 kernel vLLM picks without it, on an AMX CPU), and once with the streaming fix off,
-where every one of them must catch the seed bug.
+where every one of them must catch the seed bug. All run on one engine per case.
 """
 
 from __future__ import annotations
@@ -29,15 +32,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import make_settings
-from tests.helpers import (
-    ATTENTION_KERNELS,
-    EngineSession,
-    generate_once,
-    random_tokens,
-    record_attention_kernels,
-    started_engine,
-)
+from tests.correctness.harness import InProcessHarness, harness_settings, run_workload, workload_for
+from tests.helpers import ATTENTION_KERNELS, EngineSession, generate_once, random_tokens
 
 pytestmark = pytest.mark.engine
 
@@ -48,6 +44,9 @@ PROBE_OUTPUT_TOKENS = 32
 SEEDS = (1, 2, 3, 4)
 # Mid-block, and past the 128 tokens up to which the seed bug still served right KV.
 PREFIXES = (176, 208, 272)
+# The randomized harness workload run after the comparisons (tests/correctness/harness.py).
+HARNESS_SEED = 20261130
+HARNESS_SESSIONS = 14
 
 
 @dataclass
@@ -109,21 +108,31 @@ async def compare_tier_with_device(engine: Any, seed: int, report: Comparison) -
 @pytest.mark.parametrize("fix", [True, False], ids=["fixed", "negative-control-unfixed"])
 @pytest.mark.parametrize("attention", ATTENTION_KERNELS)
 async def test_tier_hit_is_the_session_kv_in_bf16(attention: str, fix: bool) -> None:
-    settings = make_settings(dtype="bfloat16", disable_streaming_session_fix=not fix)
-    async with started_engine(settings, attention) as engine:
-        kernels = await record_attention_kernels(engine)
-        print(f"bf16 tier-vs-device, {attention=}: attention kernels {kernels}, fix {'on' if fix else 'off'}")
+    """Both bf16 oracles on one engine (the harness's bpc1 settings in bf16): the
+    comparisons above first, on a fresh engine, then the randomized harness workload
+    with its tier-against-device probes."""
+    settings = harness_settings("bpc1", oracle="device", disable_streaming_session_fix=not fix)
+    harness = InProcessHarness(settings, attention)
+    async with harness as backend:
+        print(f"bf16 tier-vs-device, {attention=}: attention kernels {harness.kernels}, fix {'on' if fix else 'off'}")
         report = Comparison()
         for seed in SEEDS:
-            await compare_tier_with_device(engine, seed, report)
+            await compare_tier_with_device(harness.engine, seed, report)
+        workload = await run_workload(backend, workload_for(settings, HARNESS_SEED, HARNESS_SESSIONS))
+    summary = workload.summary()
     assert report.stored_blocks > 0 and report.loaded_blocks > 0 and report.probes == len(SEEDS) * len(PREFIXES)
+    # Enough harness probes that both paths served in full, or the run proves nothing.
+    assert workload.prefix_requests_compared >= HARNESS_SESSIONS // 2, summary
     if fix:
         assert report.stored_blocks_missing_from_tier == 0, report
         assert report.loaded_blocks_differing == 0, report
         assert report.token_mismatches == [], report
+        assert workload.passed, summary
+        assert workload.leftover_requests == [], summary
     else:
         # The seed bug stored later chunks' keys with earlier chunks' pages: every
         # oracle must see it.
         assert report.stored_blocks_missing_from_tier > 0, report
         assert report.loaded_blocks_differing > 0, report
         assert report.token_mismatches, report
+        assert any(m.kind == "prefix" for m in workload.failures), summary
