@@ -26,7 +26,7 @@ import pytest
 import pytest_asyncio
 import websockets
 
-from benchmarks.common import RunningServer, app_server, free_port, stop_group
+from benchmarks.common import RunningServer, app_server, enter_together, free_port, stop_group
 from tests.helpers import paused_engine
 from tests.postgres import needs_postgres, postgres_server
 
@@ -108,13 +108,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("replicas")
     with contextlib.ExitStack() as stack:
         database = stack.enter_context(postgres_server())
-        replicas = []
-        for name in ("replica-a", "replica-b"):
-            port = free_port()
-            server = stack.enter_context(
-                app_server(name, workdir / f"{name}.log", replica_settings(name, database.url), port=port)
-            )
-            replicas.append(Replica(name, port, server))
+        names, ports = ("replica-a", "replica-b"), (free_port(), free_port())
+        servers = enter_together(stack, [
+            app_server(name, workdir / f"{name}.log", replica_settings(name, database.url), port=port)
+            for name, port in zip(names, ports)
+        ])
+        replicas = [Replica(name, port, server) for name, port, server in zip(names, ports, servers)]
         port = free_port()
         config = render_nginx(replicas, port, workdir)
         check = subprocess.run(["nginx", "-t", "-c", str(config)], capture_output=True, text=True)

@@ -34,7 +34,7 @@ import pytest
 
 from app.models.builder import ensure_model
 from app.settings import Settings
-from benchmarks.common import RunningServer, free_port, serve
+from benchmarks.common import RunningServer, enter_together, free_port, serve
 from connectors.cpu_platform import cpu_has_amx
 from tests.server.openai_stateful import check_stateful_apis
 from tests.server.openai_tools import check_tool_round_trip
@@ -91,46 +91,60 @@ def capital_of_france(server: RunningServer) -> str:
     return str(response.json()["choices"][0]["message"]["content"])
 
 
-def test_the_default_server_answers_short_first_requests_and_in_words(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def fresh_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, RunningServer]]]:
+    """The default server (bf16) and one in float32, started side by side for this module."""
+    log_dir = tmp_path_factory.mktemp("fresh")
+    ensure_model(DEFAULT_PRESET)  # once, before the two servers start
+    with contextlib.ExitStack() as stack:
+        default, float32 = enter_together(stack, [scripts_serve("default", log_dir),
+                                                  scripts_serve("float32", log_dir, STREAMSESS_DTYPE="float32")])
+        yield log_dir, {"default": default, "float32": float32}
+
+
+def test_the_default_server_answers_short_first_requests_and_in_words(
+    fresh_servers: tuple[Path, dict[str, RunningServer]],
+) -> None:
     assert DEFAULT_PRESET == MODEL
-    with scripts_serve("default", tmp_path) as server:
-        models = httpx.get(f"{server.base_url}/v1/models").json()
-        assert [m["id"] for m in models["data"]] == [MODEL]
-        responses = first_chunks(server)
-        assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
-        assert [r.json()["index"] for r in responses] == [0, 1]
-        assert all(len(r.json()["output"]["token_ids"]) >= 1 for r in responses)
-        completion = httpx.post(
-            f"{server.base_url}/v1/completions",
-            json={"model": MODEL, "prompt": [17], "max_tokens": 3, "temperature": 0}, timeout=120,
-        )
-        assert completion.status_code == 200, completion.text
-        assert completion.json()["usage"]["prompt_tokens"] == 1
-        answer = capital_of_france(server)
-        assert "Paris" in answer, answer
-        assert httpx.get(f"{server.base_url}/health").status_code == 200
-        log = (tmp_path / "default.log").read_text(errors="replace")
+    log_dir, servers = fresh_servers
+    server = servers["default"]
+    models = httpx.get(f"{server.base_url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    responses = first_chunks(server)
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    assert [r.json()["index"] for r in responses] == [0, 1]
+    assert all(len(r.json()["output"]["token_ids"]) >= 1 for r in responses)
+    completion = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": MODEL, "prompt": [17], "max_tokens": 3, "temperature": 0}, timeout=120,
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["prompt_tokens"] == 1
+    answer = capital_of_france(server)
+    assert "Paris" in answer, answer
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    log = (log_dir / "default.log").read_text(errors="replace")
     assert "(no conversion)" in log, log[-3000:]
     if cpu_has_amx():
         assert "requested AMX tile state" in log, log[-3000:]
 
 
-def test_the_default_model_answers_in_words_in_float32(tmp_path: Path) -> None:
-    with scripts_serve("float32", tmp_path, STREAMSESS_DTYPE="float32") as server:
-        answer = capital_of_france(server)
-        assert "Paris" in answer, answer
-        asyncio.run(realtime_chat_is_the_conversation(server))
-        # OpenAI's stateful APIs through the official SDK (issue 27): tests/server/openai_stateful.py.
-        from transformers import AutoTokenizer
+def test_the_default_model_answers_in_words_in_float32(fresh_servers: tuple[Path, dict[str, RunningServer]]) -> None:
+    server = fresh_servers[1]["float32"]
+    answer = capital_of_france(server)
+    assert "Paris" in answer, answer
+    asyncio.run(realtime_chat_is_the_conversation(server))
+    # OpenAI's stateful APIs through the official SDK (issue 27): tests/server/openai_stateful.py.
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(DEFAULT_PRESET)))
-        print(f"stateful APIs, token-exact throughout: {check_stateful_apis(server.base_url, tokenizer)}")
-        # A tool round trip on a Responses chain (issue 28): tests/server/openai_tools.py.
-        check_tool_round_trip(server.base_url, tokenizer)
-        # The README's tool calling example, on the model it is written for.
-        (example,) = [block for block in readme_python_blocks() if is_tool_example(block)]
-        code, out, err = asyncio.run(run_python(example, server.base_url, model=MODEL))
-        assert code == 0 and "get_weather" in out, err
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(DEFAULT_PRESET)))
+    print(f"stateful APIs, token-exact throughout: {check_stateful_apis(server.base_url, tokenizer)}")
+    # A tool round trip on a Responses chain (issue 28): tests/server/openai_tools.py.
+    check_tool_round_trip(server.base_url, tokenizer)
+    # The README's tool calling example, on the model it is written for.
+    (example,) = [block for block in readme_python_blocks() if is_tool_example(block)]
+    code, out, err = asyncio.run(run_python(example, server.base_url, model=MODEL))
+    assert code == 0 and "get_weather" in out, err
 
 
 CHAT = ["What is the capital of France?", "And of Germany?", "Name one river that flows through it.",
