@@ -43,7 +43,7 @@ def logged_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoggedSe
     workdir = tmp_path_factory.mktemp("process")
     port = free_port()
     settings = {"state_dir": str(workdir / "state"), "api_keys": KEY, "kv_cache_gib": "0.25",
-                "cpu_tier_gib": "0.5", "max_num_seqs": "8", "engine_dead_exit_delay_s": "20"}
+                "cpu_tier_gib": "0.5", "max_num_seqs": "8", "engine_dead_exit_delay_s": "8"}
     log = workdir / "server.log"
     with app_server("process", log, settings, port=port) as server:
         yield LoggedServer(server, log, {**settings, "state_dir": str(workdir / "state")}, port)
