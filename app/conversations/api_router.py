@@ -50,7 +50,8 @@ async def create_items(conversation_id: str, body: ConversationItemsCreateReques
 
 @router.get("/{conversation_id}/items", responses=ERRORS)
 async def list_items(
-    conversation_id: str, service: ConversationsDep, owner: OwnerDep, after: str | None = None,
+    conversation_id: str, service: ConversationsDep, owner: OwnerDep,
+    after: Annotated[str | None, Query(min_length=1)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc",
     include: Annotated[list[str] | None, Query()] = None,
 ) -> JSONResponse:

@@ -6,6 +6,7 @@ item was deleted. No FastAPI here."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from app.errors import APIError
@@ -20,7 +21,7 @@ class ConversationsService:
         self.responses = responses
         self.sessions = responses.sessions
 
-    async def create(self, owner: str, raw_items: list[dict[str, Any]] | None,
+    async def create(self, owner: str, raw_items: Sequence[Any] | None,
                      metadata: dict[str, str] | None) -> dict[str, Any]:
         new = items.input_items(raw_items or [], param="items")
         session = await self.sessions.create(owner, SessionCreateRequest(metadata=metadata or {}),
@@ -46,7 +47,7 @@ class ConversationsService:
         await self.sessions.close(owner, conversation_id)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
-    async def add_items(self, owner: str, conversation_id: str, raw_items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def add_items(self, owner: str, conversation_id: str, raw_items: Sequence[Any]) -> list[dict[str, Any]]:
         await self._session(owner, conversation_id)
         return await self.responses.add_items(owner, conversation_id, items.input_items(raw_items, param="items"))
 

@@ -7,9 +7,9 @@ plus what vLLM drops: ``conversation``. Output objects are vLLM's ``ResponsesRes
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from app.sessions.protocol import Metadata
@@ -31,10 +31,68 @@ class ResponsesCreateRequest(ResponsesRequest):
         return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
 
+# The items a conversation takes (app/responses/items.py converts them): messages with
+# text, function calls and their outputs. Declared, so the published schema says what
+# is accepted (a fresh-seed schemathesis run found `{}` items valid by the schema and
+# refused). Fields beyond these are allowed: an item as the API returned it (with its
+# status, a text part's annotations) may be sent back.
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class _RefusalPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+TextContent = str | list[Annotated[_TextPart | _RefusalPart, Field(discriminator="type")]]
+
+
+class _Item(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+
+
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: TextContent
+
+
+class FunctionCallItem(_Item):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Item):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: TextContent
+
+
+def _item_type(value: Any) -> Any:
+    return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+
+
+ConversationItem = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
 class ConversationCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    items: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_ITEMS_PER_REQUEST)
+    items: list[ConversationItem] | None = Field(default=None, max_length=MAX_ITEMS_PER_REQUEST)
     metadata: Metadata | None = None
 
 
@@ -47,7 +105,7 @@ class ConversationUpdateRequest(BaseModel):
 class ConversationItemsCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS_PER_REQUEST)
+    items: list[ConversationItem] = Field(min_length=1, max_length=MAX_ITEMS_PER_REQUEST)
 
 
 class ListOrder(BaseModel):

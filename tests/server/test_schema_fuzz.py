@@ -42,7 +42,7 @@ BASE_CHECKS = [
 # Our routes: every check of the kind, on a fresh seed every run (so CI explores new
 # inputs), printed and in the assertion message so a failure replays with
 # STREAMSESS_FUZZ_SEED=<seed>.
-OUR_ROUTES = r"^/v1/(sessions|models$)"
+OUR_ROUTES = r"^/v1/(sessions|models$|conversations)"
 # positive_data_acceptance, but for chunks over the token limit, which no JSON Schema can
 # state (tests/server/schemathesis_checks.py).
 OUR_CHECKS = [*BASE_CHECKS, "positive_data_acceptance_but_token_limits", "use_after_free"]
