@@ -48,6 +48,7 @@ from app.openai_routes import (
     patch_openapi,
 )
 from app.openai_usage import UsageProvenanceMiddleware
+from app.responses.protocol import declare_stored_response_rules
 from app.responses.serving import ResponsesService
 from app.sessions.service import SessionService
 from app.settings import Settings, load_settings
@@ -132,7 +133,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.router.routes[:] = [route for route in app.router.routes if route not in vllm_routes] + vllm_routes
     install_error_handlers(app)
     patch_openapi(
-        app, declare_error_codes, declare_filled_in_fields, declare_vllm_input_rules,
+        app, declare_error_codes, declare_filled_in_fields, declare_vllm_input_rules, declare_stored_response_rules,
         lambda schema: app.state.session_service.declare_bounds(schema),
     )
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from

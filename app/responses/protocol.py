@@ -18,6 +18,22 @@ from app.sessions.protocol import Metadata
 MAX_ITEMS_PER_REQUEST = 20
 
 
+def declare_stored_response_rules(schema: dict[str, Any]) -> None:
+    """What a stored response (the default; or one that continues a chain or a
+    conversation) refuses, in the published schema: stop strings, which a streaming
+    session cannot honour (``stop_token_ids`` it can). Only a request with
+    ``store: false`` and neither ``previous_response_id`` nor ``conversation`` goes to
+    vLLM's own handler, which takes them. (A fresh-seed schemathesis run over every
+    route found ``stop`` schema-valid and refused.)"""
+    body = schema.get("components", {}).get("schemas", {}).get("ResponsesCreateRequest")
+    if body is None or "stop" not in body.get("properties", {}):
+        return
+    body["if"] = {"required": ["store"], "properties": {
+        "store": {"const": False}, "previous_response_id": {"type": "null"}, "conversation": {"type": "null"}}}
+    body["else"] = {"properties": {"stop": {"anyOf": [
+        {"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]}}}
+
+
 class ConversationRef(BaseModel):
     id: str
 
