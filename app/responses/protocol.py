@@ -30,8 +30,12 @@ def declare_stored_response_rules(schema: dict[str, Any]) -> None:
         return
     body["if"] = {"required": ["store"], "properties": {
         "store": {"const": False}, "previous_response_id": {"type": "null"}, "conversation": {"type": "null"}}}
-    body["else"] = {"properties": {"stop": {"anyOf": [
-        {"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]}}}
+    body["else"] = {"properties": {"stop": {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]}}}
+    # vLLM's handler refuses an empty string in a stop list (found by the same fuzzing,
+    # once the rule above let stop strings through to it).
+    for variant in body["properties"]["stop"].get("anyOf", []):
+        if variant.get("type") == "array":
+            variant.setdefault("items", {})["minLength"] = 1
 
 
 class ConversationRef(BaseModel):
