@@ -292,7 +292,6 @@ def vllm_server(
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", setup.model_dir(), "--served-model-name", name,
-        "--host", "127.0.0.1", "--port", str(port),
         "--block-size", str(setup.block_size),
         "--kv-cache-memory-bytes", str(int(setup.kv_cache_gib * (1 << 30))),
         "--max-model-len", str(setup.max_model_len),
@@ -304,7 +303,8 @@ def vllm_server(
         *(extra_args or []),
     ]
     label = label or f"vllm-prefix-{'on' if prefix_caching else 'off'}"
-    key = ("vllm", label, tuple(arg for arg in command if arg != str(port)), tuple(sorted((env or {}).items())))
+    key = ("vllm", label, tuple(command), tuple(sorted((env or {}).items())))  # what it is, less where it listens
+    command += ["--host", "127.0.0.1", "--port", str(port)]
     return serve(label, command, {**engine_env(), **(env or {})}, port, name, log_dir / f"{label}.log", key)
 
 

@@ -24,7 +24,8 @@ from typing import Any
 from benchmarks.common import pooled
 
 # bf16 first (resume's in-process engine, our server and vLLM's are the next four's),
-# then float32 (models' engine is transport's; transport's server settings are soak's).
+# then float32 (models' in-process engine is transport's); soak and capacity start
+# servers of their own settings.
 QUICK = ("resume", "concurrency", "park_resume", "store", "tier_reuse", "models", "transport", "soak", "capacity")
 
 
