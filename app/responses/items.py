@@ -9,16 +9,19 @@ call): ``as_messages`` joins them back as the reply was recorded."""
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
 
 from app.errors import APIError
+from app.responses.protocol import MessageRole, TextPartType
 from app.sessions.chat import Messages
 from app.tools.parsing import ParsedOutput, ToolCall
 
-ROLES = ("user", "system", "developer", "assistant")
-TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+# The item shapes the Conversations API declares (app/responses/protocol.py); checked here
+# again for Responses input, which arrives through vLLM's own request model.
+ROLES: tuple[str, ...] = get_args(MessageRole)
+TEXT_PARTS = {**dict.fromkeys(get_args(TextPartType), "text"), "refusal": "refusal"}  # part type: its text field
 
 
 def new_id(prefix: str) -> str:

@@ -56,10 +56,14 @@ class ResponsesCreateRequest(ResponsesRequest):
 # is accepted (a fresh-seed schemathesis run found `{}` items valid by the schema and
 # refused). Fields beyond these are allowed: an item as the API returned it (with its
 # status, a text part's annotations) may be sent back.
+MessageRole = Literal["user", "system", "developer", "assistant"]
+TextPartType = Literal["input_text", "output_text", "text"]
+
+
 class _TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["input_text", "output_text", "text"]
+    type: TextPartType
     text: str
 
 
@@ -81,7 +85,7 @@ class _Item(BaseModel):
 
 class MessageItem(_Item):
     type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
+    role: MessageRole
     content: TextContent
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from tests.correctness.harness import (
     HARNESS_CONFIGS,
+    SUITE_SEED,
     InProcessHarness,
     harness_settings,
     run_workload,
@@ -26,7 +27,6 @@ from tests.correctness.harness import (
 pytestmark = pytest.mark.engine
 
 SESSIONS_PER_CONFIG = 28  # 2 configs: 56 sessions per suite run
-SEED = 20261130
 
 
 # Both configs park sessions at random between chunks: a parked session's next chunk
@@ -43,7 +43,7 @@ async def test_harness_offloading_connector(config: str) -> None:
     harness = InProcessHarness(settings)
     async with harness as backend:
         scheduler = harness.engine.vllm_config.scheduler_config
-        report = await run_workload(backend, workload_for(settings, SEED, SESSIONS_PER_CONFIG, PARK_RATE))
+        report = await run_workload(backend, workload_for(settings, SUITE_SEED, SESSIONS_PER_CONFIG, PARK_RATE))
     assert not scheduler.async_scheduling, "vLLM schedules asynchronously on CPU now: add an async config"
     summary = report.summary()
     assert report.sessions == SESSIONS_PER_CONFIG, summary
@@ -70,7 +70,7 @@ async def test_negative_control_harness_catches_the_seed_bug() -> None:
     # No forced preemptions: unfixed vLLM 0.32 also dies on a preempt-and-reload
     # in one step (see test_reset_that_preempts_and_reloads_in_one_step), and this
     # control is about the seed bug alone.
-    workload = replace(workload_for(settings, SEED, SESSIONS_PER_CONFIG), preempt_every_s=None)
+    workload = replace(workload_for(settings, SUITE_SEED, SESSIONS_PER_CONFIG), preempt_every_s=None)
     async with InProcessHarness(settings) as backend:
         report = await run_workload(backend, workload)
     assert report.prefix_requests_with_tier_hits > 0

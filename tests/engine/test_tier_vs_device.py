@@ -32,7 +32,13 @@ from typing import Any
 
 import pytest
 
-from tests.correctness.harness import InProcessHarness, harness_settings, run_workload, workload_for
+from tests.correctness.harness import (
+    SUITE_SEED,
+    InProcessHarness,
+    harness_settings,
+    run_workload,
+    workload_for,
+)
 from tests.helpers import ATTENTION_KERNELS, EngineSession, generate_once, random_tokens
 
 pytestmark = pytest.mark.engine
@@ -44,8 +50,7 @@ PROBE_OUTPUT_TOKENS = 32
 SEEDS = (1, 2, 3, 4)
 # Mid-block, and past the 128 tokens up to which the seed bug still served right KV.
 PREFIXES = (176, 208, 272)
-# The randomized harness workload run after the comparisons (tests/correctness/harness.py).
-HARNESS_SEED = 20261130
+# Sessions of the randomized harness workload run after the comparisons.
 HARNESS_SESSIONS = 14
 
 
@@ -118,7 +123,7 @@ async def test_tier_hit_is_the_session_kv_in_bf16(attention: str, fix: bool) -> 
         report = Comparison()
         for seed in SEEDS:
             await compare_tier_with_device(harness.engine, seed, report)
-        workload = await run_workload(backend, workload_for(settings, HARNESS_SEED, HARNESS_SESSIONS))
+        workload = await run_workload(backend, workload_for(settings, SUITE_SEED, HARNESS_SESSIONS))
     summary = workload.summary()
     assert report.stored_blocks > 0 and report.loaded_blocks > 0 and report.probes == len(SEEDS) * len(PREFIXES)
     # Enough harness probes that both paths served in full, or the run proves nothing.
