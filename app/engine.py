@@ -8,6 +8,11 @@ from typing import TYPE_CHECKING, Any
 from app.sessions.admission import OBSERVER_ATTRIBUTE, SchedulerObserver
 from app.settings import GIB, Settings
 from connectors import (
+    DISK_TIER_BYTES_KEY,
+    DISK_TIER_DIR_KEY,
+    DISK_TIER_FSYNC_KEY,
+    DISK_TIER_SPEC_MODULE,
+    DISK_TIER_SPEC_NAME,
     HOST_TIER_SPEC_MODULE,
     HOST_TIER_SPEC_NAME,
     OFFLOADING_CONNECTOR_MODULE,
@@ -58,6 +63,14 @@ def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
             spec_module_path=HOST_TIER_SPEC_MODULE,
             block_size=settings.block_size * settings.blocks_per_chunk,
         )
+        if settings.disk_tier_gib:
+            if not HostTierOffloadingSpec.loads_synchronously():
+                raise EngineConfigError("the disk tier runs on the CPU platform's host tier only; on a GPU use "
+                                        "vLLM's TieringOffloadingSpec with its file-system tier")
+            extra.update(spec_name=DISK_TIER_SPEC_NAME, spec_module_path=DISK_TIER_SPEC_MODULE)
+            extra[DISK_TIER_DIR_KEY] = settings.resolved_disk_tier_dir()
+            extra[DISK_TIER_BYTES_KEY] = int(settings.disk_tier_gib * GIB)
+            extra[DISK_TIER_FSYNC_KEY] = settings.disk_tier_fsync
         extra[ASYNC_TIER_LOADS_KEY] = settings.async_tier_loads
         extra[TIER_COPY_THREAD_KEY] = settings.tier_copy_thread
         extra[TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY] = settings.tier_copy_thread_min_load_bytes
@@ -104,6 +117,10 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
         "seed": settings.seed,
         "kv_transfer_config": KVTransferConfig(**transfer) if transfer else None,
     }
+    if settings.disk_tier_gib and transfer:
+        # Files are named by block hash: a hash that is the same in every process and
+        # Python version (vLLM's default sha256 pickles its input).
+        args["prefix_caching_hash_algo"] = "sha256_cbor"
     if settings.async_scheduling is not None:
         args["async_scheduling"] = settings.async_scheduling
     # Pass-through last: an operator's explicit engine argument wins.

@@ -125,6 +125,20 @@ class Settings(BaseSettings):
         "load gains little from overlapping the forward pass, and on the thread it shares the "
         "memory bus with it (measured: benchmarks.tier_reuse). Stores always go to the thread.",
     )
+    disk_tier_gib: float = Field(
+        default=0.0, ge=0,
+        description="A disk tier under the CPU tier, this many GiB at most (0: none): every chunk the CPU "
+        "tier stores is also written to a file, so a restarted server resumes its sessions from disk "
+        "instead of recomputing them. The CPU platform's host tier only.",
+    )
+    disk_tier_dir: str | None = Field(
+        default=None, description="Where the disk tier's files go. Default: disk_tier in state_dir."
+    )
+    disk_tier_fsync: bool = Field(
+        default=False,
+        description="fsync each disk-tier file before it is renamed into place (survives a power loss, "
+        "not only a crash of the server; slower writes).",
+    )
     disable_session_tail_store: bool = Field(
         default=False,
         description="Keep vLLM's prompt-only clamp on an ended session's last outputs, so a parked "
@@ -321,6 +335,11 @@ class Settings(BaseSettings):
         from pathlib import Path
 
         return self.state_dir or str(Path.home() / ".cache" / "streaming-sessions" / "state")
+
+    def resolved_disk_tier_dir(self) -> str:
+        import os
+
+        return self.disk_tier_dir or os.path.join(self.resolved_state_dir(), "disk_tier")
 
     def resolved_replica_id(self) -> str:
         import socket

@@ -1,0 +1,91 @@
+"""The disk tier (connectors/disk_tier.py): a session's KV survives an engine restart.
+
+Sessions run and close on one engine (our tail store puts their whole context in the
+host tier, and the disk tier writes it through); a second engine on the same directory
+then resumes each one as the session service does, with a new request whose prompt is
+the transcript plus a chunk. After a restart the device cache and the host tier are
+empty, so every cached token of that request came from the disk tier.
+
+Oracle: float32, token for token against a recompute on the restarted engine, salted and
+with prefix-cache reads off (``generate_once(recompute=True)``), so it can read none of
+the files under test. Negative control: a session's file replaced by another session's
+(whole, its checksum valid) makes its answer differ from the recompute.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from connectors.disk_tier import HEADER, _check
+from tests.conftest import make_settings
+from tests.helpers import generate_once, random_tokens, run_streaming_session, started_engine
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 32  # the test engine's block size
+CHUNKS = [120, 90, 70]  # a session's chunks, 16 tokens answered after each
+
+
+def tier_files(root: Path) -> dict[Path, int]:
+    return {path: path.stat().st_mtime_ns for path in root.rglob("*.bin")}
+
+
+def wait_for_files(root: Path, count: int) -> dict[Path, int]:
+    """The writer writes behind the host tier: wait until ``count`` files are in place."""
+    deadline = time.monotonic() + 30
+    while len(files := tier_files(root)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(files) >= count, (len(files), count)
+    return files
+
+
+async def test_a_restarted_engine_resumes_sessions_from_disk(tmp_path: Path) -> None:
+    settings = make_settings(disk_tier_gib=0.25, disk_tier_dir=str(tmp_path))
+    rng = random.Random(7)
+    contexts: list[list[int]] = []
+    files_of: list[list[Path]] = []  # each session's files, oldest first
+    async with started_engine(settings) as engine:
+        for _ in range(3):
+            before = tier_files(tmp_path)
+            chunks = [random_tokens(rng, n) for n in CHUNKS]
+            context, _ = await run_streaming_session(engine, chunks, max_tokens=16)
+            after = wait_for_files(tmp_path, len(before) + len(context) // BLOCK)
+            contexts.append(context)
+            files_of.append(sorted(set(after) - set(before), key=after.__getitem__))
+
+    # Session 1 as written. Session 2: one file corrupted (a byte of its KV flipped).
+    # Session 3: one file replaced by another session's, whole: the negative control.
+    # (Not two of its own files swapped: attention sums over its keys in any order, so
+    # a session's blocks swapped give it the same answer.)
+    corrupted = files_of[1][3]
+    data = bytearray(corrupted.read_bytes())
+    data[HEADER.size + 100] ^= 0xFF
+    corrupted.write_bytes(bytes(data))
+    files_of[2][2].write_bytes(files_of[0][2].read_bytes())
+
+    async with started_engine(settings) as engine:
+        answers = []
+        for context in contexts:
+            prompt = context + random_tokens(rng, 40)
+            resumed = await generate_once(engine, prompt, max_tokens=16)
+            recompute = await generate_once(engine, prompt, max_tokens=16, recompute=True)
+            answers.append((resumed.num_cached_tokens, resumed.outputs[0].token_ids,
+                            recompute.outputs[0].token_ids))
+
+    whole = [len(context) // BLOCK * BLOCK for context in contexts]
+    (hit_1, ours_1, recompute_1), (hit_2, ours_2, recompute_2), (hit_3, ours_3, recompute_3) = answers
+    # Every block of the session from disk, and the session's own answer.
+    assert hit_1 == whole[0] and ours_1 == recompute_1
+    # The corrupted file is a miss (its checksum fails, it is deleted): the hit stops
+    # at the block before it, the rest is computed, and the answer is still right.
+    assert hit_2 == 3 * BLOCK and ours_2 == recompute_2
+    assert not corrupted.exists() or _check(corrupted.read_bytes())  # deleted, or written again whole
+    # Negative control: the other session's file loads whole, and the oracle sees the wrong KV.
+    assert hit_3 == whole[2]
+    assert ours_3 != recompute_3, "another session's KV went unnoticed by the recompute oracle"
+    assert os.listdir(tmp_path)  # one namespace directory
