@@ -187,7 +187,7 @@ class DiskIndex:
             return True
         try:
             with open(self.path(key), "rb") as file:
-                whole = _check(file.read())
+                whole = whole_file(file.read())
         except FileNotFoundError:  # not written yet (the writer's queue), or dropped
             return False
         if not whole:
@@ -325,7 +325,7 @@ class DiskTierWorker(HostTierWorker):
                  fsync: bool, queue_bytes: int, **kwargs: Any):
         super().__init__(kv_caches, blocks_per_chunk, num_chunks, **kwargs)
         self._writes: dict[int, list[tuple[int, int, str]]] = {}
-        self._writer = _FileWriter(fsync, queue_bytes)
+        self._writer = FileWriter(fsync, queue_bytes)
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         if isinstance(dst_spec, DiskFiles) and dst_spec.files:
@@ -365,7 +365,7 @@ class DiskTierWorker(HostTierWorker):
             raise RuntimeError(f"disk tier: {path} changed after it was verified")
 
 
-def _check(data: bytes) -> bool:
+def whole_file(data: bytes) -> bool:
     if len(data) < HEADER.size:
         return False
     magic, size, crc = HEADER.unpack_from(data)
@@ -380,7 +380,7 @@ def _unlink(path: str) -> None:
         pass
 
 
-class _FileWriter:
+class FileWriter:
     """Writes files on one thread: to a temporary name, optionally fsynced, renamed into
     place. A backlog past ``queue_bytes`` drops the newest write (its key is then a miss:
     the tier is a cache), so a slow disk never holds up the engine."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.disk_tier import HEADER, _check
+from connectors.disk_tier import HEADER, whole_file
 from tests.conftest import make_settings
 from tests.helpers import generate_once, random_tokens, run_streaming_session, started_engine
 
@@ -84,7 +84,7 @@ async def test_a_restarted_engine_resumes_sessions_from_disk(tmp_path: Path) -> 
     # The corrupted file is a miss (its checksum fails, it is deleted): the hit stops
     # at the block before it, the rest is computed, and the answer is still right.
     assert hit_2 == 3 * BLOCK and ours_2 == recompute_2
-    assert not corrupted.exists() or _check(corrupted.read_bytes())  # deleted, or written again whole
+    assert not corrupted.exists() or whole_file(corrupted.read_bytes())  # deleted, or written again whole
     # Negative control: the other session's file loads whole, and the oracle sees the wrong KV.
     assert hit_3 == whole[2]
     assert ours_3 != recompute_3, "another session's KV went unnoticed by the recompute oracle"
