@@ -64,6 +64,10 @@ def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
             block_size=settings.block_size * settings.blocks_per_chunk,
         )
         if settings.disk_tier_gib:
+            try:
+                vllm_surface.check("disk_tier")
+            except RuntimeError as exc:
+                raise EngineConfigError(str(exc)) from None
             if not HostTierOffloadingSpec.loads_synchronously():
                 raise EngineConfigError("the disk tier runs on the CPU platform's host tier only; on a GPU use "
                                         "vLLM's TieringOffloadingSpec with its file-system tier")

@@ -27,7 +27,8 @@ class SessionMetrics:
         )
         self.session_resumes = Counter(
             "streamsess_session_resumes",
-            "Parked sessions resumed, by where most of their prefix came from: cpu_tier, device, recompute.",
+            "Parked sessions resumed, by where most of their prefix came from: disk_tier, cpu_tier, device, "
+            "recompute.",
             ["source"],
             registry=registry,
         )

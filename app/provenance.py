@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.sessions.protocol import ChunkUsage, PromptTokensDetails
+from connectors import DISK_TIER_TOKENS_UTILITY
 
 
 @dataclass(frozen=True)
@@ -22,20 +23,29 @@ class PrefillSources:
 
     device_tokens: int
     cpu_tier_tokens: int
+    disk_tier_tokens: int = 0
+    # vLLM's own id of the request, to ask the engine core for its disk-tier share.
+    engine_request_id: str | None = None
 
 
 def resume_source(sources: PrefillSources) -> str:
-    """Where most of a resumed request's prefix came from: cpu_tier, device or recompute."""
-    if sources.cpu_tier_tokens and sources.cpu_tier_tokens >= sources.device_tokens:
-        return "cpu_tier"
-    return "device" if sources.device_tokens else "recompute"
+    """Where most of a resumed request's prefix came from: disk_tier, cpu_tier, device or
+    recompute."""
+    tiers = {"device": sources.device_tokens, "cpu_tier": sources.cpu_tier_tokens,
+             "disk_tier": sources.disk_tier_tokens}
+    source = max(reversed(tiers), key=tiers.__getitem__)  # a tie goes to the farther tier
+    return source if tiers[source] else "recompute"
 
 
 class ProvenanceRecorder:
     """Bounded map from external request id to its prefill sources."""
 
-    def __init__(self, capacity: int = 4096):
+    def __init__(self, capacity: int = 4096, disk_tier: bool = False):
         self._capacity = capacity
+        # With a disk tier, the scheduler's external hits are CPU tier and disk tier
+        # together; the engine core tells each request's disk share on request.
+        self._disk_tier = disk_tier
+        self._engine: Any = None
         self._records: OrderedDict[str, PrefillSources] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -64,8 +74,20 @@ class ProvenanceRecorder:
             cpu_tier_tokens=sum(s.cpu_tier_tokens for s in found),
         )
 
+    async def split_disk_tier(self, sources: PrefillSources) -> PrefillSources:
+        """``sources`` with their external hits split into CPU tier and disk tier (an
+        engine-core round trip, only for a request with external hits on a server with
+        a disk tier)."""
+        if not (self._disk_tier and sources.cpu_tier_tokens and sources.engine_request_id and self._engine):
+            return sources
+        shares = await self._engine.engine_core.call_utility_async(DISK_TIER_TOKENS_UTILITY,
+                                                                   [sources.engine_request_id])
+        disk = min(int(shares.get(sources.engine_request_id, 0)), sources.cpu_tier_tokens)
+        return replace(sources, cpu_tier_tokens=sources.cpu_tier_tokens - disk, disk_tier_tokens=disk)
+
     def attach(self, engine: Any) -> None:
         """Wrap the engine's ``output_processor.process_outputs`` to record sources."""
+        self._engine = engine
         processor = engine.output_processor
         original = processor.process_outputs
         if getattr(original, "_provenance_recorder", None) is self:
@@ -83,6 +105,7 @@ class ProvenanceRecorder:
                     PrefillSources(
                         device_tokens=int(stats.num_local_cached_tokens),
                         cpu_tier_tokens=int(stats.num_external_cached_tokens),
+                        engine_request_id=output.request_id,
                     ),
                 )
             return original(engine_core_outputs, *args, **kwargs)
@@ -93,7 +116,7 @@ class ProvenanceRecorder:
 
 def chunk_usage(prompt_tokens: int, completion_tokens: int, sources: PrefillSources) -> ChunkUsage:
     """A chunk's usage: its prompt is the whole context it attends over."""
-    cached = sources.device_tokens + sources.cpu_tier_tokens
+    cached = sources.device_tokens + sources.cpu_tier_tokens + sources.disk_tier_tokens
     return ChunkUsage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
@@ -102,6 +125,7 @@ def chunk_usage(prompt_tokens: int, completion_tokens: int, sources: PrefillSour
             cached_tokens=cached,
             device_tokens=sources.device_tokens,
             cpu_tier_tokens=sources.cpu_tier_tokens,
+            disk_tier_tokens=sources.disk_tier_tokens,
             computed_tokens=max(prompt_tokens - cached, 0),
         ),
     )

@@ -65,6 +65,7 @@ from connectors import (
     DISK_TIER_BYTES_KEY,
     DISK_TIER_DIR_KEY,
     DISK_TIER_FSYNC_KEY,
+    DISK_TIER_TOKENS_UTILITY,
     DISK_TIER_WRITE_QUEUE_BYTES_KEY,
 )
 from connectors.compat import TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY, tier_copy_thread_wanted
@@ -488,3 +489,25 @@ class DiskTierOffloadingSpec(HostTierOffloadingSpec):
                 thread_min_load_bytes=int(extra.get(TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY, 0)),
             )
         return self._host_worker
+
+
+def install_disk_tier_tokens_utility() -> None:
+    """Give vLLM's engine core a utility call (``DISK_TIER_TOKENS_UTILITY``) that hands
+    the API process the disk-tier tokens our connector recorded for requests. vLLM's
+    outputs carry a request's external hits as one number (``PrefillStats``), and its
+    hits by source reach only aggregate metrics; this is the one per-request channel
+    from the scheduler's process. Idempotent; run where this module is imported, the
+    engine core among them."""
+    from vllm.v1.engine.core import EngineCore
+
+    if hasattr(EngineCore, DISK_TIER_TOKENS_UTILITY):
+        return
+
+    def disk_tier_tokens(self: Any, request_ids: list[str]) -> dict[str, int]:
+        take = getattr(getattr(self.scheduler, "connector", None), "take_disk_tier_tokens", None)
+        return take(request_ids) if take is not None else {}
+
+    setattr(EngineCore, DISK_TIER_TOKENS_UTILITY, disk_tier_tokens)
+
+
+install_disk_tier_tokens_utility()

@@ -49,6 +49,7 @@ and each attention layer waits only for its own pages' loads
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -63,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connectors.compat import install_fix, session_tail_store_wanted, synchronous_loads_wanted
 from connectors.host_tier import HostTierWorker
@@ -81,6 +83,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+# Requests whose disk-tier share is kept for the API process to claim.
+DISK_TIER_TOKENS_KEPT = 4096
 
 
 class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
@@ -277,10 +283,24 @@ class StreamingSafeOffloadingConnector(OffloadingConnector):
             self.connector_scheduler.session_tail_store = tail_store
             self.connector_scheduler.synchronous_loads = self.synchronous_loads
             self.connector_scheduler._early_completed_loads = {}
+        # Scheduler side: each request's disk-tier tokens, until the API process asks
+        # (connectors.disk_tier's engine-core utility); bounded, oldest dropped.
+        self._disk_tier_tokens: OrderedDict[str, int] = OrderedDict()
         # Worker side, with the host tier's copy thread (register_kv_caches).
         self._host_tier: HostTierWorker | None = None
         self._tensor_of_layer: dict[str, int] = {}
         self._transfers_started = False
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        sources: dict[Any, int] = super().get_external_cache_hit_sources(request, num_external_tokens)
+        if disk := sources.get(CacheHitSource.DISK, 0):
+            self._disk_tier_tokens[request.request_id] = disk
+            while len(self._disk_tier_tokens) > DISK_TIER_TOKENS_KEPT:
+                self._disk_tier_tokens.popitem(last=False)
+        return sources
+
+    def take_disk_tier_tokens(self, request_ids: list[str]) -> dict[str, int]:
+        return {rid: self._disk_tier_tokens.pop(rid) for rid in request_ids if rid in self._disk_tier_tokens}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)

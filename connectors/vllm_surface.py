@@ -38,6 +38,15 @@ SURFACE: dict[str, tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...]
          ("connector_scheduler", "connector_worker", "_kv_transfer_config")),
         ("vllm.v1.kv_offload.cpu.spec", "CPUOffloadingSpec", ("get_worker",), ("extra_config",)),
     ),
+    # With a disk tier (connectors.disk_tier), checked besides "offloading".
+    "disk_tier": (
+        ("vllm.v1.kv_offload.cpu.manager", "CPUOffloadingManager",
+         ("lookup", "prepare_load", "_prepare_load", "complete_load", "touch", "prepare_store", "complete_store",
+          "get_load_source", "reset_cache", "get_stats"), ("_policy",)),
+        (f"{OFFLOADING}_connector", "OffloadingConnector", ("get_external_cache_hit_sources",), ()),
+        ("vllm.v1.kv_offload.file_mapper", "FileMapper", ("from_offloading_spec", "get_file_name"), ()),
+        ("vllm.v1.engine.core", "EngineCore", (), ("scheduler",)),
+    ),
     "simple": (
         ("vllm.distributed.kv_transfer.kv_connector.utils", "yield_req_data", (), ()),
         ("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler",
@@ -67,7 +76,7 @@ SUBCLASSES: dict[str, tuple[tuple[str, str, str, str], ...]] = {
 
 def shadowing_helper(connector: str) -> str | None:
     """The first helper method of ours that vLLM's base class now defines too, or None."""
-    overrides = {method for _, _, methods, _ in SURFACE.get(connector, ()) for method in methods}
+    overrides = {method for surface in SURFACE.values() for _, _, methods, _ in surface for method in methods}
     for our_module, our_name, base_module, base_name in SUBCLASSES.get(connector, ()):
         ours = getattr(importlib.import_module(our_module), our_name)
         base = getattr(importlib.import_module(base_module), base_name)

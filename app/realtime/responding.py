@@ -184,7 +184,7 @@ def usage_of(result: ChunkResult) -> rt.RealtimeResponseUsage:
     input_details = rt.RealtimeResponseUsageInputTokenDetails(
         cached_tokens=details.cached_tokens, text_tokens=usage.prompt_tokens,
         device_tokens=details.device_tokens, cpu_tier_tokens=details.cpu_tier_tokens,
-        computed_tokens=details.computed_tokens,
+        disk_tier_tokens=details.disk_tier_tokens, computed_tokens=details.computed_tokens,
     )
     return rt.RealtimeResponseUsage(
         input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,

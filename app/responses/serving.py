@@ -348,7 +348,8 @@ def _usage(result: ChunkResult) -> ResponseUsage:
         input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
         input_tokens_details=InputTokensDetails(
             cached_tokens=details.cached_tokens, cache_write_tokens=0, device_tokens=details.device_tokens,
-            cpu_tier_tokens=details.cpu_tier_tokens, computed_tokens=details.computed_tokens),
+            cpu_tier_tokens=details.cpu_tier_tokens, disk_tier_tokens=details.disk_tier_tokens,
+            computed_tokens=details.computed_tokens),
         output_tokens_details=OutputTokensDetails(),
     )
 

@@ -93,11 +93,12 @@ SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 
 class PromptTokensDetails(BaseModel):
     """Where the prompt tokens' KV came from. ``cached_tokens`` is what the OpenAI
-    API calls it; the other three split the prompt exactly."""
+    API calls it; the other four split the prompt exactly."""
 
-    cached_tokens: int = Field(description="device_tokens + cpu_tier_tokens")
+    cached_tokens: int = Field(description="device_tokens + cpu_tier_tokens + disk_tier_tokens")
     device_tokens: int = Field(description="Already on the device: the session's own context, or prefix-cache hits.")
     cpu_tier_tokens: int = Field(description="Loaded from the CPU tier (host memory).")
+    disk_tier_tokens: int = Field(default=0, description="Loaded from the disk tier (files that outlive a restart).")
     computed_tokens: int = Field(description="Computed for this request.")
 
 

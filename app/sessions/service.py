@@ -85,7 +85,7 @@ class SessionService:
         from app.store import open_store
 
         if recorder is None:
-            recorder = ProvenanceRecorder()
+            recorder = ProvenanceRecorder(disk_tier=settings.disk_tier_gib > 0)
             recorder.attach(engine)
         tokenizer = engine.get_tokenizer()
         if (chat_template := settings.resolved_chat_template()) is not None:
@@ -383,6 +383,7 @@ class SessionService:
                 metrics.resume_ttft.labels(result.resumed_from).observe(result.time_to_first_token)
         metrics.prompt_tokens.labels("device").inc(details.device_tokens)
         metrics.prompt_tokens.labels("cpu_tier").inc(details.cpu_tier_tokens)
+        metrics.prompt_tokens.labels("disk_tier").inc(details.disk_tier_tokens)
         metrics.prompt_tokens.labels("computed").inc(details.computed_tokens)
 
     # ------------------------------------------------------------------ closing

@@ -266,6 +266,8 @@ class StreamingSession:
                 self._abandon(transcript_before, index)
 
         recorded = self._recorder.pop(self.request_id) if self._recorder else None
+        if recorded is not None and self._recorder is not None:
+            recorded = await self._recorder.split_disk_tier(recorded)
         if new_request:
             # An ordinary prefill: its hits come from the device prefix cache or the
             # CPU tier, as the scheduler measured them.

@@ -36,9 +36,9 @@ MAX_TOKENS = 6
 
 
 @contextlib.contextmanager
-def durable_server(name: str, state_dir: Path, port: int, log_dir: Path) -> Iterator[RunningServer]:
+def durable_server(name: str, state_dir: Path, port: int, log_dir: Path, **extra: str) -> Iterator[RunningServer]:
     settings = {"state_dir": str(state_dir), "dtype": "float32", "kv_cache_gib": "0.25", "cpu_tier_gib": "0.5",
-                "max_num_seqs": "8", "max_chunk_output_tokens": "4000", "log_level": "warning"}
+                "max_num_seqs": "8", "max_chunk_output_tokens": "4000", "log_level": "warning", **extra}
     with app_server(name, log_dir / f"{name}.log", settings, port=port) as server:
         yield server
 

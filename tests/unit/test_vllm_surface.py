@@ -11,6 +11,7 @@ from connectors import vllm_surface
 
 def test_the_installed_vllm_has_every_member_the_offloading_connector_uses() -> None:
     assert vllm_surface.missing_member("offloading") is None
+    assert vllm_surface.missing_member("disk_tier") is None
 
 
 def test_a_missing_member_is_named_with_the_tested_versions(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,84 @@
+"""A server with a disk tier, killed (SIGKILL) with a parked and an active session, and
+started again: each session's next chunk loads its context from disk, says so in its
+usage (``disk_tier_tokens``) and in the metrics, and answers as before the kill.
+
+Real server processes (``python -m app.main``, embedded tiny model, float32) on one
+state directory (SQLite store, disk tier in ``state_dir/disk_tier``). Oracle: a control
+session on the first server runs the same chunks uninterrupted; float32 makes the
+restarted sessions' answers comparable with it token for token. After a restart the
+device cache and the CPU tier are empty, so a hit can only come from the disk.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.common import free_port
+from tests.server.test_durable_restart import (
+    durable_server,
+    kill_hard,
+    open_session,
+    send,
+    transcript_ids,
+)
+
+pytestmark = pytest.mark.server
+
+BLOCK = 32  # the server's block size (the default)
+
+
+def chunks(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 700) for _ in range(100)] for _ in range(3)]
+
+
+def status(http: httpx.Client, session_id: str) -> str:
+    return str(http.get(f"/v1/sessions/{session_id}").json()["status"])
+
+
+def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
+    state_dir, port = tmp_path / "state", free_port()
+    extra = {"disk_tier_gib": "1", "session_park_after_s": "3"}
+    parked_chunks, active_chunks = chunks(1), chunks(2)
+    with durable_server("first", state_dir, port, tmp_path, **extra) as server, \
+            httpx.Client(base_url=server.base_url, timeout=120) as http:
+        expected = {}
+        for name, inputs in (("parked", parked_chunks), ("active", active_chunks)):
+            control = open_session(http)
+            expected[name] = [send(http, control, chunk)["output"]["token_ids"] for chunk in inputs]
+        parked = open_session(http)
+        for chunk in parked_chunks[:2]:
+            send(http, parked, chunk)
+        deadline = time.monotonic() + 30
+        while status(http, parked) != "parked" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status(http, parked) == "parked"
+        active = open_session(http)
+        for chunk in active_chunks[:2]:
+            send(http, active, chunk)
+        contexts = {"parked": transcript_ids(http, parked), "active": transcript_ids(http, active)}
+        assert status(http, active) == "active"
+        kill_hard(server)
+
+    with durable_server("restarted", state_dir, port, tmp_path, **extra) as server, \
+            httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for name, session, inputs in (("parked", parked, parked_chunks), ("active", active, active_chunks)):
+            resumed = send(http, session, inputs[2])
+            assert resumed["output"]["token_ids"] == expected[name][2], name
+            details = resumed["usage"]["prompt_tokens_details"]
+            assert details["cpu_tier_tokens"] == 0 and details["device_tokens"] == 0, details
+            # A parked session's whole context was stored (our tail store); an active
+            # one's last outputs were not yet (they become prompt with its next chunk).
+            whole = len(contexts[name]) // BLOCK * BLOCK
+            wanted = whole if name == "parked" else whole - BLOCK
+            assert details["disk_tier_tokens"] >= wanted, (name, details, len(contexts[name]))
+            assert details["cached_tokens"] == details["disk_tier_tokens"]
+        metrics = http.get("/metrics").text
+        assert 'streamsess_session_resumes_total{source="disk_tier"} 2.0' in metrics
+        files = next(line for line in metrics.splitlines() if line.startswith("vllm:kv_offload_disk_tier_files"))
+        assert float(files.rsplit(" ", 1)[1]) >= len(contexts["parked"]) // BLOCK
