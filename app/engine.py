@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,7 @@ from app.settings import GIB, Settings
 from connectors import (
     DISK_TIER_BYTES_KEY,
     DISK_TIER_DIR_KEY,
+    DISK_TIER_FLUSH_UTILITY,
     DISK_TIER_FSYNC_KEY,
     DISK_TIER_SPEC_MODULE,
     DISK_TIER_SPEC_NAME,
@@ -152,6 +154,26 @@ def build_engine(settings: Settings) -> AsyncLLM:
     # The admission backstop reads it (app.sessions.admission.observer_of).
     setattr(engine, OBSERVER_ATTRIBUTE, observer)
     return engine
+
+
+async def flush_disk_tier(engine: AsyncLLM, timeout_s: float = 30.0) -> None:
+    """With a disk tier, wait until what the engine holds is on disk: no request or
+    transfer pending (parked sessions' tails stored), then every queued file written.
+    A graceful stop calls it before ``shutdown_engine``, which kills the worker."""
+    extra = (engine.vllm_config.kv_transfer_config.kv_connector_extra_config
+             if engine.vllm_config.kv_transfer_config else {})
+    if DISK_TIER_DIR_KEY not in extra or engine.errored:
+        return
+
+    async def flushed() -> None:
+        # Polled: the pending transfers are in the engine core's process.
+        while await engine.engine_core.call_utility_async(DISK_TIER_FLUSH_UTILITY):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+    try:
+        await asyncio.wait_for(flushed(), timeout_s)
+    except Exception as exc:  # an engine stopping too (a signal to the process group), or one still busy
+        logger.warning("disk tier: not flushed (%s); files still queued are lost", exc or type(exc).__name__)
 
 
 def shutdown_engine(engine: AsyncLLM) -> None:

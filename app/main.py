@@ -26,7 +26,7 @@ from app.api import api_router
 from app.auth import APIKeyMiddleware
 from app.cache_salt import cache_salter
 from app.conversations.serving import ConversationsService
-from app.engine import EngineConfigError, kv_transfer_config, shutdown_engine
+from app.engine import EngineConfigError, flush_disk_tier, kv_transfer_config, shutdown_engine
 from app.http_errors import declare_error_codes, install_error_handlers
 from app.http_protocol import CoalescingHttpToolsProtocol
 from app.limits import KeyLimits
@@ -121,6 +121,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
                 watchdog.cancel()
             await service.stop()
             if owns_engine:
+                await flush_disk_tier(llm)  # the sessions just parked, on disk for the next server
                 shutdown_engine(llm)
 
     app.router.lifespan_context = lifespan

@@ -20,3 +20,5 @@ DISK_TIER_WRITE_QUEUE_BYTES_KEY = "disk_tier_write_queue_bytes"
 # The engine core's utility call that hands the API process each request's disk-tier
 # tokens (installed by connectors.disk_tier in the engine core process).
 DISK_TIER_TOKENS_UTILITY = "streamsess_disk_tier_tokens"
+# The one that writes what the disk tier has queued, once no transfer is pending.
+DISK_TIER_FLUSH_UTILITY = "streamsess_disk_tier_flush"

@@ -64,6 +64,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from connectors import (
     DISK_TIER_BYTES_KEY,
     DISK_TIER_DIR_KEY,
+    DISK_TIER_FLUSH_UTILITY,
     DISK_TIER_FSYNC_KEY,
     DISK_TIER_TOKENS_UTILITY,
     DISK_TIER_WRITE_QUEUE_BYTES_KEY,
@@ -347,6 +348,10 @@ class DiskTierWorker(HostTierWorker):
                                         for t in self.group_tensor_ids[group]])
         return finished
 
+    def flush(self) -> int:
+        """Write every file queued so far (the session service's graceful stop)."""
+        return self._writer.flush()
+
     def shutdown(self) -> None:
         super().shutdown()
         self._writer.stop()
@@ -407,10 +412,12 @@ class FileWriter:
             self._queued_bytes += size
             self._cond.notify()
 
-    def flush(self) -> None:
-        """Wait until every queued file is written."""
+    def flush(self) -> int:
+        """Wait until every queued file is written; how many were queued."""
         with self._cond:
+            queued = len(self._queue)
             self._cond.wait_for(lambda: self._queued_bytes == 0 or self._stopped)
+        return queued
 
     def stop(self) -> None:
         self.flush()
@@ -491,13 +498,28 @@ class DiskTierOffloadingSpec(HostTierOffloadingSpec):
         return self._host_worker
 
 
-def install_disk_tier_tokens_utility() -> None:
-    """Give vLLM's engine core a utility call (``DISK_TIER_TOKENS_UTILITY``) that hands
-    the API process the disk-tier tokens our connector recorded for requests. vLLM's
-    outputs carry a request's external hits as one number (``PrefillStats``), and its
-    hits by source reach only aggregate metrics; this is the one per-request channel
-    from the scheduler's process. Idempotent; run where this module is imported, the
-    engine core among them."""
+def flush_writer(worker: Any) -> int:
+    """In a worker process (by ``collective_rpc``): write every file queued; how many."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+    tier = getattr(getattr(connector, "connector_worker", None), "worker", None)
+    return tier.flush() if isinstance(tier, DiskTierWorker) else 0
+
+
+def install_engine_core_utilities() -> None:
+    """Give vLLM's engine core two utility calls of the disk tier, for the API process:
+
+    - ``DISK_TIER_TOKENS_UTILITY`` hands over the disk-tier tokens our connector recorded
+      for requests. vLLM's outputs carry a request's external hits as one number
+      (``PrefillStats``), and its hits by source reach only aggregate metrics; this is
+      the one per-request channel from the scheduler's process.
+    - ``DISK_TIER_FLUSH_UTILITY`` returns how many requests and transfers are still
+      pending; with none, it first has every worker write the files it has queued. A
+      graceful stop calls it until it returns 0, so parked sessions are on disk before
+      the engine's processes are stopped.
+
+    Idempotent; run where this module is imported, the engine core among them."""
     from vllm.v1.engine.core import EngineCore
 
     if hasattr(EngineCore, DISK_TIER_TOKENS_UTILITY):
@@ -507,7 +529,16 @@ def install_disk_tier_tokens_utility() -> None:
         take = getattr(getattr(self.scheduler, "connector", None), "take_disk_tier_tokens", None)
         return take(request_ids) if take is not None else {}
 
+    def disk_tier_flush(self: Any) -> int:
+        connector = getattr(self.scheduler, "connector", None)
+        pending = len(getattr(getattr(connector, "connector_scheduler", None), "_jobs", ()))
+        pending += int(self.scheduler.has_requests())
+        if not pending:
+            self.collective_rpc(flush_writer)
+        return pending
+
     setattr(EngineCore, DISK_TIER_TOKENS_UTILITY, disk_tier_tokens)
+    setattr(EngineCore, DISK_TIER_FLUSH_UTILITY, disk_tier_flush)
 
 
-install_disk_tier_tokens_utility()
+install_engine_core_utilities()

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from app.engine import flush_disk_tier
 from connectors.disk_tier import HEADER, whole_file
 from tests.conftest import make_settings
 from tests.helpers import generate_once, random_tokens, run_streaming_session, started_engine
@@ -35,11 +36,11 @@ def tier_files(root: Path) -> dict[Path, int]:
     return {path: path.stat().st_mtime_ns for path in root.rglob("*.bin")}
 
 
-def wait_for_files(root: Path, count: int) -> dict[Path, int]:
-    """The writer writes behind the host tier: wait until ``count`` files are in place."""
-    deadline = time.monotonic() + 30
-    while len(files := tier_files(root)) < count and time.monotonic() < deadline:
-        time.sleep(0.05)
+async def flushed_files(engine: Any, root: Path, count: int) -> dict[Path, int]:
+    """The files once the engine has flushed its disk tier (as a graceful stop does):
+    at least ``count`` of them."""
+    await flush_disk_tier(engine)
+    files = tier_files(root)
     assert len(files) >= count, (len(files), count)
     return files
 
@@ -54,7 +55,7 @@ async def test_a_restarted_engine_resumes_sessions_from_disk(tmp_path: Path) -> 
             before = tier_files(tmp_path)
             chunks = [random_tokens(rng, n) for n in CHUNKS]
             context, _ = await run_streaming_session(engine, chunks, max_tokens=16)
-            after = wait_for_files(tmp_path, len(before) + len(context) // BLOCK)
+            after = await flushed_files(engine, tmp_path, len(before) + len(context) // BLOCK)
             contexts.append(context)
             files_of.append(sorted(set(after) - set(before), key=after.__getitem__))
 

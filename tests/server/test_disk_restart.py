@@ -1,6 +1,8 @@
 """A server with a disk tier, killed (SIGKILL) with a parked and an active session, and
 started again: each session's next chunk loads its context from disk, says so in its
-usage (``disk_tier_tokens``) and in the metrics, and answers as before the kill.
+usage (``disk_tier_tokens``) and in the metrics, and answers as before the kill. Then a
+graceful stop (SIGTERM) with both sessions active: the next server loads their whole
+contexts from disk (the stop parks them and flushes the tier before the engine stops).
 
 Real server processes (``python -m app.main``, embedded tiny model, float32) on one
 state directory (SQLite store, disk tier in ``state_dir/disk_tier``). Oracle: a control
@@ -12,6 +14,7 @@ device cache and the CPU tier are empty, so a hit can only come from the disk.
 from __future__ import annotations
 
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -82,3 +85,19 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
         assert 'streamsess_session_resumes_total{source="disk_tier"} 2.0' in metrics
         files = next(line for line in metrics.splitlines() if line.startswith("vllm:kv_offload_disk_tier_files"))
         assert float(files.rsplit(" ", 1)[1]) >= len(contexts["parked"]) // BLOCK
+        # A chunk no control session had: its blocks reach the disk only from this server.
+        for session, seed in ((parked, 3), (active, 4)):
+            send(http, session, chunks(seed)[0])
+        contexts = {"parked": transcript_ids(http, parked), "active": transcript_ids(http, active)}
+        assert status(http, parked) == status(http, active) == "active"
+        # SIGTERM to the server alone, as a container runtime sends it to its main process.
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises it after its stop
+
+    with durable_server("after-sigterm", state_dir, port, tmp_path, **extra) as server, \
+            httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for name, session in (("parked", parked), ("active", active)):
+            resumed = send(http, session, [5, 6, 7])
+            details = resumed["usage"]["prompt_tokens_details"]
+            # Every token with KV: all but the last one sampled.
+            assert details["disk_tier_tokens"] == (len(contexts[name]) - 1) // BLOCK * BLOCK, (name, details)
