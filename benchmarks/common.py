@@ -145,7 +145,7 @@ def in_process_engine(setup: EngineSetup, served_model_name: str, **settings: An
         args = repr(build_engine_args(engine_settings.model_copy(update={"served_model_name": "pooled"})))
         key = re.sub(r"engine_id='[^']*'", "", args)
         engine = _POOL.engine(key, lambda: build_engine(engine_settings))
-    recorder = ProvenanceRecorder()
+    recorder = ProvenanceRecorder(disk_tier=engine_settings.disk_tier_gib > 0)
     recorder.attach(engine)
     return engine, recorder, engine_settings
 

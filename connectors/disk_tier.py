@@ -94,6 +94,9 @@ COUNTERS = {"hits": "Disk-tier lookups that found a whole file.",
             "misses": "Disk-tier lookups (of keys not in host memory) that found none.",
             "evictions": "Disk-tier files deleted to keep the tier within its size.",
             "checksum_failures": "Disk-tier files that failed their checksum (deleted: a miss)."}
+# The writer's backlog, at most: a 8,192-token prefill of the bench model in float32
+# stores about 380 MB in one step, and a write dropped is a miss after a restart.
+WRITE_QUEUE_BYTES = 1 << 30
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -140,6 +143,22 @@ class DiskFiles(CPULoadStoreSpec):
         self.files = files
 
 
+def scan(root: str) -> list[tuple[int, OffloadKey, int]]:
+    """The tier's files under ``root``, least recently used first: (mtime, key, size),
+    from names and mtimes alone (no file body is read). Left-over temporary files of a
+    crashed writer are deleted."""
+    found: list[tuple[int, OffloadKey, int]] = []
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(directory, name)
+            if not name.endswith(".bin"):
+                _unlink(path)
+                continue
+            stat = os.stat(path)
+            found.append((stat.st_mtime_ns, key_of(path), stat.st_size))
+    return sorted(found)
+
+
 class DiskIndex:
     """The scheduler's view of the tier's files: least recently used first, with their
     sizes, the ones verified this run, and the ones being read (never evicted)."""
@@ -156,18 +175,7 @@ class DiskIndex:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        """From the directory's names and mtimes (no file body is read); left-over
-        temporary files of a crashed writer are deleted."""
-        found: list[tuple[int, OffloadKey, int]] = []
-        for directory, _, names in os.walk(f"{self.mapper.base_path}_r{self.mapper.rank}"):
-            for name in names:
-                path = os.path.join(directory, name)
-                if not name.endswith(".bin"):
-                    _unlink(path)
-                    continue
-                stat = os.stat(path)
-                found.append((stat.st_mtime_ns, key_of(path), stat.st_size))
-        for _, key, size in sorted(found):
+        for _, key, size in scan(f"{self.mapper.base_path}_r{self.mapper.rank}"):
             self.files[key] = size
             self.bytes += size
         self._evict()
@@ -491,7 +499,7 @@ class DiskTierOffloadingSpec(HostTierOffloadingSpec):
             self._host_worker = DiskTierWorker(
                 kv_caches, self.blocks_per_chunk, self.num_chunks,
                 fsync=bool(extra.get(DISK_TIER_FSYNC_KEY, False)),
-                queue_bytes=int(extra.get(DISK_TIER_WRITE_QUEUE_BYTES_KEY, 256 * 2**20)),
+                queue_bytes=int(extra.get(DISK_TIER_WRITE_QUEUE_BYTES_KEY, WRITE_QUEUE_BYTES)),
                 copy_thread=tier_copy_thread_wanted(extra),
                 thread_min_load_bytes=int(extra.get(TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY, 0)),
             )
