@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -153,6 +154,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.repeats):  # the context and the next chunk, computed
                 await timed(bench, service, "recompute", context, await bench.open(service),
                             tokens=context - 1 + NEXT_CHUNK)
+    shutil.rmtree(disk_dir)  # about 1 GB at the defaults
     sequential = sequential_read_bytes_per_s(str(root))
 
     rows: dict[str, Any] = {}
