@@ -3,7 +3,7 @@
 vLLM's ``/v1/completions`` and ``/v1/chat/completions`` report
 ``usage.prompt_tokens_details.cached_tokens`` only. This ASGI middleware gives
 each such request an ``X-Request-Id`` (vLLM derives its engine request ids from
-it), and adds ``device_tokens``, ``cpu_tier_tokens`` and ``computed_tokens`` to
+it), and adds ``device_tokens``, ``cpu_tier_tokens``, ``disk_tier_tokens`` and ``computed_tokens`` to
 every usage object in the response, JSON or SSE, from the provenance recorder.
 The endpoints themselves stay vLLM's, unchanged.
 """
@@ -22,16 +22,18 @@ from app.provenance import ProvenanceRecorder
 _ENGINE_ID_PREFIX = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}
 
 
-def add_sources(usage: dict[str, Any], recorder: ProvenanceRecorder, id_prefix: str) -> None:
-    sources = recorder.pop_prefix(id_prefix)
+async def add_sources(usage: dict[str, Any], recorder: ProvenanceRecorder, id_prefix: str) -> None:
+    sources = await recorder.pop_prefix(id_prefix)
     details = usage.get("prompt_tokens_details") or {}
     device = sources.device_tokens if sources else int(details.get("cached_tokens") or 0)
     tier = sources.cpu_tier_tokens if sources else 0
+    disk = sources.disk_tier_tokens if sources else 0
     details.update(
-        cached_tokens=device + tier,
+        cached_tokens=device + tier + disk,
         device_tokens=device,
         cpu_tier_tokens=tier,
-        computed_tokens=max(int(usage.get("prompt_tokens") or 0) - device - tier, 0),
+        disk_tier_tokens=disk,
+        computed_tokens=max(int(usage.get("prompt_tokens") or 0) - device - tier - disk, 0),
     )
     usage["prompt_tokens_details"] = details
 
@@ -87,7 +89,7 @@ class _UsageRewriter:
         if self._mode == "json":
             if more:
                 return
-            body = self._patch_json(self._buffer)
+            body = await self._patch_json(self._buffer)
             assert self._start is not None
             headers = [(k, v) for k, v in self._start.get("headers", ()) if k != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
@@ -96,30 +98,30 @@ class _UsageRewriter:
             return
         # SSE: forward every complete event, patched; keep a partial one buffered.
         *events, self._buffer = self._buffer.split(b"\n\n")
-        out = b"".join(self._patch_sse(event) + b"\n\n" for event in events)
+        out = b"".join([await self._patch_sse(event) + b"\n\n" for event in events])
         if not more and self._buffer:
             out, self._buffer = out + self._buffer, b""
         await self._send({"type": "http.response.body", "body": out, "more_body": more})
 
-    def _patch(self, payload: dict[str, Any]) -> bool:
+    async def _patch(self, payload: dict[str, Any]) -> bool:
         usage = payload.get("usage")
         if not isinstance(usage, dict) or self._recorder is None:
             return False
-        add_sources(usage, self._recorder, self._id_prefix)
+        await add_sources(usage, self._recorder, self._id_prefix)
         return True
 
-    def _patch_json(self, body: bytes) -> bytes:
+    async def _patch_json(self, body: bytes) -> bytes:
         try:
             payload = json.loads(body)
         except ValueError:
             return body
-        return json.dumps(payload).encode() if isinstance(payload, dict) and self._patch(payload) else body
+        return json.dumps(payload).encode() if isinstance(payload, dict) and await self._patch(payload) else body
 
-    def _patch_sse(self, event: bytes) -> bytes:
+    async def _patch_sse(self, event: bytes) -> bytes:
         if not event.startswith(b"data: {"):
             return event
         try:
             payload = json.loads(event[len(b"data: "):])
         except ValueError:
             return event
-        return b"data: " + json.dumps(payload).encode() if self._patch(payload) else event
+        return b"data: " + json.dumps(payload).encode() if await self._patch(payload) else event

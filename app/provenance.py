@@ -61,17 +61,19 @@ class ProvenanceRecorder:
         with self._lock:
             return self._records.pop(request_id, None)
 
-    def pop_prefix(self, prefix: str) -> PrefillSources | None:
+    async def pop_prefix(self, prefix: str) -> PrefillSources | None:
         """Sum and remove every record whose id starts with ``prefix`` (vLLM
-        suffixes one id per prompt of a batched completion)."""
+        suffixes one id per prompt of a batched completion), each split by tier."""
         with self._lock:
             keys = [key for key in self._records if key.startswith(prefix)]
             if not keys:
                 return None
             found = [self._records.pop(key) for key in keys]
+        found = [await self.split_disk_tier(sources) for sources in found]
         return PrefillSources(
             device_tokens=sum(s.device_tokens for s in found),
             cpu_tier_tokens=sum(s.cpu_tier_tokens for s in found),
+            disk_tier_tokens=sum(s.disk_tier_tokens for s in found),
         )
 
     async def split_disk_tier(self, sources: PrefillSources) -> PrefillSources:

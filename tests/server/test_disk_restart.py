@@ -61,10 +61,13 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
         while status(http, parked) != "parked" and time.monotonic() < deadline:
             time.sleep(0.2)
         assert status(http, parked) == "parked"
+        reused = open_session(http)  # its transcript is sent to /v1/completions after the restart
+        send(http, reused, chunks(5)[0])
         active = open_session(http)
         for chunk in active_chunks[:2]:
             send(http, active, chunk)
-        contexts = {"parked": transcript_ids(http, parked), "active": transcript_ids(http, active)}
+        contexts = {"parked": transcript_ids(http, parked), "active": transcript_ids(http, active),
+                    "reused": transcript_ids(http, reused)}
         assert status(http, active) == "active"
         kill_hard(server)
 
@@ -81,6 +84,13 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
             wanted = whole if name == "parked" else whole - BLOCK
             assert details["disk_tier_tokens"] >= wanted, (name, details, len(contexts[name]))
             assert details["cached_tokens"] == details["disk_tier_tokens"]
+        # vLLM's own route reuses a session's prefix from disk too, and its usage says so.
+        completion = http.post("/v1/completions", json={"model": "embedded-tiny", "prompt": contexts["reused"],
+                                                         "max_tokens": 1})
+        assert completion.status_code == 200, completion.text
+        details = completion.json()["usage"]["prompt_tokens_details"]
+        assert details["disk_tier_tokens"] >= len(contexts["reused"]) // BLOCK * BLOCK - BLOCK, details
+        assert details["cpu_tier_tokens"] == 0, details
         metrics = http.get("/metrics").text
         assert 'streamsess_session_resumes_total{source="disk_tier"} 2.0' in metrics
         files = next(line for line in metrics.splitlines() if line.startswith("vllm:kv_offload_disk_tier_files"))
