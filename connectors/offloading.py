@@ -210,6 +210,13 @@ class StreamingSafeOffloadingScheduler(OffloadingConnectorScheduler):
             blocks = KVCacheBlocks(tuple(groups))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def _lookup(self, req_status: RequestOffloadState, max_num_new_tokens: int | None = None) -> int | None:
+        # A disk tier (connectors.disk_tier) checks the request's files in parallel first.
+        if (verify_ahead := getattr(self.manager, "verify_ahead", None)) is not None:
+            verify_ahead([key for group in req_status.group_states for key in group.offload_keys])
+        result: int | None = super()._lookup(req_status, max_num_new_tokens)
+        return result
+
     def get_num_new_matched_tokens(
         self,
         request: Request,

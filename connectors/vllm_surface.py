@@ -44,6 +44,8 @@ SURFACE: dict[str, tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...]
          ("lookup", "prepare_load", "_prepare_load", "complete_load", "touch", "prepare_store", "complete_store",
           "get_load_source", "reset_cache", "get_stats"), ("_policy",)),
         (f"{OFFLOADING}_connector", "OffloadingConnector", ("get_external_cache_hit_sources",), ()),
+        (f"{OFFLOADING}.scheduler", "OffloadingConnectorScheduler", ("_lookup",), ()),
+        (f"{OFFLOADING}.scheduler", "RequestOffloadState", ("update_offload_keys",), ("group_states",)),
         ("vllm.v1.kv_offload.file_mapper", "FileMapper", ("from_offloading_spec", "get_file_name"), ()),
         ("vllm.v1.engine.core", "EngineCore", (), ("scheduler",)),
     ),

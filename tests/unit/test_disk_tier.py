@@ -143,3 +143,17 @@ def test_the_namespace_follows_the_weights_not_their_path(tmp_path: Path) -> Non
     assert Path(file_mapper(spec(copy, tmp_path / "tier")).base_path).parent == Path(first).parent
     weights.write_bytes(os.urandom(3 << 20))  # another checkpoint, the same shape, the same path
     assert Path(file_mapper(spec(model, tmp_path / "tier")).base_path).parent != Path(first).parent
+
+
+def test_files_checked_ahead_stop_at_the_first_missing_key(tmp_path: Path) -> None:
+    """A request's files are checked in parallel before its lookups, up to its first
+    key with no file: the same verdicts as checking them one at a time."""
+    index = DiskIndex(mapper(tmp_path), cap_bytes=100 * FILE_BYTES, file_bytes=FILE_BYTES)
+    for number in (1, 2, 3, 5):
+        write(index, number)
+    flipped = Path(index.path(key(2)))
+    flipped.write_bytes(flipped.read_bytes()[:-1] + b"?")
+    index.verify_ahead([key(1), key(2), key(3), key(4), key(5)])
+    assert [index.checked(key(n)) for n in range(1, 6)] == [True, False, True, False, False]  # 5: past the miss
+    assert not index.has(key(2)) and not flipped.exists() and index.counts["checksum_failures"] == 1
+    assert index.verify(key(5)) and index.verify(key(1))
