@@ -301,11 +301,14 @@ class DiskTierManager(CPUOffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
-        from_disk = [key for key in keys if self._policy.get(key) is None]
+        in_host: list[OffloadKey] = []
+        from_disk: list[OffloadKey] = []
+        for key in keys:
+            (in_host if self._policy.get(key) is not None else from_disk).append(key)
         if not from_disk:
             return super().prepare_load(keys, req_context)
         # Pin the keys in host memory first, so taking chunks for the others cannot evict them.
-        self._prepare_load([key for key in keys if key not in set(from_disk)], req_context, record_access=True)
+        self._prepare_load(in_host, req_context, record_access=True)
         taken = super().prepare_store(from_disk, req_context)
         if taken is None or len(taken.keys_to_store) != len(from_disk):
             raise RuntimeError("disk tier: no room in the CPU tier for a disk hit (every chunk is in use); "
@@ -334,9 +337,9 @@ class DiskTierManager(CPUOffloadingManager):
             return output
         assert isinstance(output.store_spec, CPULoadStoreSpec)
         chunk_ids = [int(chunk) for chunk in output.store_spec.block_ids]
-        writes = [(chunk, get_offload_group_idx(key), self.disk.path(key))
-                  for key, chunk in zip(output.keys_to_store, chunk_ids) if not self.disk.has(key)]
-        self.disk.add(key for key in output.keys_to_store if not self.disk.has(key))
+        new = [(key, chunk) for key, chunk in zip(output.keys_to_store, chunk_ids) if not self.disk.has(key)]
+        writes = [(chunk, get_offload_group_idx(key), self.disk.path(key)) for key, chunk in new]
+        self.disk.add(key for key, _ in new)
         return PrepareStoreOutput(keys_to_store=output.keys_to_store, store_spec=DiskFiles(chunk_ids, writes),
                                   evicted_keys=output.evicted_keys)
 
@@ -435,7 +438,7 @@ class FileWriter:
         self._fsync = fsync
         self._queue_bytes = queue_bytes
         self._queued_bytes = 0
-        self._queue: deque[tuple[str, list[bytes]]] = deque()
+        self._queue: deque[tuple[str, list[bytes], int]] = deque()  # path, parts, their bytes
         self._cond = threading.Condition()
         self._stopped = False
         self.dropped = 0
@@ -448,7 +451,7 @@ class FileWriter:
             if self._queued_bytes + size > self._queue_bytes:
                 self.dropped += 1
                 return
-            self._queue.append((path, parts))
+            self._queue.append((path, parts, size))
             self._queued_bytes += size
             self._cond.notify()
 
@@ -472,24 +475,24 @@ class FileWriter:
                 self._cond.wait_for(lambda: self._queue or self._stopped)
                 if not self._queue:
                     return
-                path, parts = self._queue[0]
+                path, parts, size = self._queue[0]
             try:
-                self._write(path, parts)
+                self._write(path, parts, size)
             except OSError as exc:  # a full or failing disk: a miss later, not an engine error
                 logger.warning("disk tier: writing %s failed: %s", path, exc)
             with self._cond:
                 self._queue.popleft()
-                self._queued_bytes -= sum(len(part) for part in parts)
+                self._queued_bytes -= size
                 self._cond.notify_all()
 
-    def _write(self, path: str, parts: list[bytes]) -> None:
+    def _write(self, path: str, parts: list[bytes], size: int) -> None:
         crc = 0
         for part in parts:
             crc = zlib.crc32(part, crc)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temporary = f"{path}.{os.getpid()}.tmp"
         with open(temporary, "wb") as file:
-            file.write(HEADER.pack(MAGIC, sum(len(part) for part in parts), crc))
+            file.write(HEADER.pack(MAGIC, size, crc))
             for part in parts:
                 file.write(part)
             if self._fsync:
