@@ -2,10 +2,10 @@
 
 Blocks are written through: each chunk the host tier stores is also written to a
 file, content-addressed by its offload key (the block hash and KV group) in
-vLLM's ``FileMapper`` layout (``<base>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin``),
-under a namespace directory that fingerprints what the bytes depend on and block
-hashes do not cover: the weights (vLLM PR #57810), the chunk's byte size and our
-file format. Write-through, not write-back on eviction: a parked session's KV is on
+vLLM's ``FileMapper`` layout (``<base>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin``, its
+model named by its weights' fingerprint rather than its path), under a namespace
+directory that fingerprints what the bytes depend on and block hashes do not cover:
+the weights (vLLM PR #57810), the chunk's byte size and our file format. Write-through, not write-back on eviction: a parked session's KV is on
 disk as soon as it is in the host tier, so ``kill -9`` loses at most the writes
 still queued (the writer's backlog, bounded by ``disk_tier_write_queue_bytes``),
 where write-back would lose every block the host tier held.
@@ -38,7 +38,9 @@ import zlib
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -124,11 +126,17 @@ def weights_fingerprint(model: str) -> str:
 
 
 def file_mapper(spec: Any) -> FileMapper:
-    """vLLM's file layout, under a namespace for the weights, the chunk size and our format."""
-    namespace = {"format": FORMAT, "weights": weights_fingerprint(spec.config.model.name),
+    """vLLM's file layout, under a namespace for the weights, the chunk size and our format.
+    vLLM's layout names the model by its path; ours by its weights' fingerprint instead, so
+    the same weights at another path (a moved cache, another replica's mount) share files
+    and other weights at the same path (a checkpoint replaced in place) share none."""
+    weights = weights_fingerprint(spec.config.model.name)
+    namespace = {"format": FORMAT, "weights": weights,
                  "kv_bytes_per_chunk": spec.kv_bytes_per_chunk, "blocks_per_chunk": spec.blocks_per_chunk}
     name = hashlib.sha256(repr(sorted(namespace.items())).encode()).hexdigest()[:16]
-    return FileMapper.from_offloading_spec(os.path.join(spec.extra_config[DISK_TIER_DIR_KEY], name), spec)
+    config = replace(spec.config, model=replace(spec.config.model, name=f"weights-{weights[:16]}"))
+    renamed: Any = SimpleNamespace(config=config)  # all that from_offloading_spec reads of a spec
+    return FileMapper.from_offloading_spec(os.path.join(spec.extra_config[DISK_TIER_DIR_KEY], name), renamed)
 
 
 def key_of(path: str) -> OffloadKey:

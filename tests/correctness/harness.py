@@ -188,12 +188,16 @@ class InProcessBackend:
         return (await self._service.create("harness", SessionCreateRequest(defaults=defaults))).id
 
     async def session_chunk(self, session_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+        return list((await self.session_chunk_result(session_id, token_ids, max_tokens)).token_ids)
+
+    async def session_chunk_result(self, session_id: str, token_ids: list[int], max_tokens: int) -> Any:
+        """The service's ``ChunkResult``: the answer, and where its prompt's KV came from."""
         from app.sessions.protocol import SamplingOptions
 
         run = await self._service.start_chunk(
             "harness", session_id, token_ids, SamplingOptions(max_tokens=max_tokens), transport="harness", wait=True
         )
-        return list((await run.result()).token_ids)
+        return await run.result()
 
     async def close_session(self, session_id: str) -> None:
         await self._service.close("harness", session_id)
@@ -422,6 +426,14 @@ class Report:
         return data
 
 
+async def measure_margin(backend: Backend, mismatch: Mismatch, prompt: list[int]) -> Mismatch:
+    """The recompute's top-2 margin where the two outputs first part."""
+    position = next(i for i, (a, b) in enumerate(itertools.zip_longest(mismatch.expected, mismatch.got)) if a != b)
+    mismatch.position = position
+    mismatch.margin = await backend.top2_margin(prompt + mismatch.expected[:position])
+    return mismatch
+
+
 async def run_workload(backend: Backend, workload: Workload) -> Report:
     report = Report(seed=workload.seed, oracle=workload.oracle)
     against_recompute = workload.oracle == "recompute"
@@ -432,12 +444,7 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
     preemptions_before = await backend.engine_counter("vllm:num_preemptions_total")
 
     async def measured(mismatch: Mismatch, prompt: list[int]) -> Mismatch:
-        """The recompute's margin where the two outputs first part."""
-        position = next(i for i, (a, b) in enumerate(itertools.zip_longest(mismatch.expected, mismatch.got))
-                        if a != b)
-        mismatch.position = position
-        mismatch.margin = await backend.top2_margin(prompt + mismatch.expected[:position])
-        return mismatch
+        return await measure_margin(backend, mismatch, prompt)
 
     async def probe(session_index: int, chunk_index: int, context: list[int]) -> None:
         length = rng.randint(1, len(context))
@@ -653,7 +660,8 @@ class InProcessHarness:
         return InProcessBackend(self.engine, self.service, self.service.recorder)
 
     async def __aexit__(self, *exc: object) -> None:
-        from app.engine import shutdown_engine
+        from app.engine import flush_disk_tier, shutdown_engine
 
         await self.service.stop()
+        await flush_disk_tier(self.engine)  # as the server's stop does (a no-op without a disk tier)
         shutdown_engine(self.engine)

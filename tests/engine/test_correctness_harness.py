@@ -7,11 +7,15 @@ Oracles: the configs run in float32 against a recompute (sound only in fp32);
 one config runs again in bf16 with the tier-against-device oracle, under every CPU
 attention kernel this machine has, in test_tier_vs_device.py (on the engine of the
 other bf16 checks). Each oracle has a negative control that must catch the seed bug.
+The restart configuration (sessions resumed from the disk tier on a restarted engine)
+runs here too, on engines of its own; its files' negative controls are in
+test_disk_tier.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -23,10 +27,12 @@ from tests.correctness.harness import (
     run_workload,
     workload_for,
 )
+from tests.correctness.restart import run_restart
 
 pytestmark = pytest.mark.engine
 
 SESSIONS_PER_CONFIG = 28  # 2 configs: 56 sessions per suite run
+RESTART_SESSIONS = 12  # the recorded run has 200 (docs/correctness.md)
 
 
 # Both configs park sessions at random between chunks: a parked session's next chunk
@@ -75,3 +81,17 @@ async def test_negative_control_harness_catches_the_seed_bug() -> None:
         report = await run_workload(backend, workload)
     assert report.prefix_requests_with_tier_hits > 0
     assert any(m.kind == "prefix" for m in report.failures), report.summary()
+
+
+async def test_harness_restart_resumes_sessions_from_disk(tmp_path: Path) -> None:
+    """The restart configuration (tests/correctness/restart.py): sessions parked on one
+    engine, their last chunk on a restarted one, against a salted recompute there."""
+    report = await run_restart(SUITE_SEED, RESTART_SESSIONS, state_dir=str(tmp_path))
+    summary = report.summary()
+    assert report.resumed == report.sessions == RESTART_SESSIONS, summary
+    assert report.chunks_checked > report.resumed, summary  # phase 1's chunks were checked too
+    # A run that recomputed its resumes would match its oracle trivially: every resume with
+    # a whole block to read must have read the disk tier (the run's pass: most of the KV).
+    assert report.resumed_from_disk == report.resumable > 0, summary
+    assert report.cpu_tier_tokens == 0, summary  # a new engine's CPU tier holds only what it read from disk
+    assert report.passed, summary

@@ -10,12 +10,19 @@ Oracle: float32, token for token against a recompute on the restarted engine, sa
 with prefix-cache reads off (``generate_once(recompute=True)``), so it can read none of
 the files under test. Negative control: a session's file replaced by another session's
 (whole, its checksum valid) makes its answer differ from the recompute.
+
+Then another checkpoint of the same shape in the model's place (its weights replaced in
+the same directory, as an updated checkpoint is): vLLM's block hashes do not cover the
+weights, and vLLM's file layout names the model by its path, so only the tier's
+namespace (a weights fingerprint) keeps the new model from loading the old one's KV. It
+must get no hit at all (with the fingerprint left out it gets every block).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +52,27 @@ async def flushed_files(engine: Any, root: Path, count: int) -> dict[Path, int]:
     return files
 
 
+def replace_checkpoint(model_dir: Path) -> None:
+    """Every weight changed a little, in place: same config, shapes and tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    for path in model_dir.glob("*.safetensors"):
+        save_file({name: tensor * 1.01 for name, tensor in load_file(path).items()}, path, metadata={"format": "pt"})
+
+
 async def test_a_restarted_engine_resumes_sessions_from_disk(tmp_path: Path) -> None:
-    settings = make_settings(disk_tier_gib=0.25, disk_tier_dir=str(tmp_path))
+    tier_dir, model_dir = tmp_path / "tier", tmp_path / "model"
+    shutil.copytree(make_settings().resolved_model(), model_dir)  # a copy of its own, replaced at the end
+    settings = make_settings(disk_tier_gib=0.25, disk_tier_dir=str(tier_dir), model=str(model_dir))
     rng = random.Random(7)
     contexts: list[list[int]] = []
     files_of: list[list[Path]] = []  # each session's files, oldest first
     async with started_engine(settings) as engine:
         for _ in range(3):
-            before = tier_files(tmp_path)
+            before = tier_files(tier_dir)
             chunks = [random_tokens(rng, n) for n in CHUNKS]
             context, _ = await run_streaming_session(engine, chunks, max_tokens=16)
-            after = await flushed_files(engine, tmp_path, len(before) + len(context) // BLOCK)
+            after = await flushed_files(engine, tier_dir, len(before) + len(context) // BLOCK)
             contexts.append(context)
             files_of.append(sorted(set(after) - set(before), key=after.__getitem__))
 
@@ -89,4 +106,10 @@ async def test_a_restarted_engine_resumes_sessions_from_disk(tmp_path: Path) -> 
     # Negative control: the other session's file loads whole, and the oracle sees the wrong KV.
     assert hit_3 == whole[2]
     assert ours_3 != recompute_3, "another session's KV went unnoticed by the recompute oracle"
-    assert os.listdir(tmp_path)  # one namespace directory
+    assert len(os.listdir(tier_dir)) == 1  # one namespace directory
+
+    replace_checkpoint(model_dir)
+    async with started_engine(settings) as engine:
+        answer = await generate_once(engine, contexts[0] + random_tokens(rng, 40), max_tokens=4)
+    assert answer.num_cached_tokens == 0, "another checkpoint's engine loaded the first model's KV"
+    assert len(os.listdir(tier_dir)) == 2  # its own namespace beside the first

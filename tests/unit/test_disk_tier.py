@@ -14,6 +14,13 @@ from types import SimpleNamespace
 
 import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadKey, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
 from connectors import DISK_TIER_DIR_KEY
@@ -118,12 +125,15 @@ def test_a_file_that_fails_its_checksum_is_a_miss_and_is_deleted(tmp_path: Path)
 
 
 def spec(model: Path, root: Path) -> SimpleNamespace:
-    """What file_mapper reads of an offloading spec."""
-    parallel = SimpleNamespace(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, rank=0, is_parallelism_agnostic=False)
-    config = SimpleNamespace(
-        model=SimpleNamespace(name=str(model), dtype="float32"), cache=SimpleNamespace(tokens_per_hash=32),
-        groups=[SimpleNamespace(tokens_per_block=32, layer_names=["layer.0"])], parallel=parallel,
-        canonical_layout=False, replicated_layout=False)
+    """What file_mapper reads of an offloading spec (vLLM's own config objects)."""
+    parallel = OffloadingParallelConfig(
+        rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
+        data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False)
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("layer.0",), group_id=0),),
+        worker_kv_bytes_per_block=4096, enable_kv_cache_events=False, extra_config={}, engine_id="e",
+        model=OffloadingModelConfig(name=str(model), dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1), parallel=parallel)
     return SimpleNamespace(config=config, kv_bytes_per_chunk=4096, blocks_per_chunk=1,
                            extra_config={DISK_TIER_DIR_KEY: str(root)})
 
@@ -140,7 +150,7 @@ def test_the_namespace_follows_the_weights_not_their_path(tmp_path: Path) -> Non
     assert file_mapper(spec(model, tmp_path / "tier")).base_path == first
     copy = tmp_path / "copy"
     shutil.copytree(model, copy)
-    assert Path(file_mapper(spec(copy, tmp_path / "tier")).base_path).parent == Path(first).parent
+    assert file_mapper(spec(copy, tmp_path / "tier")).base_path == first
     weights.write_bytes(os.urandom(3 << 20))  # another checkpoint, the same shape, the same path
     assert Path(file_mapper(spec(model, tmp_path / "tier")).base_path).parent != Path(first).parent
 
