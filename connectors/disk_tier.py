@@ -34,10 +34,11 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -156,23 +157,32 @@ class DiskFiles(CPULoadStoreSpec):
 
 def scan(root: str) -> list[tuple[int, OffloadKey, int]]:
     """The tier's files under ``root``, least recently used first: (mtime, key, size),
-    from names and mtimes alone (no file body is read). Left-over temporary files of a
-    crashed writer are deleted."""
+    from names and mtimes alone (no file body is read). Temporary files a crashed
+    writer left (older than the scan: a live writer's are newer) are deleted."""
+    started = time.time_ns()
     found: list[tuple[int, OffloadKey, int]] = []
     for directory, _, names in os.walk(root):
         for name in names:
             path = os.path.join(directory, name)
-            if not name.endswith(".bin"):
-                _unlink(path)
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:  # evicted meanwhile
                 continue
-            stat = os.stat(path)
-            found.append((stat.st_mtime_ns, key_of(path), stat.st_size))
+            if name.endswith(".bin"):
+                found.append((stat.st_mtime_ns, key_of(path), stat.st_size))
+            elif stat.st_mtime_ns < started:
+                _unlink(path)
     return sorted(found)
 
 
 class DiskIndex:
     """The scheduler's view of the tier's files: least recently used first, with their
-    sizes, the ones verified this run, and the ones being read (never evicted)."""
+    sizes, the ones verified this run, and the ones being read (never evicted).
+
+    It is rebuilt from the directory on a thread: a cold directory walk costs about
+    150 us a file (vLLM's layout gives nearly every file a directory of its own), 9 s
+    for 60,000 files, and the engine need not wait for it. Until the walk is merged, a
+    key the index does not know yet is looked for on disk by its name."""
 
     def __init__(self, mapper: FileMapper, cap_bytes: int, file_bytes: int):
         self.mapper = mapper
@@ -184,26 +194,51 @@ class DiskIndex:
         self._pins: Counter[OffloadKey] = Counter()
         self.counts: Counter[str] = Counter()  # hits, misses, evictions, checksum_failures
         self._pool = ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="streamsess-disk-tier-check")
-        self._rebuild()
+        self._root = f"{mapper.base_path}_r{mapper.rank}"
+        self._removed: set[OffloadKey] = set()  # while the walk runs: not to be merged back
+        self._walk: Future[list[tuple[int, OffloadKey, int]]] | None = self._pool.submit(scan, self._root)
+        self._walk_started = time.monotonic()
 
-    def _rebuild(self) -> None:
-        for _, key, size in scan(f"{self.mapper.base_path}_r{self.mapper.rank}"):
-            self.files[key] = size
-            self.bytes += size
+    def rebuilding(self) -> bool:
+        """Whether the directory walk is still running (merged here once it is done)."""
+        if self._walk is not None and self._walk.done():
+            self._merge(self._walk.result())
+        return self._walk is not None
+
+    def wait_rebuilt(self) -> None:
+        if self._walk is not None:
+            self._walk.result()
+        assert not self.rebuilding()
+
+    def _merge(self, found: list[tuple[int, OffloadKey, int]]) -> None:
+        """The walk's files, oldest first, before the ones used since it began."""
+        self._walk = None
+        used_since = self.files
+        self.files = OrderedDict((key, size) for _, key, size in found
+                                 if key not in used_since and key not in self._removed)
+        self.files.update(used_since)
+        self.bytes = sum(self.files.values())
+        self._removed.clear()
         self._evict()
-        logger.info("disk tier: %d files, %.1f MiB, in %s_r%d", len(self.files), self.bytes / 2**20,
-                    self.mapper.base_path, self.mapper.rank)
+        logger.info("disk tier: %d files, %.1f MiB, in %s (indexed in %.2f s)", len(self.files),
+                    self.bytes / 2**20, self._root, time.monotonic() - self._walk_started)
 
     def path(self, key: OffloadKey) -> str:
         return self.mapper.get_file_name(key)
 
     def has(self, key: OffloadKey) -> bool:
-        return key in self.files
+        if key in self.files:
+            return True
+        if self.rebuilding() and os.path.exists(self.path(key)):
+            self.files[key] = self.file_bytes  # found before the walk got to it: now used
+            self.bytes += self.file_bytes
+            return True
+        return False
 
     def verify(self, key: OffloadKey) -> bool:
         """Whether the key's file is there and whole (its checksum read once a run);
         a file that fails its checksum is deleted."""
-        if key not in self.files:
+        if not self.has(key):
             return False
         if key not in self._verified:
             self._settle(key, self._check(key))
@@ -220,7 +255,7 @@ class DiskIndex:
         of its time waiting on single reads."""
         pending = []
         for key in keys:
-            if key not in self.files:
+            if not self.has(key):
                 break
             if key not in self._verified:
                 pending.append(key)
@@ -246,6 +281,7 @@ class DiskIndex:
 
     def add(self, keys: Iterable[OffloadKey]) -> None:
         """Files about to be written: counted now, so the cap holds for what is queued."""
+        self.rebuilding()  # merges a finished walk first, so the cap counts its files
         for key in keys:
             self.files[key] = self.file_bytes
             self.bytes += self.file_bytes
@@ -268,6 +304,7 @@ class DiskIndex:
         self._pins += Counter()  # drop the zeros
 
     def clear(self) -> None:
+        self.wait_rebuilt()  # every file, the ones not indexed yet too
         for key in [key for key in self.files if not self._pins[key]]:
             self._remove(key)
 
@@ -282,6 +319,8 @@ class DiskIndex:
     def _remove(self, key: OffloadKey) -> None:
         self.bytes -= self.files.pop(key)
         self._verified.discard(key)
+        if self._walk is not None:
+            self._removed.add(key)
         _unlink(self.path(key))
 
 
@@ -361,6 +400,7 @@ class DiskTierManager(CPUOffloadingManager):
     def get_stats(self) -> Any:
         stats = super().get_stats()
         if stats is not None:
+            self.disk.rebuilding()  # merged once done: the gauges count every file
             stats.set_gauge(METRIC_PREFIX + "bytes", self.disk.bytes)
             stats.set_gauge(METRIC_PREFIX + "files", len(self.disk.files))
             for name in COUNTERS:

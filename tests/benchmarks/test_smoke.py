@@ -109,3 +109,9 @@ def test_models_quick(quick_runs: tuple[Path, dict]) -> None:
     (row,) = result["rows"]
     assert (row["preset"], row["dtype"]) == ("tiny", "float32")
     assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+
+
+def test_disk_index_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("disk_index", quick_runs)
+    assert result["settings"]["files"] == 2000
+    assert all(result[key] > 0 for key in ("ready_s", "first_hit_s", "walk_s", "warm_walk_s"))

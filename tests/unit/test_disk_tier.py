@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadKey, make_offload_key
@@ -23,7 +25,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
-from connectors import DISK_TIER_DIR_KEY
+from connectors import DISK_TIER_DIR_KEY, disk_tier
 from connectors.disk_tier import (
     HEADER,
     DiskFiles,
@@ -104,9 +106,30 @@ def test_the_index_rebuilds_from_the_directory_in_lru_order(tmp_path: Path) -> N
     leftover.parent.mkdir(parents=True, exist_ok=True)
     leftover.write_bytes(b"partial")
     rebuilt = DiskIndex(mapper(tmp_path), cap_bytes=3 * FILE_BYTES, file_bytes=FILE_BYTES)
+    rebuilt.wait_rebuilt()
     assert list(rebuilt.files) == [key(3), key(4), key(1)]  # the least recently used evicted
     assert not leftover.exists()
     assert all(rebuilt.verify(k) for k in rebuilt.files)
+
+
+def test_files_are_served_by_name_before_the_index_is_rebuilt(tmp_path: Path, monkeypatch: Any) -> None:
+    """A restarted engine does not wait for the directory walk (seconds for tens of
+    thousands of files): until it is merged, a key is looked for by its file name; the
+    merge then puts the files used meanwhile last and holds the cap."""
+    index = DiskIndex(mapper(tmp_path), cap_bytes=10 * FILE_BYTES, file_bytes=FILE_BYTES)
+    for number in range(4):
+        write(index, number)
+        time.sleep(0.02)  # one mtime tick per file
+    walked = threading.Event()
+    real_scan = disk_tier.scan
+    monkeypatch.setattr(disk_tier, "scan", lambda root: real_scan(root) if walked.wait(30) else [])
+    rebuilt = DiskIndex(mapper(tmp_path), cap_bytes=3 * FILE_BYTES, file_bytes=FILE_BYTES)
+    assert rebuilt.rebuilding() and not rebuilt.files
+    assert rebuilt.verify(key(2)) and not rebuilt.verify(key(7))  # on disk by its name; no file
+    walked.set()
+    rebuilt.wait_rebuilt()
+    assert list(rebuilt.files) == [key(1), key(3), key(2)]  # 0 evicted: the oldest, and unused since
+    assert not Path(rebuilt.path(key(0))).exists() and rebuilt.bytes == 3 * FILE_BYTES
 
 
 def test_a_file_that_fails_its_checksum_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
