@@ -352,6 +352,10 @@ class DiskTierManager(CPUOffloadingManager):
         from_disk: list[OffloadKey] = []
         for key in keys:
             (in_host if self._policy.get(key) is not None else from_disk).append(key)
+        # Every key loaded is used, from the CPU tier too: its file must not age out of the
+        # disk tier while the session is hot in host memory (vLLM 0.32 never calls touch()).
+        # About 3 us a key (utime), so the order survives a restart.
+        self.disk.touch(keys)
         if not from_disk:
             return super().prepare_load(keys, req_context)
         # Pin the keys in host memory first, so taking chunks for the others cannot evict them.
@@ -363,7 +367,6 @@ class DiskTierManager(CPUOffloadingManager):
         super().complete_store(from_disk, req_context)  # filled by the worker before the load reads them
         self._prepare_load(from_disk, req_context, record_access=True)
         self.disk.pin(from_disk)
-        self.disk.touch(from_disk)
         self._loading_from_disk.update(from_disk)
         chunk_ids = {key: self._policy.get(key).chunk_id for key in keys}  # type: ignore[union-attr]
         reads = [(chunk_ids[key], get_offload_group_idx(key), self.disk.path(key)) for key in from_disk]
@@ -375,7 +378,7 @@ class DiskTierManager(CPUOffloadingManager):
         self._loading_from_disk.difference_update(keys)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        super().touch(keys, req_context)
+        super().touch(keys, req_context)  # not called by vLLM 0.32 (prepare_load touches instead)
         self.disk.touch(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:

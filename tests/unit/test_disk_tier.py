@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadKey, make_offload_key
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -30,6 +30,7 @@ from connectors.disk_tier import (
     HEADER,
     DiskFiles,
     DiskIndex,
+    DiskTierManager,
     DiskTierWorker,
     FileWriter,
     file_mapper,
@@ -130,6 +131,23 @@ def test_files_are_served_by_name_before_the_index_is_rebuilt(tmp_path: Path, mo
     rebuilt.wait_rebuilt()
     assert list(rebuilt.files) == [key(1), key(3), key(2)]  # 0 evicted: the oldest, and unused since
     assert not Path(rebuilt.path(key(0))).exists() and rebuilt.bytes == 3 * FILE_BYTES
+
+
+def test_a_cpu_tier_hit_keeps_its_file_recent_on_disk(tmp_path: Path) -> None:
+    """A session hot in host memory is loaded from the CPU tier, never from disk: its
+    files must still count as used, or the disk tier evicts them first and a restart
+    loses exactly the sessions in use (vLLM 0.32 never calls the manager's touch())."""
+    index = DiskIndex(mapper(tmp_path), cap_bytes=3 * FILE_BYTES, file_bytes=FILE_BYTES)
+    index.wait_rebuilt()
+    manager = DiskTierManager(index, num_chunks=8)
+    context = ReqContext(req_id="request")
+    for number in range(3):
+        manager.prepare_store([key(number)], context)
+        manager.complete_store([key(number)], context)
+    manager.prepare_load([key(0)], context)  # the oldest file's chunk, from host memory
+    manager.complete_load([key(0)], context)
+    manager.prepare_store([key(3)], context)  # one file past the cap
+    assert list(index.files) == [key(2), key(0), key(3)]  # 1 evicted, not 0
 
 
 def test_a_file_that_fails_its_checksum_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
