@@ -196,13 +196,17 @@ class DiskIndex:
         self._pool = ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="streamsess-disk-tier-check")
         self._root = f"{mapper.base_path}_r{mapper.rank}"
         self._removed: set[OffloadKey] = set()  # while the walk runs: not to be merged back
-        self._walk: Future[list[tuple[int, OffloadKey, int]]] | None = self._pool.submit(scan, self._root)
-        self._walk_started = time.monotonic()
+        self._walk: Future[tuple[list[tuple[int, OffloadKey, int]], float]] | None = self._pool.submit(
+            self._timed_scan)
+
+    def _timed_scan(self) -> tuple[list[tuple[int, OffloadKey, int]], float]:
+        started = time.monotonic()
+        return scan(self._root), time.monotonic() - started
 
     def rebuilding(self) -> bool:
         """Whether the directory walk is still running (merged here once it is done)."""
         if self._walk is not None and self._walk.done():
-            self._merge(self._walk.result())
+            self._merge(*self._walk.result())
         return self._walk is not None
 
     def wait_rebuilt(self) -> None:
@@ -210,7 +214,7 @@ class DiskIndex:
             self._walk.result()
         assert not self.rebuilding()
 
-    def _merge(self, found: list[tuple[int, OffloadKey, int]]) -> None:
+    def _merge(self, found: list[tuple[int, OffloadKey, int]], seconds: float) -> None:
         """The walk's files, oldest first, before the ones used since it began."""
         self._walk = None
         used_since = self.files
@@ -221,7 +225,7 @@ class DiskIndex:
         self._removed.clear()
         self._evict()
         logger.info("disk tier: %d files, %.1f MiB, in %s (indexed in %.2f s)", len(self.files),
-                    self.bytes / 2**20, self._root, time.monotonic() - self._walk_started)
+                    self.bytes / 2**20, self._root, seconds)
 
     def path(self, key: OffloadKey) -> str:
         return self.mapper.get_file_name(key)
