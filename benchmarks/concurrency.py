@@ -7,6 +7,7 @@ generated tokens per second and p50/p99 time to first token per chunk.
 
     python -m benchmarks.concurrency             # bench model
     python -m benchmarks.concurrency --quick     # tiny model, N in (1, 2), 2 turns
+    python -m benchmarks.concurrency --disk-tier-gib 8 --skip-vllm   # the disk tier's write-through cost
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -87,34 +89,49 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
     warmup = [[random_tokens(rng, args.chunk) for _ in range(2)]]
     log_dir = Path(args.out) / "logs"
-    results: dict[str, dict[str, Any]] = {"ours-sse": {}, "vllm-prefix-on": {}}
+    results: dict[str, dict[str, Any]] = {}
 
-    with our_server(setup, log_dir) as server:
-        async def run_ours(chunks: list[list[int]], ttfts: list[float]) -> int:
-            return await ours_session(server.base_url, chunks, args.gen, ttfts)
+    async def ours(side: str, **settings: str) -> None:
+        results[side] = {}
+        with our_server(setup, log_dir, **settings) as server:
+            async def run_ours(chunks: list[list[int]], ttfts: list[float]) -> int:
+                return await ours_session(server.base_url, chunks, args.gen, ttfts)
 
-        await measure(run_ours, warmup)
-        for n, workload in workloads.items():
-            results["ours-sse"][str(n)] = await measure(run_ours, workload)
+            await measure(run_ours, warmup)
+            for n, workload in workloads.items():
+                results[side][str(n)] = await measure(run_ours, workload)
 
-    with vllm_server(setup, log_dir, prefix_caching=True) as server:
-        async def run_vllm(chunks: list[list[int]], ttfts: list[float]) -> int:
-            return await vllm_session(server.base_url, server.model, chunks, args.gen, ttfts)
+    await ours("ours-sse")
+    if args.disk_tier_gib:
+        # The same server with the disk tier on: every chunk the CPU tier stores is also
+        # written to a file (write-through), which is what this side measures.
+        with tempfile.TemporaryDirectory(prefix="streamsess-bench-disk-", dir=args.disk_tier_dir) as directory:
+            await ours("ours-sse-disk-tier", disk_tier_gib=str(args.disk_tier_gib), disk_tier_dir=directory)
 
-        await measure(run_vllm, warmup)
-        for n, workload in workloads.items():
-            results["vllm-prefix-on"][str(n)] = await measure(run_vllm, workload)
+    if not args.skip_vllm:
+        results["vllm-prefix-on"] = {}
+        with vllm_server(setup, log_dir, prefix_caching=True) as server:
+            async def run_vllm(chunks: list[list[int]], ttfts: list[float]) -> int:
+                return await vllm_session(server.base_url, server.model, chunks, args.gen, ttfts)
 
-    ratios = {
-        n: {
-            "throughput_ours_vs_vllm": results["ours-sse"][n]["tokens_per_s"] / results["vllm-prefix-on"][n]["tokens_per_s"],
-            "ttft_p50_ours_vs_vllm": results["ours-sse"][n]["ttft_p50_s"] / results["vllm-prefix-on"][n]["ttft_p50_s"],
-        }
-        for n in results["ours-sse"]
-    }
+            await measure(run_vllm, warmup)
+            for n, workload in workloads.items():
+                results["vllm-prefix-on"][str(n)] = await measure(run_vllm, workload)
+
+    def ratios_of(side: str, peer: str, name: str) -> dict[str, dict[str, float]]:
+        return {n: {f"throughput_{name}": results[side][n]["tokens_per_s"] / results[peer][n]["tokens_per_s"],
+                    f"ttft_p50_{name}": results[side][n]["ttft_p50_s"] / results[peer][n]["ttft_p50_s"]}
+                for n in results[side]}
+
+    ratios: dict[str, dict[str, float]] = {str(n): {} for n in args.sessions}
+    for side, peer, name in (("ours-sse", "vllm-prefix-on", "ours_vs_vllm"),
+                             ("ours-sse-disk-tier", "ours-sse", "disk_tier_vs_without")):
+        if side in results and peer in results:
+            for n, row in ratios_of(side, peer, name).items():
+                ratios[n].update(row)
     return {
         "settings": {**setup.describe(), "sessions": args.sessions, "turns": args.turns, "chunk_tokens": args.chunk,
-                     "gen_tokens": args.gen, "seed": args.seed},
+                     "gen_tokens": args.gen, "seed": args.seed, "disk_tier_gib": args.disk_tier_gib},
         "results": results,
         "ratios": ratios,
     }
@@ -148,6 +165,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--gen", type=int, default=16)
+    parser.add_argument("--disk-tier-gib", type=float, default=0.0,
+                        help="also run our server with a disk tier of this size (0: not)")
+    parser.add_argument("--disk-tier-dir", default=None, help="where that side's disk tier goes (a disk, not tmpfs)")
+    parser.add_argument("--skip-vllm", action="store_true", help="our sides only")
     args = parser.parse_args(argv)
     name = "concurrency"
     if args.quick:

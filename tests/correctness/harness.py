@@ -382,8 +382,22 @@ class Mismatch:
         return self.margin is not None and self.margin < NEAR_TIE_MARGIN
 
 
+class Mismatches:
+    """A run's mismatches, told apart: near-ties, and failures (the others)."""
+
+    mismatches: list[Mismatch]
+
+    @property
+    def failures(self) -> list[Mismatch]:
+        return [m for m in self.mismatches if not m.near_tie]
+
+    @property
+    def near_ties(self) -> list[Mismatch]:
+        return [m for m in self.mismatches if m.near_tie]
+
+
 @dataclass
-class Report:
+class Report(Mismatches):
     seed: int
     oracle: str = "recompute"
     sessions: int = 0
@@ -402,14 +416,6 @@ class Report:
     mismatches: list[Mismatch] = field(default_factory=list)
     seconds: float = 0.0
 
-    @property
-    def failures(self) -> list[Mismatch]:
-        """Mismatches that are not near-ties."""
-        return [m for m in self.mismatches if not m.near_tie]
-
-    @property
-    def near_ties(self) -> list[Mismatch]:
-        return [m for m in self.mismatches if m.near_tie]
 
     @property
     def passed(self) -> bool:

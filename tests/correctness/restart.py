@@ -34,6 +34,7 @@ from tests.correctness.harness import (
     InProcessBackend,
     InProcessHarness,
     Mismatch,
+    Mismatches,
     SessionPlan,
     harness_settings,
     make_workload,
@@ -49,7 +50,7 @@ MIN_DISK_SHARE = 0.95
 
 
 @dataclass
-class RestartReport:
+class RestartReport(Mismatches):
     seed: int
     sessions: int = 0
     chunks_checked: int = 0  # phase 1's chunks and the resumed ones, each against a recompute
@@ -65,10 +66,6 @@ class RestartReport:
     seconds: float = 0.0
 
     @property
-    def failures(self) -> list[Mismatch]:
-        return [m for m in self.mismatches if not m.near_tie]
-
-    @property
     def disk_share(self) -> float:
         return self.disk_tier_tokens / self.resumable_tokens if self.resumable_tokens else 0.0
 
@@ -79,7 +76,7 @@ class RestartReport:
     def summary(self) -> dict[str, Any]:
         data = asdict(self)
         data["mismatches"] = len(self.mismatches)
-        data["near_ties"] = [asdict(m) for m in self.mismatches if m.near_tie]
+        data["near_ties"] = [asdict(m) for m in self.near_ties]
         data["first_mismatches"] = [asdict(m) for m in self.failures[:3]]
         data["disk_share"] = round(self.disk_share, 4)
         data["passed"] = self.passed
