@@ -145,9 +145,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     tools = {"tool_call_parser": "hermes", "tool_strict_level": "parameter", "chat_template": template}
     sides: dict[str, Rounds] = {}
     # ours-no-tier: the same server without its CPU tier (connector none), to tell the
-    # tier's share of a round from the session's.
-    for label, connector in (("ours", "offloading"), ("ours-no-tier", "none")):
-        with our_server(setup, log_dir, connector, served_model_name=name, **tools) as server:
+    # tier's share of a round from the session's; ours-inline-copies: with the tier, its
+    # copies on the model's thread instead of a copy thread on the CPU it shares with the
+    # engine core and the API server.
+    for label, connector, extra in (("ours", "offloading", {}), ("ours-no-tier", "none", {}),
+                                    ("ours-inline-copies", "offloading", {"tier_copy_thread": "false"})):
+        with our_server(setup, log_dir, connector, served_model_name=name, **tools, **extra) as server:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=600, headers=API_HEADERS) as http:
                 await ours(http, name, warmup[:2], args.gen)
                 sides[label] = median_per_turn([await ours(http, name, outputs, args.gen) for outputs in runs])
