@@ -32,7 +32,7 @@ from typing import Any
 from benchmarks.common import RESULTS, finish, pyplot
 from benchmarks.disk_tier import drop_page_cache
 from connectors.cpu_platform import kernel_flags
-from connectors.disk_tier import HEADER, DiskIndex, FileWriter, scan
+from connectors.disk_files import HEADER, DiskIndex, FileWriter, scan
 
 
 def mapper(root: Path) -> Any:

@@ -46,7 +46,7 @@ from benchmarks.common import (
     stop_engine,
 )
 from benchmarks.store import NEXT_CHUNK, OWNER, Bench
-from connectors.disk_tier import scan
+from connectors.disk_files import scan
 
 SIDES = ("cpu_tier", "disk_tier", "recompute")
 SEQUENTIAL_BYTES = 1 << 30

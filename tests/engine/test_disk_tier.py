@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from app.engine import flush_disk_tier
-from connectors.disk_tier import HEADER, whole_file
+from connectors.disk_files import HEADER, whole_file
 from tests.conftest import make_settings
 from tests.helpers import generate_once, random_tokens, run_streaming_session, started_engine
 

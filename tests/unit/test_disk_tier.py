@@ -1,4 +1,4 @@
-"""The disk tier's parts without an engine (connectors/disk_tier.py): the worker's files
+"""The disk tier's parts without an engine (connectors/disk_tier.py, disk_files.py): the worker's files
 round-trip a chunk's pages into a fresh host tier; the index keeps the tier within its
 cap (pinned files excepted), rebuilds itself from the directory alone, and turns a file
 that fails its checksum into a miss; the namespace follows the weights, not their path.
@@ -25,17 +25,9 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
 
-from connectors import DISK_TIER_DIR_KEY, disk_tier
-from connectors.disk_tier import (
-    HEADER,
-    DiskFiles,
-    DiskIndex,
-    DiskTierManager,
-    DiskTierWorker,
-    FileWriter,
-    file_mapper,
-    key_of,
-)
+from connectors import DISK_TIER_DIR_KEY, disk_files
+from connectors.disk_files import HEADER, DiskIndex, FileWriter, key_of
+from connectors.disk_tier import DiskFiles, DiskTierManager, DiskTierWorker, file_mapper
 from tests.unit.test_host_tier import make_caches
 
 FILE_BYTES = 1000
@@ -122,8 +114,8 @@ def test_files_are_served_by_name_before_the_index_is_rebuilt(tmp_path: Path, mo
         write(index, number)
         time.sleep(0.02)  # one mtime tick per file
     walked = threading.Event()
-    real_scan = disk_tier.scan
-    monkeypatch.setattr(disk_tier, "scan", lambda root: real_scan(root) if walked.wait(30) else [])
+    real_scan = disk_files.scan
+    monkeypatch.setattr(disk_files, "scan", lambda root: real_scan(root) if walked.wait(30) else [])
     rebuilt = DiskIndex(mapper(tmp_path), cap_bytes=3 * FILE_BYTES, file_bytes=FILE_BYTES)
     assert rebuilt.rebuilding() and not rebuilt.files
     assert rebuilt.verify(key(2)) and not rebuilt.verify(key(7))  # on disk by its name; no file
