@@ -5,8 +5,9 @@ file, content-addressed by its offload key (the block hash and KV group) in
 vLLM's ``FileMapper`` layout (``<base>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin``, its
 model named by its weights' fingerprint rather than its path), under a namespace
 directory that fingerprints what the bytes depend on and block hashes do not cover:
-the weights (vLLM PR #57810), the chunk's byte size and our file format. Write-through, not write-back on eviction: a parked session's KV is on
-disk as soon as it is in the host tier, so ``kill -9`` loses at most the writes
+the weights (vLLM PR #57810), the chunk's byte size and our file format.
+Write-through, not write-back on eviction: a parked session's KV is on disk as soon
+as it is in the host tier, so ``kill -9`` loses at most the writes
 still queued (the writer's backlog, bounded by ``disk_tier_write_queue_bytes``),
 where write-back would lose every block the host tier held.
 
@@ -16,7 +17,7 @@ per-start engine id and unlinked only on a clean exit, so a ``kill -9`` leaks it
 loads from disk asynchronously (our host worker's loads are synchronous: see
 ``connectors.offloading``), and in vLLM 0.32 its files have no checksum, no size
 cap and no eviction. Here the scheduler side (``DiskTierManager``) keeps the index
-(rebuilt from the directory at start, from names and mtimes alone), verifies a
+(rebuilt from the directory's names and mtimes on a thread at start), verifies a
 file's checksum before it reports a hit (a file that fails is deleted: a miss), pins
 files being read and evicts the least recently used past the cap; the worker side
 (``DiskTierWorker``) writes files on a thread and reads them into the host tier

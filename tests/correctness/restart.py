@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tests.correctness.harness import (
+    SESSION_TOKENS,
     InProcessBackend,
     InProcessHarness,
     Mismatch,
@@ -96,7 +97,7 @@ def restart_sessions(seed: int, num_sessions: int, block_size: int, blocks_per_c
     round_seed = seed
     while len(plans) < num_sessions:
         workload = make_workload(round_seed, num_sessions, block_size=block_size,
-                                 blocks_per_chunk=blocks_per_chunk, max_session_tokens=512)
+                                 blocks_per_chunk=blocks_per_chunk, max_session_tokens=SESSION_TOKENS)
         plans += [plan for plan in workload.sessions if len(plan.chunks) >= 2]
         round_seed += 1_000_003
     return plans[:num_sessions]
