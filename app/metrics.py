@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -66,6 +68,22 @@ class SessionMetrics:
             ["source"],
             registry=registry,
         )
+
+    def observe_chunk(self, result: Any, transport: str) -> None:
+        """A committed chunk (a ``ChunkResult``): its count, first-token time, resume source
+        and where its prompt came from."""
+        self.chunks_total.labels(transport).inc()
+        if result.time_to_first_token is not None:
+            self.chunk_ttft.observe(result.time_to_first_token)
+        details = result.usage.prompt_tokens_details
+        if result.resumed_from is not None:
+            self.session_resumes.labels(result.resumed_from).inc()
+            if result.time_to_first_token is not None:
+                self.resume_ttft.labels(result.resumed_from).observe(result.time_to_first_token)
+        self.prompt_tokens.labels("device").inc(details.device_tokens)
+        self.prompt_tokens.labels("cpu_tier").inc(details.cpu_tier_tokens)
+        self.prompt_tokens.labels("disk_tier").inc(details.disk_tier_tokens)
+        self.prompt_tokens.labels("computed").inc(details.computed_tokens)
 
 
 _metrics: SessionMetrics | None = None

@@ -1,8 +1,9 @@
 """Thin routes of the Responses API (``/v1/responses``), in place of vLLM's.
 
-A response that is stored (OpenAI's default), continues a ``previous_response_id`` or
-is added to a ``conversation`` runs on a session (``serving``). A stateless one
-(``store: false`` and neither) goes to vLLM's own handler, unchanged.
+A response that is stored (OpenAI's default), continues a ``previous_response_id``, is
+added to a ``conversation`` or warms a session up (``generate: false``) runs on a
+session (``serving``). A stateless one (``store: false`` and none of these) goes to
+vLLM's own handler, unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ async def create_response(body: ResponsesCreateRequest, request: Request, servic
                           owner: OwnerDep) -> Response:
     """Create a model response. Stored responses, ``previous_response_id`` and
     ``conversation`` run on sessions: each turn computes only its new input."""
-    if body.store is False and body.previous_response_id is None and body.conversation is None:
+    if body.store is False and body.previous_response_id is None and body.conversation is None and body.generate:
         return await vllm_responses.create_responses(body, request)
     pending = await service.start(owner, body)
     if body.stream:

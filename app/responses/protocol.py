@@ -45,6 +45,11 @@ class ConversationRef(BaseModel):
 class ResponsesCreateRequest(ResponsesRequest):
     conversation: str | ConversationRef | None = Field(
         default=None, description="The conversation this response continues and is added to.")
+    generate: bool = Field(
+        default=True, description="False: a warm-up, as over OpenAI's Responses websocket (accepted over HTTP "
+        "too): the input is added to the response's session and computed, and nothing is generated. The "
+        "response (no output) is continued with previous_response_id, whose turn then computes only its own "
+        "new input.")
 
     @property
     def conversation_id(self) -> str | None:

@@ -51,6 +51,7 @@ class ContextPoint:
     messages: int
     instructions: str | None
     tools: list[dict[str, Any]] | None = None
+    closed: bool = False  # left by a warm-up: the context ends with its last message's close
 
 
 @dataclass
@@ -109,7 +110,7 @@ class ResponsesService:
         parser = self.sessions.reply_parser(tools, request.tool_choice, request.parallel_tool_calls)
         new_items = items.input_items(request.input)
         new_messages = items.as_messages(new_items)
-        options = _Options(self._options(request), parser)
+        options = _Options(self._options(request), parser, request.generate)
         response_id = items.new_id("resp")
         conversation_id = request.conversation_id
         if conversation_id is not None:
@@ -154,7 +155,7 @@ class ResponsesService:
         wanted = ChatState(head.instructions, chat.messages + new_messages, head.tools)
 
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
-            ids, start = continue_to(self.sessions.tokenizer, chat, wanted, prefix)
+            ids, start = continue_to(self.sessions.tokenizer, chat, wanted, prefix, options.generate)
             kept = prefix if start is None else prefix[:start]
             return options.turn(kept + ids, None, wanted, replayed=len(kept))
 
@@ -175,7 +176,7 @@ class ResponsesService:
         if prefix is None or chat is None or len(prefix) != point.token_end:
             raise APIError(400, "The previous response's context is no longer kept; start a new chain.",
                            code="previous_response_not_found", param="previous_response_id")
-        return prefix, ChatState(point.instructions, chat.messages[:point.messages], point.tools)
+        return prefix, ChatState(point.instructions, chat.messages[:point.messages], point.tools, point.closed)
 
     def _plan(self, wanted: ChatState, options: _Options, expect: ContextPoint | None = None) -> TurnPlan:
         tokenizer = self.sessions.tokenizer
@@ -184,7 +185,7 @@ class ResponsesService:
             if expect is not None and (conversation is None or len(conversation.messages) != expect.messages
                                        or len(context_ids) != expect.token_end):
                 raise superseded()  # another response went first: the caller forks
-            ids, start = continue_to(tokenizer, conversation, wanted, context_ids)
+            ids, start = continue_to(tokenizer, conversation, wanted, context_ids, options.generate)
             return options.turn(ids, start, wanted)
 
         return plan
@@ -242,14 +243,18 @@ class ResponsesService:
         reason = "max_output_tokens" if result.finish_reason == "length" else \
             "steered" if pending.steered and result.finish_reason == CANCELLED else None
         status = "incomplete" if reason else "cancelled" if result.finish_reason == CANCELLED else "completed"
+        generated = pending.request.generate
+        if not generated:  # a warm-up: its input is in, and it answers nothing
+            status, reason = "completed", None
         output = items.output_items(pending.parser.final(result.text, result.token_ids), pending.message_id,
-                                    status="completed" if status == "completed" else "incomplete")
+                                    status="completed" if status == "completed" else "incomplete") if generated else []
         response = self._response(pending, status, output, _usage(result),
                                   incomplete_details={"reason": reason} if reason else None)
         usage = result.usage
         point = pending.point = ContextPoint(
             pending.session_id, result.index + 1, usage.prompt_tokens + usage.completion_tokens,
-            len(pending.wanted.messages) + 1, pending.wanted.instructions, pending.wanted.tools)
+            len(pending.wanted.messages) + generated, pending.wanted.instructions, pending.wanted.tools,
+            closed=not generated)
         now = time.time()
         if pending.request.store is not False:
             data = {"response": response.model_dump(mode="json"), "input_items": pending.input_items,
@@ -332,10 +337,12 @@ class _Options:
 
     sampling: SamplingOptions
     parser: OutputParser
+    generate: bool = True  # False: a warm-up (no grammar: nothing is answered)
 
     def turn(self, input_ids: list[int], start: int | None, wanted: ChatState, replayed: int = 0) -> Turn:
-        return Turn(input_ids, start, wanted, replayed, structured_outputs=self.parser.structured_outputs(),
-                    reply=lambda text: items.reply_message(self.parser.final(text)))
+        return Turn(input_ids, start, wanted, replayed,
+                    structured_outputs=self.parser.structured_outputs() if self.generate else None,
+                    reply=lambda text: items.reply_message(self.parser.final(text)), generate=self.generate)
 
 
 _OUTPUT_MODELS: dict[str, Any] = {"message": ResponseOutputMessage, "function_call": ResponseFunctionToolCall}

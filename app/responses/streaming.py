@@ -47,7 +47,7 @@ async def response_events(service: ResponsesService, owner: str, pending: Pendin
     yield frame(("response.created", {"response": skeleton}))
     yield frame(("response.in_progress", {"response": skeleton}))
     output = _OutputStream(pending)
-    if not pending.parser.parses_calls:  # a reply of text alone: its message opens at once
+    if not pending.parser.parses_calls and pending.request.generate:  # text alone: its message opens at once
         for event in output.open_message():
             yield frame(event)
     result: ChunkResult | None = None

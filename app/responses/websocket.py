@@ -2,8 +2,10 @@
 OpenAI's own streaming-input protocol, on sessions.
 
 Each ``response.create`` carries the create body (no ``stream``, ``background``); turns
-run one after another, in order, each sending only its new input. The connection keeps
-its latest response, so ``store: false`` still chains on it. ``response.steer`` pushes
+run one after another, in order, each sending only its new input; ``generate: false``
+warms the session up with its input (computed, nothing generated), so that the turn
+continuing it computes only what is new. The connection keeps its latest response, so
+``store: false`` still chains on it. ``response.steer`` pushes
 user input into the running response: it stops at its next token (the session keeps
 what it generated), ends ``incomplete`` with reason ``steered``, and a successor with
 the same settings continues from it with the steered input, as the next chunk. Steered
@@ -77,9 +79,6 @@ class ResponsesConnection:
         kind = event.get("type") if isinstance(event, dict) else None
         if kind == "response.create":
             body = {key: value for key, value in event.items() if key not in ("type", "stream_id")}
-            if body.pop("generate", True) is False:
-                raise APIError(400, "generate: false (warming a session up without an answer) is not supported "
-                               "yet.", code="unsupported_parameter", param="generate")
             if refused := [name for name in _NOT_ON_A_SOCKET if body.get(name)]:
                 raise APIError(400, f"{refused[0]} is not available over the websocket.",
                                code="unsupported_parameter", param=refused[0])
@@ -123,7 +122,7 @@ class ResponsesConnection:
             return None
         # The successor: the same settings, continuing the steered response with the steered input.
         return request.model_copy(update={"input": self.steered, "previous_response_id": pending.id,
-                                          "conversation": None})
+                                          "conversation": None, "generate": True})
 
     async def steer(self, event: dict[str, Any]) -> None:
         steer_id = items.new_id("steer")

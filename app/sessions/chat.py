@@ -30,25 +30,35 @@ class ChatState:
     instructions: str | None = None
     messages: Messages = field(default_factory=list)
     tools: Tools = None
+    # The context ends with the template's own close of the last message (a turn sent
+    # without the assistant prefix: a warm-up), not with a reply the model sampled.
+    closed: bool = False
 
     def rendered(self) -> Messages:
         head = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return head + self.messages
 
     def with_messages(self, messages: Messages) -> ChatState:
+        """The conversation once a reply (or a turn's messages) is in."""
         return ChatState(self.instructions, self.messages + messages, self.tools)
+
+    def warmed(self) -> ChatState:
+        """This conversation as a turn without the assistant prefix leaves it."""
+        return ChatState(self.instructions, self.messages, self.tools, closed=True)
 
     def same_head(self, other: ChatState) -> bool:
         return self.instructions == other.instructions and (self.tools or None) == (other.tools or None)
 
     def dump(self) -> dict[str, Any]:
-        return {"instructions": self.instructions, "messages": self.messages, "tools": self.tools}
+        return {"instructions": self.instructions, "messages": self.messages, "tools": self.tools,
+                "closed": self.closed}
 
     @classmethod
     def load(cls, data: dict[str, Any] | None) -> ChatState | None:
         if data is None:
             return None
-        return cls(data.get("instructions"), list(data.get("messages", [])), data.get("tools"))
+        return cls(data.get("instructions"), list(data.get("messages", [])), data.get("tools"),
+                   bool(data.get("closed", False)))
 
 
 class NotIncrementalError(ValueError):
@@ -61,25 +71,28 @@ _BEFORE_A_TURN: Messages = [{"role": "user", "content": "."}, {"role": "assistan
 _REPLY_MARK = "Zq7xW"
 
 
-def render_turn(tokenizer: Any, messages: Messages, context_ids: list[int], tools: Tools = None) -> str:
-    """The text to append for ``messages`` and the assistant prefix, to a session whose
-    context is ``context_ids`` (empty: the conversation starts here). Raises ValueError
-    where the template cannot continue a conversation (it rewrites earlier turns)."""
+def render_turn(tokenizer: Any, messages: Messages, context_ids: list[int], tools: Tools = None,
+                generation_prompt: bool = True) -> str:
+    """The text to append for ``messages`` and the assistant prefix (none without
+    ``generation_prompt``: a warm-up), to a session whose context is ``context_ids``
+    (empty: the conversation starts here) and ends with a reply the model sampled.
+    Raises ValueError where the template cannot continue a conversation (it rewrites
+    earlier turns)."""
     if getattr(tokenizer, "chat_template", None) is None:
-        # No template: a plain transcript format, one line a message.
-        turn = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        turn = _plain(messages, generation_prompt)
         return f"\n{turn}" if context_ids else turn
     if not context_ids:
-        return _apply(tokenizer, messages, generation_prompt=True, tools=tools)
+        return _apply(tokenizer, messages, generation_prompt=generation_prompt, tools=tools)
     before = _apply(tokenizer, _BEFORE_A_TURN, tools=tools)
-    full = _apply(tokenizer, _BEFORE_A_TURN + messages, generation_prompt=True, tools=tools)
+    full = _apply(tokenizer, _BEFORE_A_TURN + messages, generation_prompt=generation_prompt, tools=tools)
     if not full.startswith(before):
         raise NotIncrementalError("the model's chat template does not render conversations incrementally")
     return reply_close(tokenizer, context_ids[-1]) + full[len(before):]
 
 
 def plan_turn(tokenizer: Any, conversation: Messages | None, messages: Messages,
-              context_ids: list[int], tools: Tools = None) -> tuple[list[int], int | None]:
+              context_ids: list[int], tools: Tools = None,
+              generation_prompt: bool = True) -> tuple[list[int], int | None]:
     """The token ids of the turn ``messages`` and where they go (None: after the whole
     context), for a session whose context is ``context_ids`` and holds ``conversation``
     (every message so far, replies included; None where it is not known).
@@ -89,35 +102,52 @@ def plan_turn(tokenizer: Any, conversation: Messages | None, messages: Messages,
     rendered again and the turn starts where that rendering parts from the context:
     the session keeps the common prefix and recomputes only the rest."""
     try:
-        return _encode(tokenizer, render_turn(tokenizer, messages, context_ids, tools)), None
+        return _encode(tokenizer, render_turn(tokenizer, messages, context_ids, tools, generation_prompt)), None
     except NotIncrementalError:
         if conversation is None:
             raise NotIncrementalError(
                 "the model's chat template rewrites earlier turns, and this session's earlier turns are not "
                 "known as messages (its context was not built from chat messages here)") from None
-        return rerender(tokenizer, conversation + messages, context_ids, tools)
+        return rerender(tokenizer, conversation + messages, context_ids, tools, generation_prompt)
 
 
-def continue_to(tokenizer: Any, have: ChatState | None, wanted: ChatState,
-                context_ids: list[int]) -> tuple[list[int], int | None]:
+def continue_to(tokenizer: Any, have: ChatState | None, wanted: ChatState, context_ids: list[int],
+                generation_prompt: bool = True) -> tuple[list[int], int | None]:
     """The token ids that take a context rendering ``have`` (None: not known as a chat)
-    to one rendering ``wanted``, and where they go (None: after the whole context).
+    to one rendering ``wanted`` (and the assistant prefix, unless this is a warm-up
+    without ``generation_prompt``), and where they go (None: after the whole context).
     Appended where ``wanted`` only adds messages to ``have`` under the same
     instructions and tools; otherwise (instructions or tools changed, a message
     deleted, an older point of the conversation continued) rendered again from the
     longest common prefix."""
     if have is not None and have.same_head(wanted) and wanted.messages[:len(have.messages)] == have.messages:
-        return plan_turn(tokenizer, have.rendered(), wanted.messages[len(have.messages):], context_ids,
-                         wanted.tools)
-    return rerender(tokenizer, wanted.rendered(), context_ids, wanted.tools)
+        new = wanted.messages[len(have.messages):]
+        if have.closed and context_ids:
+            return _after_closed(tokenizer, have.rendered(), new, context_ids, wanted.tools, generation_prompt)
+        return plan_turn(tokenizer, have.rendered(), new, context_ids, wanted.tools, generation_prompt)
+    return rerender(tokenizer, wanted.rendered(), context_ids, wanted.tools, generation_prompt)
+
+
+def _after_closed(tokenizer: Any, conversation: Messages, messages: Messages, context_ids: list[int],
+                  tools: Tools, generation_prompt: bool) -> tuple[list[int], int | None]:
+    """A turn after a warm-up, whose context ends with the template's rendering of
+    ``conversation``: what the template adds to it (rendered whole, on a rare path)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return _encode(tokenizer, _plain(messages, generation_prompt)), None
+    before = _apply(tokenizer, conversation, tools=tools)
+    full = _apply(tokenizer, conversation + messages, generation_prompt=generation_prompt, tools=tools)
+    if full.startswith(before) and len(full) > len(before):
+        return _encode(tokenizer, full[len(before):]), None
+    return rerender(tokenizer, conversation + messages, context_ids, tools, generation_prompt)
 
 
 def rerender(tokenizer: Any, conversation: Messages, context_ids: list[int],
-             tools: Tools = None) -> tuple[list[int], int]:
-    """The whole ``conversation`` with the assistant prefix, against ``context_ids``: the
-    ids past their longest common prefix, and where that prefix ends (at least one id
-    is sent: a chunk is never empty)."""
-    ids = _encode(tokenizer, _apply(tokenizer, conversation, generation_prompt=True, tools=tools))
+             tools: Tools = None, generation_prompt: bool = True) -> tuple[list[int], int]:
+    """The whole ``conversation`` with the assistant prefix (unless not
+    ``generation_prompt``), against ``context_ids``: the ids past their longest
+    common prefix, and where that prefix ends (at least one id is sent: a chunk is
+    never empty)."""
+    ids = _encode(tokenizer, _apply(tokenizer, conversation, generation_prompt=generation_prompt, tools=tools))
     keep = 0
     for ours, theirs in zip(context_ids, ids):
         if ours != theirs:
@@ -125,6 +155,11 @@ def rerender(tokenizer: Any, conversation: Messages, context_ids: list[int],
         keep += 1
     keep = min(keep, len(ids) - 1)
     return ids[keep:], keep
+
+
+def _plain(messages: Messages, generation_prompt: bool) -> str:
+    """A model without a chat template: a plain transcript format, one line a message."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if generation_prompt else "")
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

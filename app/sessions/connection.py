@@ -154,7 +154,8 @@ class SessionConnection:
 
     async def _append(self, event: InputAppendEvent) -> None:
         run = await self.service.start_chunk(
-            self.owner, self.session.id, event.input, event, transport="websocket", wait=True
+            self.owner, self.session.id, event.input, event, transport="websocket", wait=True,
+            generate=event.generate,
         )
         async with contextlib.aclosing(run.events()) as events:
             async for item in events:

@@ -13,6 +13,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from app.errors import APIError
 from app.sessions import chat
+from app.sessions.chat import ChatState
 from app.sessions.protocol import (
     SAMPLING_FIELDS,
     SESSION_ID_PATTERN,
@@ -48,6 +49,19 @@ class Turn:
     # The reply as the conversation records it, from its text (a tool call's parsed
     # message); None: the text as an assistant message's content.
     reply: Callable[[str], dict[str, Any]] | None = None
+    # False: a warm-up (the Responses websocket's ``generate: false``): the chunk is
+    # prefilled and nothing is answered; the one token the engine samples after it is
+    # not the session's (the engine drops it when the next chunk comes).
+    generate: bool = True
+
+    def conversation_after(self, text: str) -> ChatState | None:
+        """The conversation once the turn has ended with the reply ``text``: with the
+        reply, or closed after a warm-up; None where the context is not a chat's."""
+        if self.chat is None:
+            return None
+        if not self.generate:
+            return self.chat.warmed()
+        return self.chat.with_messages([self.reply(text) if self.reply else {"role": "assistant", "content": text}])
 
 
 # A chunk whose tokens depend on the session's context at the moment it runs (a chat
@@ -58,19 +72,24 @@ ChunkInput = str | list[int] | list[ChatMessage] | TurnPlan
 
 
 def plan(tokenizer: Any, vocab_size: int, chunk_input: ChunkInput, context_ids: list[int],
-         conversation: chat.ChatState | None) -> Turn:
-    """The chunk's ``Turn`` against ``context_ids``, which renders ``conversation``."""
+         conversation: chat.ChatState | None, generate: bool = True) -> Turn:
+    """The chunk's ``Turn`` against ``context_ids``, which renders ``conversation``.
+    ``generate`` False: a warm-up (a ``TurnPlan`` decides it for itself)."""
     if callable(chunk_input):
         with _template_errors():
             turn = chunk_input(context_ids, conversation)
     elif chunk_input and isinstance(chunk_input[0], ChatMessage):
         messages = [message.model_dump() for message in chunk_input if isinstance(message, ChatMessage)]
         with _template_errors():
-            ids, start = chat.plan_turn(tokenizer, None if conversation is None else conversation.rendered(),
-                                        messages, context_ids)
-        turn = Turn(ids, start, None if conversation is None else conversation.with_messages(messages))
+            if conversation is None:
+                ids, start = chat.plan_turn(tokenizer, None, messages, context_ids, generation_prompt=generate)
+            else:
+                ids, start = chat.continue_to(tokenizer, conversation, conversation.with_messages(messages),
+                                              context_ids, generation_prompt=generate)
+        turn = Turn(ids, start, None if conversation is None else conversation.with_messages(messages),
+                    generate=generate)
     else:
-        return Turn(encode(tokenizer, vocab_size, chunk_input))
+        return Turn(encode(tokenizer, vocab_size, chunk_input), generate=generate)
     check_token_ids(turn.input_ids, vocab_size, "input")
     if turn.start is not None and not 0 <= turn.start <= len(context_ids):
         raise ValueError(f"a turn cannot start at {turn.start} of a {len(context_ids)}-token context")

@@ -151,9 +151,15 @@ class SessionDeleted(BaseModel):
     deleted: bool = True
 
 
+GENERATE = Field(default=True, description="False: append the chunk without an answer (it is computed now, "
+                 "and the next chunk's answer reads it); the answer has no output. Chat messages are then rendered "
+                 "without the assistant prefix, which the next chunk of messages adds.")
+
+
 class ChunkRequest(SamplingOptions):
     input: ChunkInput
     stream: bool = False
+    generate: bool = GENERATE
 
 
 class ChunkOutput(BaseModel):
@@ -223,6 +229,7 @@ class SessionUpdateEvent(_ClientEvent):
 class InputAppendEvent(_ClientEvent, SamplingOptions):
     type: Literal["input.append"]
     input: ChunkInput
+    generate: bool = GENERATE
 
 
 class SessionCloseEvent(_ClientEvent):

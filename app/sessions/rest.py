@@ -114,7 +114,8 @@ async def append_chunk(
 ) -> Response:
     """Append one input chunk and generate after it: one JSON body, or SSE with ``stream``."""
     run = await service.start_chunk(
-        owner, session_id, body.input, body, transport="sse" if body.stream else "rest", wait=False
+        owner, session_id, body.input, body, transport="sse" if body.stream else "rest", wait=False,
+        generate=body.generate,
     )
     chunk_id = f"chunk_{secrets.token_hex(12)}"
     if body.stream:

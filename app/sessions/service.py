@@ -251,17 +251,18 @@ class SessionService:
     # ------------------------------------------------------------------ chunks
     async def start_chunk(
         self, owner: str, session_id: str, chunk_input: inputs.ChunkInput, options: SamplingOptions,
-        *, transport: str, wait: bool, charged: bool = False,
+        *, transport: str, wait: bool, charged: bool = False, generate: bool = True,
     ) -> ChunkRun:
         """Check a chunk, take its session's lock and lease, admit it onto the device
         and start it. Every refusal comes from here, before a response has begun.
         ``wait=False`` (REST) refuses a second chunk in flight with 409; ``wait=True``
         (websockets) queues behind it, in order. ``charged``: the request's tokens were
-        charged to its key already (an OpenAI route's body, by OpenAIRequestMiddleware)."""
+        charged to its key already (an OpenAI route's body, by OpenAIRequestMiddleware).
+        ``generate`` False: a warm-up, computed with no answer (inputs.Turn)."""
         with self._counted():
             session = await self.registry.open_session(owner, session_id)
-            turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat)
-            params = self.sampling_params(session, options)
+            turn = self._plan(session, chunk_input, generate)
+            params = self._chunk_params(session, options, turn)
             self._check_chunk(session, turn, params)
             if not charged:
                 await self.limits.charge_tokens(owner, len(turn.input_ids) + (params.max_tokens or 0))
@@ -274,11 +275,10 @@ class SessionService:
                 if session.closed:
                     raise errors.session_closed(session.id, session.close_reason)
                 leased = await self.registry.take_lease(session)
-                params = self.sampling_params(session, options)  # defaults may have changed elsewhere
                 if inputs.depends_on_context(chunk_input):
                     # A chat turn closes the reply it follows: the one of the chunk waited for.
-                    turn = inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat)
-                params.structured_outputs = turn.structured_outputs
+                    turn = self._plan(session, chunk_input, generate)
+                params = self._chunk_params(session, options, turn)  # defaults may have changed elsewhere
                 self._check_chunk(session, turn, params)
                 context = len(session.token_ids) if turn.start is None else turn.start
                 await self.parking.admit(session, context + len(turn.input_ids) + (params.max_tokens or 0))
@@ -300,6 +300,16 @@ class SessionService:
         return inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens, self._vocab_size,
                                       self._model_sampling)
 
+    def _plan(self, session: StreamingSession, chunk_input: inputs.ChunkInput, generate: bool) -> inputs.Turn:
+        return inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat, generate)
+
+    def _chunk_params(self, session: StreamingSession, options: SamplingOptions, turn: inputs.Turn) -> Any:
+        params = self.sampling_params(session, options)
+        params.structured_outputs = turn.structured_outputs
+        if not turn.generate:
+            params.max_tokens = 1  # a warm-up: the engine samples one token, which is dropped
+        return params
+
     def _check_chunk(self, session: StreamingSession, turn: inputs.Turn, params: Any) -> None:
         context = len(session.token_ids) if turn.start is None else turn.start
         inputs.check_chunk(context, session.max_tokens, turn.input_ids, params, self._settings.max_chunk_tokens,
@@ -317,18 +327,17 @@ class SessionService:
         with self._counted():
             try:
                 async for event in session.generate(turn.input_ids, params, run.stop_requested,
-                                                    start=turn.start if cut else None):
+                                                    start=turn.start if cut else None, answer=turn.generate):
                     if isinstance(event, ChunkResult):
                         chat_before = session.chat
-                        reply = turn.reply(event.text) if turn.reply else {"role": "assistant", "content": event.text}
-                        session.chat = turn.chat and turn.chat.with_messages([reply])
+                        session.chat = turn.conversation_after(event.text)
                         try:
                             await self.registry.commit(session, event, context_before, transcript_before)
                         except BaseException:
                             session.chat = chat_before  # the chunk is undone
                             raise
                         run.committed = True
-                        self._observe(event, transport)
+                        self._metrics.observe_chunk(event, transport)
                     yield event
             except ChunkRefusedError as exc:
                 raise errors.chunk_refused(exc) from exc
@@ -370,21 +379,6 @@ class SessionService:
         self.parking.capacity_freed.set()
         if session.closed:
             self.registry.forget(session)
-
-    def _observe(self, result: ChunkResult, transport: str) -> None:
-        metrics = self._metrics
-        metrics.chunks_total.labels(transport).inc()
-        if result.time_to_first_token is not None:
-            metrics.chunk_ttft.observe(result.time_to_first_token)
-        details = result.usage.prompt_tokens_details
-        if result.resumed_from is not None:
-            metrics.session_resumes.labels(result.resumed_from).inc()
-            if result.time_to_first_token is not None:
-                metrics.resume_ttft.labels(result.resumed_from).observe(result.time_to_first_token)
-        metrics.prompt_tokens.labels("device").inc(details.device_tokens)
-        metrics.prompt_tokens.labels("cpu_tier").inc(details.cpu_tier_tokens)
-        metrics.prompt_tokens.labels("disk_tier").inc(details.disk_tier_tokens)
-        metrics.prompt_tokens.labels("computed").inc(details.computed_tokens)
 
     # ------------------------------------------------------------------ closing
     async def close(self, owner: str, session_id: str, reason: str = errors.DELETED) -> StreamingSession:

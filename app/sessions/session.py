@@ -185,7 +185,8 @@ class StreamingSession:
 
     # ------------------------------------------------------------------ chunks
     async def generate(
-        self, input_ids: list[int], params: Any, stop: asyncio.Event | None = None, start: int | None = None
+        self, input_ids: list[int], params: Any, stop: asyncio.Event | None = None, start: int | None = None,
+        answer: bool = True,
     ) -> AsyncGenerator[ChunkDelta | ChunkResult, None]:
         """Append one chunk and stream its answer; the caller holds ``self.lock``.
 
@@ -196,7 +197,10 @@ class StreamingSession:
         ``stop`` ends the answer at the next token instead and keeps what was generated
         (finish reason ``cancelled``); the next chunk resumes from it. ``start`` cuts
         the context to its first ``start`` tokens before the chunk: the engine request
-        ends (its KV kept in the CPU tier) and a new one resumes from the kept prefix."""
+        ends (its KV kept in the CPU tier) and a new one resumes from the kept prefix.
+        Without ``answer`` (a warm-up) the chunk is prefilled and answers nothing: the
+        engine samples one token after it, which vLLM's streaming input drops (with no
+        KV) when the next chunk comes, so it is kept nowhere, nor sent again."""
         if self.closed:
             raise SessionFailedError(f"session {self.id} is closed ({self.close_reason})")
         await self._settle_abandoned()
@@ -246,7 +250,7 @@ class StreamingSession:
                     raise SessionFailedError("the engine ended the session mid-chunk")
                 completion = item.outputs[0]
                 num_cached_tokens = item.num_cached_tokens or num_cached_tokens
-                if completion.token_ids:
+                if completion.token_ids and answer:
                     if first_token_at is None:
                         first_token_at = time.monotonic()
                     token_ids.extend(completion.token_ids)

@@ -133,7 +133,8 @@ def check_stateful_apis(base_url: str, tokenizer: Any) -> dict[str, bool]:
 
 def _over_the_websocket(client: openai.OpenAI, base_url: str, tokenizer: Any) -> bool:
     """The chain over ``client.responses.connect()`` (``store: false``: the connection keeps
-    its latest response), then a steer while a long answer streams: it ends ``steered``,
+    its latest response; its third question sent with ``generate: false`` and answered by
+    the turn after it, which is checked as any other), then a steer while a long answer streams: it ends ``steered``,
     its successor answers the steered input, and the session's context is the template's
     rendering of the conversation with the steered answer as far as it went."""
     check = ConversationCheck(base_url, tokenizer, "websocket")
@@ -147,12 +148,26 @@ def _over_the_websocket(client: openai.OpenAI, base_url: str, tokenizer: Any) ->
                     return event
             raise AssertionError("the connection closed")
 
-        for question in QUESTIONS:
-            connection.send({"type": "response.create", "model": MODEL, "input": question, "store": False,
-                             "previous_response_id": previous, "max_output_tokens": MAX_OUTPUT, "temperature": 0})
+        for number, question in enumerate(QUESTIONS):
+            turn = {"type": "response.create", "model": MODEL, "store": False, "previous_response_id": previous,
+                    "max_output_tokens": MAX_OUTPUT, "temperature": 0}
+            if number == 2:
+                # generate: false: the question computed now, answered by the next turn (no input of its
+                # own), which computes only the assistant prefix.
+                connection.send({**turn, "input": question, "generate": False})
+                warm = until("response.completed").response
+                assert (warm.output, warm.usage.output_tokens) == ([], 0), warm
+                connection.send({**turn, "input": [], "previous_response_id": warm.id})
+            else:
+                connection.send({**turn, "input": question})
             response = until("response.completed", "response.incomplete").response
             first = first or response.id
             check.turn(question, response, first, history)
+            if number == 2:
+                details = response.usage.input_tokens_details
+                assert details.cached_tokens == warm.usage.input_tokens, (details, warm.usage)
+                prefix = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+                assert details.computed_tokens == len(prefix), details
             previous, history = response.id, response.usage.input_tokens + response.usage.output_tokens
         long_question, steer = "Write a long story about a dragon.", "Stop. What is the capital of Spain?"
         connection.send({"type": "response.create", "model": MODEL, "input": long_question, "store": False,

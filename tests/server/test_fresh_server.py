@@ -5,7 +5,14 @@ Oracle: the model's own knowledge. A greedy answer to "What is the capital of Fr
 contains "Paris" only if every tensor of the conversion is right: shuffling the rows of
 one attention projection, or leaving one tensor type undequantized, makes this model
 answer something else (tried by hand on the converter; see the closing note of issue 23).
-Checked in bf16 (the model's dtype, the default) and in float32.
+That answer's first token is a near-tie for this model, though ("The" -1.86 against "L"
+-1.96 in float32), and bf16 kernels differ by more than that: vLLM's AMX attention
+kernel answers "L'Étoile, la Marseillaise, ..." where its AVX-512 kernel says "The
+capital of France is Paris." (logprobs "L" -1.83 / "The" -1.96 against -2.01 / -1.76).
+So the open question is asked in float32, where the margin is far above the kernels'
+differences, and in bf16 (the model's dtype, the default) the model continues "The
+capital of France is", which it does with " Paris" at about -0.05 against -4.6 for the
+next token on both kernels.
 
 A fresh process has asked Linux for nothing, unlike the test process, whose bf16
 work may have made oneDNN request AMX tile state and handed it to the engines it
@@ -24,6 +31,7 @@ import contextlib
 import json
 import os
 import secrets
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,12 +89,13 @@ def first_chunks(server: RunningServer) -> list[httpx.Response]:
         return [first, http.post(chunks, json={"input": "and then"})]
 
 
-def capital_of_france(server: RunningServer) -> str:
-    response = httpx.post(
-        f"{server.base_url}/v1/chat/completions",
-        json={"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0},
-        timeout=120,
-    )
+def capital_of_france(server: RunningServer, continued: bool = False) -> str:
+    """The answer to QUESTION; ``continued``: the model continues an answer begun for it."""
+    body: dict[str, Any] = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0}
+    if continued:
+        body.update(messages=[*QUESTION, {"role": "assistant", "content": "The capital of France is"}],
+                    continue_final_message=True, add_generation_prompt=False)
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["message"]["content"])
 
@@ -120,8 +129,8 @@ def test_the_default_server_answers_short_first_requests_and_in_words(
     )
     assert completion.status_code == 200, completion.text
     assert completion.json()["usage"]["prompt_tokens"] == 1
-    answer = capital_of_france(server)
-    assert "Paris" in answer, answer
+    answer = capital_of_france(server, continued=True)
+    assert answer.strip().startswith("Paris"), answer
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     log = (log_dir / "default.log").read_text(errors="replace")
     assert "(no conversion)" in log, log[-3000:]
@@ -211,12 +220,27 @@ def reply_close_rest(tokenizer: Any, transcript: list[int]) -> str:
     return reply_close(tokenizer, transcript[-1])
 
 
+def tile_state_permitted_in_a_child() -> bool:
+    """Whether a process this one starts may use AMX tiles before it asks Linux
+    (``arch_prctl(ARCH_GET_XCOMP_PERM)`` has XTILEDATA, feature 17): on some machines
+    every process starts with it (inherited from an ancestor that asked, or granted by
+    the kernel), and there no AMX kernel can die for want of it."""
+    probe = ("import ctypes; v = ctypes.c_uint64(0); "
+             "ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(v)); print(v.value >> 17 & 1)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    return result.stdout.strip() == "1"
+
+
 @pytest.mark.skipif(
     not cpu_has_amx(),
     reason="this CPU has no AMX (no amx_tile in /proc/cpuinfo): vLLM runs no AMX kernel here, so a "
     "server without our plugin cannot crash, and this negative control cannot show anything",
 )
 def test_negative_control_without_the_plugin_the_engine_dies(tmp_path: Path) -> None:
+    if tile_state_permitted_in_a_child():
+        pytest.skip("the processes this test starts may use AMX tiles without asking Linux (XTILEDATA is "
+                    "permitted from their start on this machine), so a server without our plugin cannot "
+                    "crash, and this negative control cannot show anything")
     # VLLM_PLUGINS lists the general plugins vLLM may load; empty loads none of them.
     with scripts_serve("no-plugin", tmp_path, VLLM_PLUGINS="") as server:
         responses = first_chunks(server)

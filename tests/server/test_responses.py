@@ -287,7 +287,7 @@ async def test_the_responses_websocket_chains_steers_and_refuses_in_openais_even
     url = server.replace("http://", "ws://") + "/v1/responses"
     async with websockets.connect(url, additional_headers=auth()) as ws:
         for bad, code in (("{nope", "invalid_json"), ('{"type": "session.update"}', "invalid_event"),
-                          ('{"type": "response.create", "input": "x", "generate": false}', "unsupported_parameter"),
+                          ('{"type": "response.create", "input": "x", "generate": "maybe"}', "invalid_request"),
                           ('{"type": "response.create", "input": "x", "stream": true}', "unsupported_parameter"),
                           ('{"type": "response.create", "input": "x", "max_output_tokens": "many"}',
                            "invalid_request"),
@@ -302,6 +302,56 @@ async def test_the_responses_websocket_chains_steers_and_refuses_in_openais_even
             assert event["type"] != "error", event
     transcript = (await http.get(f"/v1/sessions/{first.id}/transcript")).json()["text"]
     assert clean(transcript).endswith(clean(done.output_text)) and "now this" in transcript
+
+
+async def test_a_warm_up_computes_its_input_and_the_turn_after_it_only_the_assistant_prefix(
+        server: str, http: httpx.AsyncClient, client: openai.AsyncOpenAI, tokenizer: Any) -> None:
+    """``generate: false`` over the websocket (a response with no output, its input in the
+    session) and over HTTP (stored, continued by id). Oracles: the session's context is
+    the chat template over the conversation, the warm-up's input without the assistant
+    prefix and the next turn's with it, and nothing else: no token the engine sampled
+    after the warm-up (its transcript, token for token); the turn after it finds the
+    whole warm-up on the device and computes only what the template adds (its usage)."""
+    def rendered(messages: list[dict[str, str]], prefix: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, chat_template=tokenizer.chat_template, tokenize=False,
+                                             add_generation_prompt=prefix)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    question = [{"role": "user", "content": "warm me up"}]
+    async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEYS[0], max_retries=0) as sdk, \
+            sdk.responses.connect() as connection:
+        async def until_done(warm_up: bool = False) -> Any:
+            async for event in connection:
+                assert event.type != "error", event
+                if warm_up:
+                    assert event.type not in ("response.output_item.added", "response.output_text.delta"), event
+                if event.type in ("response.completed", "response.incomplete"):
+                    return event.response
+            raise AssertionError("the connection closed")
+
+        await connection.send({"type": "response.create", "model": MODEL, "input": "warm me up", "store": False,
+                               "generate": False})
+        warm = await until_done(warm_up=True)
+        assert (warm.status, warm.output, warm.usage.output_tokens) == ("completed", [], 0), warm
+        assert warm.usage.input_tokens == len(rendered(question, prefix=False))
+        await connection.send({"type": "response.create", "model": MODEL, "input": [], "store": False,
+                               "previous_response_id": warm.id, "max_output_tokens": 4, "temperature": 0})
+        answered = await until_done()
+    details = answered.usage.input_tokens_details
+    prefix = len(rendered(question, prefix=True)) - warm.usage.input_tokens
+    assert (details.cached_tokens, details.computed_tokens) == (warm.usage.input_tokens, prefix), details
+    transcript = (await http.get(f"/v1/sessions/{warm.id}/transcript")).json()["token_ids"]
+    assert transcript[:answered.usage.input_tokens] == rendered(question, prefix=True), transcript
+    assert len(transcript) == answered.usage.input_tokens + answered.usage.output_tokens
+
+    # Over HTTP: a stored warm-up, retrieved with no output, continued by a turn with a question.
+    warm = await client.responses.create(model=MODEL, input="first", extra_body={"generate": False})
+    assert (await client.responses.retrieve(warm.id)).output == []
+    later = await respond(client, "second", previous_response_id=warm.id)
+    conversation = [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}]
+    transcript = (await http.get(f"/v1/sessions/{warm.id}/transcript")).json()["token_ids"]
+    assert transcript[:later.usage.input_tokens] == rendered(conversation, prefix=True)
+    assert later.usage.input_tokens_details.cached_tokens == warm.usage.input_tokens
 
 
 async def test_at_the_session_limit_an_idle_chain_makes_room_and_is_continued_by_a_fork(

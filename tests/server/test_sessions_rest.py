@@ -71,6 +71,41 @@ async def test_session_chunks_equal_one_shot_requests(server: str, engine: Any) 
         }
 
 
+async def test_a_chunk_without_an_answer_is_computed_and_read_by_the_next(server: str, engine: Any) -> None:
+    """``generate: false``: two chunks appended with no answer, then one answered. Oracle
+    (float32, greedy): the answer equals a salted one-shot recompute of the whole context,
+    which holds neither warm-up's sampled token; the chunks' usage shows the warm-ups on
+    the device with no token sent again, and the transcript is the inputs and the one
+    answer, nothing else. (Negative control, run by hand: keeping the warm-up's sampled
+    token in the session, as any other chunk's, fails all three.)"""
+    rng = random.Random(11)
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        session_id = await open_session(http, ignore_eos=True)
+        chunks = [random_tokens(rng, size) for size in (40, 25, 5, 10)]
+        context: list[int] = []
+        for index, chunk in enumerate(chunks):
+            answer = index in (0, 3)
+            response = await http.post(f"/v1/sessions/{session_id}/chunks",
+                                       json={"input": chunk, "max_tokens": 6, "generate": answer})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            details = body["usage"]["prompt_tokens_details"]
+            assert body["usage"]["prompt_tokens"] == len(context) + len(chunk)
+            if index == 1:  # after an answer: its last token is sent again
+                assert details["device_tokens"] == len(context) - 1, details
+            elif index > 1:  # after a warm-up: nothing is
+                assert (details["device_tokens"], details["computed_tokens"]) == (len(context), len(chunk)), details
+            if answer:
+                one_shot = await generate_once(engine, context + chunk, 6, recompute=True)
+                assert body["output"]["token_ids"] == list(one_shot.outputs[0].token_ids)
+            else:
+                assert body["output"] == {"text": "", "token_ids": []} and body["usage"]["completion_tokens"] == 0
+            context += chunk + body["output"]["token_ids"]
+        transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()
+        assert transcript["token_ids"] == context
+        await http.delete(f"/v1/sessions/{session_id}")
+
+
 async def test_text_input_and_streaming(server: str) -> None:
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
         session_id = await open_session(http)

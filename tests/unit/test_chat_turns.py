@@ -174,3 +174,55 @@ def test_a_template_that_rewrites_earlier_turns_is_rendered_again_from_the_commo
     # Without the conversation (a context built elsewhere), the turn is refused, not guessed.
     with pytest.raises(NotIncrementalError, match="not known"):
         plan_turn(tokenizer, None, [{"role": "user", "content": "Bye."}], context)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("first_turn", ["warm-up", "answered"])
+def test_a_warm_up_adds_its_messages_without_the_assistant_prefix(
+    base_tokenizer: Any, family: str, first_turn: str
+) -> None:
+    """``generate: false``: a turn's messages computed with no assistant prefix (the
+    context ends with the template's close of its last message), then the turn that
+    continues it adds only what follows. Oracle: the template over the whole
+    conversation, as above; and a warm-up then a turn of no new messages adds exactly
+    the assistant prefix."""
+    from app.sessions.chat import ChatState, continue_to
+
+    template, bos, end_of_turn = FAMILIES[family]
+    tokenizer = with_template(base_tokenizer, template, bos)
+    context: list[int] = []
+    have = ChatState()  # a new session's
+    instructions = ChatState("Answer briefly.")
+    if first_turn == "answered":
+        wanted = instructions.with_messages([{"role": "user", "content": "Hi."}])
+        ids, start = continue_to(tokenizer, have, wanted, context)
+        context += ids + encode(tokenizer, "Hello.") + [tokenizer.convert_tokens_to_ids(end_of_turn)]
+        have = wanted.with_messages([{"role": "assistant", "content": "Hello."}])
+    # Two warm-ups, then the turn that continues them with no message of its own.
+    for messages in ([{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "user", "content": "And of Germany?"}]):
+        wanted = (have if have.messages else instructions).with_messages(messages)
+        ids, start = continue_to(tokenizer, have, wanted, context, generation_prompt=False)
+        assert start in (None, len(context))  # appended (a new session's first turn renders whole)
+        context += ids
+        have = wanted.warmed()
+        assert tokenizer.decode(context, skip_special_tokens=False) == \
+            tokenizer.apply_chat_template(have.rendered(), tokenize=False)
+    warmed = list(context)
+    ids, start = continue_to(tokenizer, have, have.with_messages([]), context)
+    assert start is None
+    context += ids
+    expected = tokenizer.apply_chat_template(have.rendered(), tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(context, skip_special_tokens=False) == expected
+    assert tokenizer.decode(context[len(warmed):], skip_special_tokens=False) == \
+        expected[len(tokenizer.apply_chat_template(have.rendered(), tokenize=False)):]
+    if family in CANONICAL:
+        assert context == encode(tokenizer, expected)
+    if family == "chatml":
+        # Negative control: the same turn planned as if a sampled reply ended the context
+        # (the closed state forgotten) closes the last message twice. (Llama 3's close is
+        # its end-of-turn token alone, which the context's last token already is: there
+        # the two plans agree.)
+        forgotten = ChatState(have.instructions, have.messages, have.tools)
+        ids, _ = continue_to(tokenizer, forgotten, forgotten.with_messages([]), warmed)
+        assert tokenizer.decode(warmed + ids, skip_special_tokens=False) != expected
