@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -265,6 +266,56 @@ async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(clust
         assert [third.json()["output"]["token_ids"], fourth.json()["output"]["token_ids"]] == expected[2:]
         for via in (via_a, via_b):
             assert (await via.get(f"/v1/sessions/{session_id}")).json()["num_chunks"] == 4
+
+
+async def test_a_responses_chain_and_a_conversation_go_on_through_either_replica(cluster: Cluster) -> None:
+    """OpenAI's stateful APIs across replicas (issue 27): a ``previous_response_id`` chain
+    and a conversation whose turns alternate between the replicas. Oracles (float32,
+    greedy): each turn's answer equals the same turn of an uninterrupted control on one
+    replica; the chain stays one session whose chunks are its turns (each replica takes
+    up what the other added, no fork); the conversation's items are every turn's, in
+    order; and a response stored by one replica is retrieved through the other."""
+    import openai
+
+    a, b = (cluster.replicas[name] for name in ("replica-a", "replica-b"))
+    turns = ["one", "two", "three", "four"]
+
+    def text(response: Any) -> str:
+        # Random weights emit byte tokens: a reply's text may begin or end with a
+        # replacement character where its detokenizer saw another prefix (a live request's
+        # own, or a resumed one's), with the same tokens (tests/server/test_responses.py).
+        return str(response.output_text).replace("\ufffd", "")
+
+    async with openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key=KEY, max_retries=0) as via_a, \
+            openai.AsyncOpenAI(base_url=f"{b.url}/v1", api_key=KEY, max_retries=0) as via_b:
+        async def respond(client: openai.AsyncOpenAI, turn: str, **fields: Any) -> Any:
+            return await client.responses.create(model="embedded-tiny", input=turn, max_output_tokens=4,
+                                                 temperature=0, **fields)
+
+        control, previous = [], None
+        for turn in turns:
+            response = await respond(via_b, turn, previous_response_id=previous)
+            control.append(text(response))
+            previous = response.id
+        chain, previous = [], None
+        for index, turn in enumerate(turns):
+            response = await respond((via_a, via_b)[index % 2], turn, previous_response_id=previous)
+            chain.append(response)
+            previous = response.id
+        assert [text(r) for r in chain] == control
+        first = chain[0].id
+        async with httpx.AsyncClient(base_url=b.url, headers=HEADERS, timeout=60) as http:
+            assert (await http.get(f"/v1/sessions/{first}")).json()["num_chunks"] == len(turns)
+        assert text(await via_a.responses.retrieve(chain[1].id)) == control[1]
+
+        control_conversation = await via_b.conversations.create()
+        expected = [text(await respond(via_b, turn, conversation=control_conversation.id)) for turn in turns]
+        conversation = await via_a.conversations.create()
+        answers = [text(await respond((via_a, via_b)[index % 2], turn, conversation=conversation.id))
+                   for index, turn in enumerate(turns)]
+        assert answers == expected
+        items = [item async for item in via_b.conversations.items.list(conversation.id, order="asc")]
+        assert [item.role for item in items] == ["user", "assistant"] * len(turns)
 
 
 async def test_a_stopped_replicas_sessions_go_on_elsewhere(
