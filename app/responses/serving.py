@@ -256,13 +256,17 @@ class ResponsesService:
             len(pending.wanted.messages) + generated, pending.wanted.instructions, pending.wanted.tools,
             closed=not generated)
         now = time.time()
+        # The response and what it adds to its conversation, in one write: a store that
+        # fails leaves neither (the session then re-renders from the items it has).
+        objects = []
         if pending.request.store is not False:
             data = {"response": response.model_dump(mode="json"), "input_items": pending.input_items,
                     "context": asdict(point)}
-            await self.store.put_object(StoredObject(response.id, RESPONSE, owner, pending.session_id,
-                                                     result.index, now, data))
+            objects.append(StoredObject(response.id, RESPONSE, owner, pending.session_id, result.index, now, data))
         if (conversation_id := pending.request.conversation_id) is not None:
-            await self.add_items(owner, conversation_id, [*pending.input_items, *output])
+            objects += await self._item_objects(owner, conversation_id, [*pending.input_items, *output])
+        if objects:
+            await self.store.put_objects(objects)
         return response
 
     def _response(self, pending: PendingResponse, status: str, output: list[dict[str, Any]],
@@ -320,13 +324,17 @@ class ResponsesService:
         return list(await self.store.list_objects(ITEM, conversation_id))
 
     async def add_items(self, owner: str, conversation_id: str, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Items appended to a conversation's log; they reach the model with its next response."""
+        """Items appended to a conversation's log, all or none; they reach the model with
+        its next response."""
+        await self.store.put_objects(await self._item_objects(owner, conversation_id, new))
+        return new
+
+    async def _item_objects(self, owner: str, conversation_id: str, new: list[dict[str, Any]]) -> list[StoredObject]:
         stored = await self.store.list_objects(ITEM, conversation_id)
         seq = stored[-1].seq + 1 if stored else 0
         now = time.time()
-        for offset, item in enumerate(new):
-            await self.store.put_object(StoredObject(item["id"], ITEM, owner, conversation_id, seq + offset, now, item))
-        return new
+        return [StoredObject(item["id"], ITEM, owner, conversation_id, seq + offset, now, item)
+                for offset, item in enumerate(new)]
 
 
 @dataclass

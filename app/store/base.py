@@ -132,8 +132,9 @@ class SessionStore(abc.ABC):
 
     # ------------------------------------------------------------------ objects
     @abc.abstractmethod
-    async def put_object(self, obj: StoredObject) -> None:
-        """Insert or replace the object with ``obj.id``."""
+    async def put_objects(self, objects: list[StoredObject]) -> None:
+        """Insert or replace each object (by its id), all or none: a response and the
+        items it adds to its conversation are written together."""
 
     @abc.abstractmethod
     async def get_object(self, kind: str, object_id: str) -> StoredObject | None: ...
@@ -196,8 +197,8 @@ class NullStore(SessionStore):
     async def transcript_at(self, session_id: str, num_chunks: int) -> list[int] | None:
         return None
 
-    async def put_object(self, obj: StoredObject) -> None:
-        self._objects[obj.id] = obj
+    async def put_objects(self, objects: list[StoredObject]) -> None:
+        self._objects.update((obj.id, obj) for obj in objects)
 
     async def get_object(self, kind: str, object_id: str) -> StoredObject | None:
         obj = self._objects.get(object_id)

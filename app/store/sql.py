@@ -336,13 +336,14 @@ class SQLSessionStore(SessionStore):
 
 
     # ------------------------------------------------------------------ objects
-    async def put_object(self, obj: StoredObject) -> None:
-        values = {"kind": obj.kind, "owner": obj.owner, "session_id": obj.session_id, "seq": obj.seq,
-                  "created": obj.created, "data": json.dumps(obj.data)}
+    async def put_objects(self, objects: list[StoredObject]) -> None:
         async with self._transaction() as conn:
-            updated = await conn.execute(api_objects.update().where(api_objects.c.id == obj.id).values(**values))
-            if updated.rowcount == 0:
-                await conn.execute(api_objects.insert().values(id=obj.id, **values))
+            for obj in objects:
+                values = {"kind": obj.kind, "owner": obj.owner, "session_id": obj.session_id, "seq": obj.seq,
+                          "created": obj.created, "data": json.dumps(obj.data)}
+                updated = await conn.execute(api_objects.update().where(api_objects.c.id == obj.id).values(**values))
+                if updated.rowcount == 0:
+                    await conn.execute(api_objects.insert().values(id=obj.id, **values))
 
     async def get_object(self, kind: str, object_id: str) -> StoredObject | None:
         query = sa.select(api_objects).where(api_objects.c.id == object_id, api_objects.c.kind == kind)

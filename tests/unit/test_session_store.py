@@ -241,3 +241,22 @@ async def test_negative_control_sqlite_without_synchronous_full_is_seen(
         assert (await store.durability())["synchronous"] == "off"
     finally:
         await store.close()
+
+
+async def test_objects_written_together_are_all_kept_or_none(store: SQLSessionStore) -> None:
+    """A response and the items it adds to its conversation are one write: one object
+    that cannot be written (here, data JSON cannot hold) leaves none of them, and the
+    store goes on. (Before, each object was its own transaction: the first was kept.)"""
+    from app.store import StoredObject
+
+    session_id, now = unique("objects"), time.time()
+    await store.create(record(session_id))
+    first = StoredObject(unique("resp"), "response", "alice", session_id, 0, now, {"ok": 1})
+    bad = StoredObject(unique("item"), "item", "alice", session_id, 1, now, {"not json": object()})
+    with pytest.raises(TypeError):
+        await store.put_objects([first, bad])
+    assert await store.get_object("response", first.id) is None
+    good = StoredObject(unique("item"), "item", "alice", session_id, 1, now, {"ok": 2})
+    await store.put_objects([first, good])
+    assert (await store.get_object("response", first.id)) is not None
+    assert [o.id for o in await store.list_objects("item", session_id)] == [good.id]
