@@ -11,7 +11,7 @@ from typing import Any
 
 from app.errors import APIError
 from app.responses import items
-from app.responses.serving import ITEM, ResponsesService, conversation_not_found
+from app.responses.serving import ITEM, ResponsesService
 from app.sessions.protocol import SessionCreateRequest
 from app.sessions.session import StreamingSession
 
@@ -30,10 +30,7 @@ class ConversationsService:
         return _conversation(session)
 
     async def _session(self, owner: str, conversation_id: str) -> StreamingSession:
-        try:
-            return await self.sessions.attach(owner, conversation_id)
-        except APIError as exc:
-            raise conversation_not_found(conversation_id) from exc
+        return await self.responses.conversation(owner, conversation_id)
 
     async def retrieve(self, owner: str, conversation_id: str) -> dict[str, Any]:
         return _conversation(await self._session(owner, conversation_id))

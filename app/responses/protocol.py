@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
+from app.errors import APIError
 from app.sessions.protocol import Metadata
 
 # OpenAI's limit on the items one request may add to a conversation.
@@ -141,3 +142,30 @@ class ListOrder(BaseModel):
     after: str | None = None
     limit: int = Field(default=20, ge=1, le=100)
     order: Literal["asc", "desc"] = "desc"
+
+
+# Fields of the create body that this server does not honour yet: refused by name,
+# never dropped (vLLM's own route drops what it does not know).
+_UNSUPPORTED: dict[str, str] = {
+    "background": "Background responses are not supported.",
+    "prompt": "Prompt templates are not supported.",
+    "structured_outputs": "Structured outputs are not supported on stored responses.",
+    "logit_bias": "logit_bias is not supported on stored responses.",
+    "stop": "Stop strings are not supported on stored responses (stop_token_ids are).",
+}
+
+
+def check_supported(request: ResponsesCreateRequest) -> None:
+    if request.previous_response_id is not None and request.conversation is not None:
+        raise APIError(400, "Mutually exclusive parameters: provide only one of 'previous_response_id' or "
+                       "'conversation'.", code="mutually_exclusive_parameters", param="conversation")
+    for name, message in _UNSUPPORTED.items():
+        if getattr(request, name, None):
+            raise APIError(400, message, code="unsupported_parameter", param=name)
+    text_format = getattr(getattr(request.text, "format", None), "type", "text")
+    if text_format not in (None, "text"):
+        raise APIError(400, "Only text output is supported on stored responses.", code="unsupported_parameter",
+                       param="text.format")
+    if request.top_logprobs:
+        raise APIError(400, "top_logprobs is not supported on stored responses.", code="unsupported_parameter",
+                       param="top_logprobs")

@@ -27,18 +27,19 @@ from vllm.entrypoints.openai.responses.protocol import (
 
 from app.errors import APIError
 from app.responses import items
-from app.responses.protocol import ResponsesCreateRequest
+from app.responses.protocol import ResponsesCreateRequest, check_supported
 from app.sessions.chat import ChatState, continue_to
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
-from app.sessions.session import CANCELLED, ChunkResult
+from app.sessions.session import CANCELLED, ChunkResult, StreamingSession
 from app.store import StoredObject
 from app.tools.parsing import OutputParser
 
 RESPONSE, ITEM = "response", "item"
 CHAIN_PREFIX = "resp_"  # a chain's session is named by its first response
+CONVERSATION_PREFIX = "conv_"
 
 
 @dataclass
@@ -104,7 +105,7 @@ class ResponsesService:
         """Check the request, plan its turn and start its chunk; every refusal is raised
         here. ``unstored``: responses a websocket connection keeps although they are not
         stored (its latest), which ``previous_response_id`` may name."""
-        _check_supported(request)
+        check_supported(request)
         tools = self.sessions.declared_tools(
             [tool.model_dump(exclude_none=True) for tool in request.tools or []], "tools")
         parser = self.sessions.reply_parser(tools, request.tool_choice, request.parallel_tool_calls)
@@ -316,11 +317,24 @@ class ResponsesService:
         return list(obj.data["input_items"])
 
     # ------------------------------------------------------------------ conversations
-    async def conversation_items(self, owner: str, conversation_id: str) -> list[StoredObject]:
+    async def conversation(self, owner: str, conversation_id: str) -> StreamingSession:
+        """A conversation's session, reopened if it was closed for being idle: OpenAI keeps
+        conversations however long they are idle (ours until the closed-session purge)."""
         try:
-            await self.sessions.attach(owner, conversation_id)
+            session = await self.sessions.attach(owner, conversation_id)
         except APIError as exc:
-            raise conversation_not_found(conversation_id) from exc
+            if exc.code != "session_closed" or not conversation_id.startswith(CONVERSATION_PREFIX):
+                raise conversation_not_found(conversation_id) from exc
+            try:
+                session = await self.sessions.reopen(owner, conversation_id)
+            except APIError as closed:
+                if closed.code == "session_closed":
+                    raise conversation_not_found(conversation_id) from closed
+                raise  # no room (429), the store down (503): say so
+        return session
+
+    async def conversation_items(self, owner: str, conversation_id: str) -> list[StoredObject]:
+        await self.conversation(owner, conversation_id)
         return list(await self.store.list_objects(ITEM, conversation_id))
 
     async def add_items(self, owner: str, conversation_id: str, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -367,30 +381,3 @@ def _usage(result: ChunkResult) -> ResponseUsage:
             computed_tokens=details.computed_tokens),
         output_tokens_details=OutputTokensDetails(),
     )
-
-
-# Fields of the create body that this server does not honour yet: refused by name,
-# never dropped (vLLM's own route drops what it does not know).
-_UNSUPPORTED: dict[str, str] = {
-    "background": "Background responses are not supported.",
-    "prompt": "Prompt templates are not supported.",
-    "structured_outputs": "Structured outputs are not supported on stored responses.",
-    "logit_bias": "logit_bias is not supported on stored responses.",
-    "stop": "Stop strings are not supported on stored responses (stop_token_ids are).",
-}
-
-
-def _check_supported(request: ResponsesCreateRequest) -> None:
-    if request.previous_response_id is not None and request.conversation is not None:
-        raise APIError(400, "Mutually exclusive parameters: provide only one of 'previous_response_id' or "
-                       "'conversation'.", code="mutually_exclusive_parameters", param="conversation")
-    for name, message in _UNSUPPORTED.items():
-        if getattr(request, name, None):
-            raise APIError(400, message, code="unsupported_parameter", param=name)
-    text_format = getattr(getattr(request.text, "format", None), "type", "text")
-    if text_format not in (None, "text"):
-        raise APIError(400, "Only text output is supported on stored responses.", code="unsupported_parameter",
-                       param="text.format")
-    if request.top_logprobs:
-        raise APIError(400, "top_logprobs is not supported on stored responses.", code="unsupported_parameter",
-                       param="top_logprobs")

@@ -10,6 +10,8 @@ from app.errors import APIError
 # The close reason of a session its client deleted: it is then "not found", as
 # OpenAI's deleted objects are.
 DELETED = "deleted"
+# The close reason of a session idle for longer than session_idle_timeout_s.
+EXPIRED = "expired"
 
 
 def session_closed(session_id: str, reason: str | None) -> APIError:

@@ -70,11 +70,7 @@ class SessionRegistry:
                 raise errors.session_exists(session_id)
         if request.model is not None and request.model != self.model_name:
             raise APIError(404, f"The model {request.model!r} does not exist.", code="model_not_found", param="model")
-        if len(self.held) >= self._settings.max_sessions:
-            raise APIError(
-                429, f"The server holds its maximum of {self._settings.max_sessions} open sessions; "
-                "close one or retry later.", code="too_many_sessions",
-            )
+        self._check_room()
         session = StreamingSession(
             session_id=session_id or f"sess_{secrets.token_hex(12)}", owner=owner, model=self.model_name,
             engine=self._engine, defaults=request.defaults, metadata=dict(request.metadata),
@@ -89,6 +85,33 @@ class SessionRegistry:
         self._metrics.sessions_total.inc()
         self.update_gauges()
         return session
+
+    def _check_room(self) -> None:
+        if len(self.held) >= self._settings.max_sessions:
+            raise APIError(
+                429, f"The server holds its maximum of {self._settings.max_sessions} open sessions; "
+                "close one or retry later.", code="too_many_sessions",
+            )
+
+    async def reopen(self, owner: str, session_id: str) -> StreamingSession:
+        """A session closed for being idle (``expired``), open again as it was, parked:
+        its transcript and conversation are in the store until it is purged. For
+        conversations, which OpenAI keeps however long they are idle. A session closed
+        for any other reason stays closed."""
+        session = await self.get(owner, session_id, include_closed=True)
+        if not session.closed:
+            return session
+        if session.close_reason != errors.EXPIRED or not self.store.durable:
+            raise errors.session_closed(session.id, session.close_reason)
+        self._check_room()
+        async with self.store_errors():
+            await self.store.update(session.id, status="active", close_reason=None, last_activity=time.time())
+        self._closed.pop(session.id, None)
+        reopened = await self._load(session.id)
+        if reopened is None or reopened.closed:  # purged, or closed again meanwhile
+            raise errors.session_closed(session.id, session.close_reason)
+        logger.info("session %s: reopened after it expired", session.id)
+        return reopened
 
     async def get(self, owner: str, session_id: str, *, include_closed: bool = False) -> StreamingSession:
         session = self.held.get(session_id)

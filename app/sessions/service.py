@@ -171,7 +171,7 @@ class SessionService:
                 idle_for = now - session.last_activity
                 if session.status in ("active", "parked") and not session.lock.locked() and idle_for > close_after:
                     logger.info("session %s idle for %.0fs: closing", session.id, idle_for)
-                    await self._close(session, "expired")
+                    await self._close(session, errors.EXPIRED)
             await self.parking.park_idle(now - park_after, "idle")
             # Sessions no replica holds (their server is gone) expire in the store.
             with contextlib.suppress(APIError):
@@ -201,6 +201,9 @@ class SessionService:
 
     async def current(self, owner: str, session_id: str) -> StreamingSession:
         return await self.registry.current(owner, session_id)
+
+    async def reopen(self, owner: str, session_id: str) -> StreamingSession:
+        return await self.registry.reopen(owner, session_id)
 
     async def attach(self, owner: str, session_id: str) -> StreamingSession:
         """An open session as the store has it now, for a connection to drive."""

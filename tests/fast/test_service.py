@@ -199,3 +199,40 @@ async def test_the_context_keeps_every_output_token(tmp_path: Path) -> None:
         assert engine.requests[session.request_id] == session.token_ids[:-1]
         details = second.usage.prompt_tokens_details
         assert (details.device_tokens, details.computed_tokens) == (len(first.token_ids) + 2, 2)
+
+
+async def test_an_expired_conversation_reopens_with_its_items_and_context(tmp_path: Path) -> None:
+    """OpenAI keeps a conversation however long it is idle: ours, closed for being idle
+    like any session (``expired``), opens again when it is used, parked, with its items and
+    its context as they were, and goes on. A conversation deleted, or a session that is
+    not a conversation, stays closed. (Before: the expired conversation was 404.)"""
+    from app.conversations.serving import ConversationsService
+    from app.responses.serving import ResponsesService
+    from app.sessions.errors import EXPIRED
+
+    async with running_service(tmp_path) as (service, _engine):
+        conversations = ConversationsService(ResponsesService(service))
+        conversation_id = (await conversations.create(OWNER, [{"role": "user", "content": "hello"}], None))["id"]
+        first = await chunk(service, conversation_id, [1, 2, 3])
+        context = list((await service.get(OWNER, conversation_id)).token_ids)
+        await service.close(OWNER, conversation_id, reason=EXPIRED)
+        assert (await service.get(OWNER, conversation_id, include_closed=True)).closed
+
+        assert (await conversations.retrieve(OWNER, conversation_id))["id"] == conversation_id
+        session = await service.get(OWNER, conversation_id)
+        assert (session.status, session.token_ids, session.num_chunks) == ("parked", context, 1)
+        assert [item["content"][0]["text"] for item in await conversations.list_items(OWNER, conversation_id)] \
+            == ["hello"]
+        second = await chunk(service, conversation_id, [4, 5])
+        assert second.index == first.index + 1
+        assert session.token_ids == [*context, 4, 5, *second.token_ids]
+
+        await conversations.delete(OWNER, conversation_id)
+        with pytest.raises(APIError) as deleted:
+            await conversations.retrieve(OWNER, conversation_id)
+        assert deleted.value.status == 404
+        plain = await service.create(OWNER, GREEDY)
+        await service.close(OWNER, plain.id, reason=EXPIRED)
+        with pytest.raises(APIError) as closed:
+            await service.attach(OWNER, plain.id)
+        assert closed.value.code == "session_closed"
