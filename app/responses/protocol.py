@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from app.errors import APIError
@@ -51,6 +51,15 @@ class ResponsesCreateRequest(ResponsesRequest):
         "too): the input is added to the response's session and computed, and nothing is generated. The "
         "response (no output) is continued with previous_response_id, whose turn then computes only its own "
         "new input.")
+    prompt_cache_options: dict[str, Any] | None = Field(
+        default=None, description="OpenAI's prompt cache options. prewarm true is generate false (a warm-up); the "
+        "others do not apply here (a session keeps its own KV: no breakpoints, no expiry but its own).")
+
+    @model_validator(mode="after")
+    def _prewarm_is_a_warm_up(self) -> ResponsesCreateRequest:
+        if (self.prompt_cache_options or {}).get("prewarm") is True:
+            self.generate = False  # as at OpenAI: prewarm overrides generate
+        return self
 
     @property
     def conversation_id(self) -> str | None:

@@ -32,6 +32,7 @@ def clean(text: str) -> str:
 pytestmark = pytest.mark.server
 
 MODEL = "embedded-tiny"
+ENDED = ("response.completed", "response.incomplete")  # a response's last event
 
 
 @pytest_asyncio.fixture
@@ -304,6 +305,66 @@ async def test_the_responses_websocket_chains_steers_and_refuses_in_openais_even
     assert clean(transcript).endswith(clean(done.output_text)) and "now this" in transcript
 
 
+async def test_websocket_lanes_run_side_by_side_in_order_each_and_fork_across(
+        server: str, http: httpx.AsyncClient) -> None:
+    """``stream_id`` lanes on one ``/v1/responses`` websocket: a short answer on lane b
+    completes while a long one on lane a still streams (side by side); two turns on one
+    lane run in order; a lane continues a response made on another (``previous_response_id``
+    names the lineage, ``stream_id`` routes); every event echoes its lane; the lanes of a
+    connection are bounded. Oracle: the events' order and lanes, and the sessions' chunks."""
+    url = server.replace("http://", "ws://") + "/v1/responses"
+    turn = {"type": "response.create", "model": MODEL, "temperature": 0, "store": False, "max_output_tokens": 4}
+    async with websockets.connect(url, additional_headers=auth()) as ws:
+        seen: list[dict[str, Any]] = []
+
+        async def until(kind: str, lane: str) -> dict[str, Any]:
+            """The next ``kind`` event of ``lane`` (``ended``: its response's last event)."""
+            kinds = ENDED if kind == "ended" else (kind,)
+            while True:
+                try:
+                    event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                except TimeoutError:
+                    raise AssertionError(f"no {kind} on lane {lane} in 60 s; seen: "
+                                         f"{[(e['type'], e.get('stream_id')) for e in seen[-8:]]}") from None
+                seen.append(event)
+                assert event["type"] != "error", event
+                if event["type"] in kinds and event.get("stream_id") == lane:
+                    return event
+
+        await ws.send(json.dumps({**turn, "input": "long", "stream_id": "a", "max_output_tokens": 1000,
+                                  "ignore_eos": True}))
+        await until("response.output_text.delta", "a")
+        await ws.send(json.dumps({**turn, "input": "short", "stream_id": "b"}))
+        await ws.send(json.dumps({**turn, "input": "after it", "stream_id": "b"}))
+        short = (await until("ended", "b"))["response"]
+        assert not any(e["type"] in ENDED and e.get("stream_id") == "a" for e in seen), \
+            "lane b waited for lane a"
+        after = (await until("ended", "b"))["response"]
+        created = [e["response"]["id"] for e in seen if e["type"] == "response.created" and e["stream_id"] == "b"]
+        assert created == [short["id"], after["id"]]  # in order: the second began after the first ended
+        assert seen.index(next(e for e in seen if e["type"] == "response.created" and e["response"]["id"]
+                               == after["id"])) > seen.index(next(e for e in seen if e["type"] in ENDED
+                                                                  and e["response"]["id"] == short["id"]))
+        # Lane c continues lane b's latest response (not stored: the connection keeps it).
+        await ws.send(json.dumps({**turn, "input": "forked", "stream_id": "c", "previous_response_id": after["id"]}))
+        forked = (await until("ended", "c"))["response"]
+        assert forked["usage"]["input_tokens_details"]["cached_tokens"] >= after["usage"]["input_tokens"]
+        await until("ended", "a")
+        assert all("stream_id" in e for e in seen)
+        chain = (await http.get(f"/v1/sessions/{after['id']}")).json()
+        assert chain["num_chunks"] == 2, chain  # "after it", then lane c's turn: one session
+
+        # Lanes are bounded: 16 per connection (these fail at once: an unknown previous response).
+        for index in range(13):
+            await ws.send(json.dumps({**turn, "input": "x", "stream_id": f"lane-{index}",
+                                      "previous_response_id": "resp_unknown"}))
+            error = json.loads(await ws.recv())
+            assert (error["error"]["code"], error["stream_id"]) == ("previous_response_not_found", f"lane-{index}")
+        await ws.send(json.dumps({**turn, "input": "x", "stream_id": "one-too-many"}))
+        error = json.loads(await ws.recv())
+        assert error["type"] == "error" and error["error"]["code"] == "too_many_streams", error
+
+
 async def test_a_warm_up_computes_its_input_and_the_turn_after_it_only_the_assistant_prefix(
         server: str, http: httpx.AsyncClient, client: openai.AsyncOpenAI, tokenizer: Any) -> None:
     """``generate: false`` over the websocket (a response with no output, its input in the
@@ -344,8 +405,10 @@ async def test_a_warm_up_computes_its_input_and_the_turn_after_it_only_the_assis
     assert transcript[:answered.usage.input_tokens] == rendered(question, prefix=True), transcript
     assert len(transcript) == answered.usage.input_tokens + answered.usage.output_tokens
 
-    # Over HTTP: a stored warm-up, retrieved with no output, continued by a turn with a question.
-    warm = await client.responses.create(model=MODEL, input="first", extra_body={"generate": False})
+    # Over HTTP: a stored warm-up (OpenAI's prompt_cache_options.prewarm, which means generate:
+    # false), retrieved with no output, continued by a turn with a question.
+    warm = await client.responses.create(model=MODEL, input="first", extra_body={
+        "prompt_cache_options": {"prewarm": True}})
     assert (await client.responses.retrieve(warm.id)).output == []
     later = await respond(client, "second", previous_response_id=warm.id)
     conversation = [{"role": "user", "content": "first"}, {"role": "user", "content": "second"}]
