@@ -1,19 +1,16 @@
 """One streaming-input session: its transcript, and the vLLM request that serves it.
 
-The transcript (``token_ids``: every chunk's input and output, every token the
-client received) is the session; an engine request is a cache of it. While *active*, the
-session feeds one ``AsyncLLM.generate`` from a queue of ``StreamingInput`` chunks,
-so the engine keeps its KV on the device between chunks and answers each chunk
-without recomputing what came before. A background task ("the pump") owns that
-request; cancelling it aborts the request and frees its KV.
+The transcript (``token_ids``: every chunk's input and every token the client received)
+is the session; an engine request is a cache of it. While *active*, the session feeds one
+``AsyncLLM.generate`` from a queue of ``StreamingInput`` chunks, so the engine keeps its KV
+on the device between chunks and answers each without recomputing what came before. A
+background task ("the pump") owns that request; cancelling it aborts it and frees its KV.
 
-A *parked* session has no engine request: ``park`` ends it gracefully, so the
-connector stores the whole context in the CPU tier (see connectors/offloading.py,
-the session tail store). Its next chunk starts a new request whose first input is
-the transcript plus the chunk; the prefix then comes from the device prefix cache
-or the CPU tier, and the usage of that chunk says which.
-
-No FastAPI here: transports (REST, websocket) drive sessions through the service.
+A *parked* session has no engine request: ``park`` ends it gracefully, so the connector
+stores the whole context in the CPU tier (connectors/offloading.py, the session tail
+store). Its next chunk starts a new request whose first input is the transcript plus the
+chunk; the prefix comes from the device prefix cache or the CPU tier (its usage says which).
+No FastAPI here: transports drive sessions through the service.
 """
 
 from __future__ import annotations
@@ -188,19 +185,15 @@ class StreamingSession:
         self, input_ids: list[int], params: Any, stop: asyncio.Event | None = None, start: int | None = None,
         answer: bool = True,
     ) -> AsyncGenerator[ChunkDelta | ChunkResult, None]:
-        """Append one chunk and stream its answer; the caller holds ``self.lock``.
-
-        Yields deltas, then one ``ChunkResult``. If the consumer stops early (a client
-        disconnect cancels it), the chunk is undone: the engine request is aborted and
-        the session, parked, holds the transcript from before the chunk (as the store
-        does: a chunk is committed at its end), so the client can send it again.
-        ``stop`` ends the answer at the next token instead and keeps what was generated
-        (finish reason ``cancelled``); the next chunk resumes from it. ``start`` cuts
-        the context to its first ``start`` tokens before the chunk: the engine request
-        ends (its KV kept in the CPU tier) and a new one resumes from the kept prefix.
-        Without ``answer`` (a warm-up) the chunk is prefilled and answers nothing: the
-        engine samples one token after it, which vLLM's streaming input drops (with no
-        KV) when the next chunk comes, so it is kept nowhere, nor sent again."""
+        """Append one chunk and stream its answer (deltas, then one ``ChunkResult``); the
+        caller holds ``self.lock``. A consumer that stops early (a client disconnect)
+        undoes the chunk: the request is aborted and the session, parked, holds the
+        transcript from before it (as the store does), so it can be sent again. ``stop``
+        ends the answer at the next token, keeping it (finish reason ``cancelled``).
+        ``start`` cuts the context to its first ``start`` tokens first (the request ends,
+        its KV kept in the CPU tier, and a new one resumes from the prefix). Without
+        ``answer`` (a warm-up) the chunk answers nothing: vLLM drops the one token it
+        samples after it (no KV) when the next chunk comes, so it is kept nowhere."""
         if self.closed:
             raise SessionFailedError(f"session {self.id} is closed ({self.close_reason})")
         await self._settle_abandoned()
