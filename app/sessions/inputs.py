@@ -80,14 +80,13 @@ def plan(tokenizer: Any, vocab_size: int, chunk_input: ChunkInput, context_ids: 
             turn = chunk_input(context_ids, conversation)
     elif chunk_input and isinstance(chunk_input[0], ChatMessage):
         messages = [message.model_dump() for message in chunk_input if isinstance(message, ChatMessage)]
+        wanted = None if conversation is None else conversation.with_messages(messages)
         with _template_errors():
-            if conversation is None:
+            if wanted is None:
                 ids, start = chat.plan_turn(tokenizer, None, messages, context_ids, generation_prompt=generate)
             else:
-                ids, start = chat.continue_to(tokenizer, conversation, conversation.with_messages(messages),
-                                              context_ids, generation_prompt=generate)
-        turn = Turn(ids, start, None if conversation is None else conversation.with_messages(messages),
-                    generate=generate)
+                ids, start = chat.continue_to(tokenizer, conversation, wanted, context_ids, generation_prompt=generate)
+        turn = Turn(ids, start, wanted, generate=generate)
     else:
         return Turn(encode(tokenizer, vocab_size, chunk_input), generate=generate)
     check_token_ids(turn.input_ids, vocab_size, "input")

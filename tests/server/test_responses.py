@@ -342,9 +342,10 @@ async def test_websocket_lanes_run_side_by_side_in_order_each_and_fork_across(
         after = (await until("ended", "b"))["response"]
         created = [e["response"]["id"] for e in seen if e["type"] == "response.created" and e["stream_id"] == "b"]
         assert created == [short["id"], after["id"]]  # in order: the second began after the first ended
-        assert seen.index(next(e for e in seen if e["type"] == "response.created" and e["response"]["id"]
-                               == after["id"])) > seen.index(next(e for e in seen if e["type"] in ENDED
-                                                                  and e["response"]["id"] == short["id"]))
+        def position(kinds: tuple[str, ...], response_id: str) -> int:
+            return next(i for i, e in enumerate(seen) if e["type"] in kinds and e["response"]["id"] == response_id)
+
+        assert position(("response.created",), after["id"]) > position(ENDED, short["id"])
         # Lane c continues lane b's latest response (not stored: the connection keeps it).
         await ws.send(json.dumps({**turn, "input": "forked", "stream_id": "c", "previous_response_id": after["id"]}))
         forked = (await until("ended", "c"))["response"]
