@@ -13,7 +13,7 @@ window) to the end within the bound (--rss-bound-pct), latency flat over time, a
 afterwards no session left open.
 
     python -m benchmarks.soak                 # 10 minutes, tiny model, float32
-    python -m benchmarks.soak --quick         # 20 s (the test suite's smoke run)
+    python -m benchmarks.soak --quick         # 8 s (the test suite's smoke run)
     python -m benchmarks.soak --duration-s 900 --chunks-per-session 4 --name soak-churn --out docs/results
                                               # past the 1,024 closed sessions remembered
 """
@@ -235,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     name = args.name
     if args.quick:
         quick_engine(args)
-        args.duration_s, args.window_s, args.websocket_workers = 20.0, 5.0, 3
+        args.duration_s, args.window_s, args.websocket_workers = 8.0, 2.0, 3
         name = "soak-quick"
     return name, args
 

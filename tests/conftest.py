@@ -19,6 +19,11 @@ os.environ.setdefault("STREAMSESS_STATE_DIR", tempfile.mkdtemp(prefix="streamses
 # process a test starts; tests about text and templates ask for the real default
 # model by name (tests/server/test_fresh_server.py starts it as ./scripts/serve does).
 os.environ.setdefault("STREAMSESS_MODEL_PRESET", "tiny")
+# Under pytest-xdist (./scripts/test runs two workers on two cores), each worker's
+# engines compute on a core of their own: vLLM's automatic binding would put every
+# engine's compute thread on core 0, and the two workers would queue on it.
+if (worker := os.environ.get("PYTEST_XDIST_WORKER")) and (cores := sorted(os.sched_getaffinity(0))):
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker.removeprefix("gw")) % len(cores)]))
 
 # Small enough for 2 cores, large enough that no test evicts by accident.
 # float32: the shared engine's outputs are compared token for token with recomputes,
@@ -47,6 +52,19 @@ def pytest_report_header() -> str:
     from connectors.cpu_platform import kernel_flags
 
     return f"CPU flags that pick vLLM's CPU kernels: {' '.join(kernel_flags()) or 'none'}"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.helpers import KERNELS_RAN
+
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand them to the controller
+        session.config.workeroutput["kernels_ran"] = sorted(KERNELS_RAN)
+
+
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    from tests.helpers import KERNELS_RAN
+
+    KERNELS_RAN.update(getattr(node, "workeroutput", {}).get("kernels_ran", []))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -188,10 +188,12 @@ class SessionRegistry:
         """The owner's open sessions: from the store when there is one, so every
         replica lists every replica's sessions."""
         if not self.store.durable:
-            return [self.describe(s) for s in self.held.values() if s.owner == owner]
+            return [self.describe(s) for s in self.held.values() if s.owner == owner and not s.closed]
         async with self.store_errors():
             records = await self.store.list_open(owner)
-        return [self.describe(self.held[r.id]) if r.id in self.held else self._describe_record(r) for r in records]
+        # A session this replica is closing is not open, though its store row may not say so yet.
+        return [self.describe(self.held[r.id]) if r.id in self.held else self._describe_record(r)
+                for r in records if not (r.id in self.held and self.held[r.id].closed)]
 
     def describe(self, session: StreamingSession) -> SessionObject:
         described = self._describe_record(session.record())

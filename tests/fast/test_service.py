@@ -236,3 +236,28 @@ async def test_an_expired_conversation_reopens_with_its_items_and_context(tmp_pa
         with pytest.raises(APIError) as closed:
             await service.attach(OWNER, plain.id)
         assert closed.value.code == "session_closed"
+
+
+async def test_a_session_being_closed_is_not_listed_while_its_store_row_is_written(tmp_path: Path) -> None:
+    """An expired session is closed at once; its store row is written after. The list in
+    between (any replica's list reads the store) must not show it open. Found as a race
+    of the engine tier's expiry test; here the store write is held to make it certain."""
+    async with running_service(tmp_path) as (service, _engine):
+        session = await service.create(OWNER, GREEDY)
+        writing, release = asyncio.Event(), asyncio.Event()
+        update = service.store.update
+
+        async def slow_update(*args: Any, **fields: Any) -> None:
+            if fields.get("status") == "closed":
+                writing.set()
+                await release.wait()
+            await update(*args, **fields)
+
+        service.store.update = slow_update  # type: ignore[method-assign]
+        closing = asyncio.create_task(service._close(session, "expired"))
+        await asyncio.wait_for(writing.wait(), 10)
+        assert session.closed
+        assert session.id not in {s.id for s in await service.list_sessions(OWNER)}
+        release.set()
+        await closing
+        assert session.id not in {s.id for s in await service.list_sessions(OWNER)}

@@ -1,8 +1,10 @@
 """A server with a disk tier, killed (SIGKILL) with a parked and an active session, and
 started again: each session's next chunk loads its context from disk, says so in its
 usage (``disk_tier_tokens``) and in the metrics, and answers as before the kill. Then a
-graceful stop (SIGTERM) with both sessions active: the next server loads their whole
-contexts from disk (the stop parks them and flushes the tier before the engine stops).
+graceful stop (SIGTERM) with both sessions active and a websocket-owned one open: the
+next server loads their whole contexts from disk (the stop parks them and flushes the
+tier before the engine stops), and the websocket's session, closed with code 1012 but
+parked, not closed, goes on.
 
 Real server processes (``python -m app.main``, embedded tiny model, float32) on one
 state directory (SQLite store, disk tier in ``state_dir/disk_tier``). Oracle: a control
@@ -13,15 +15,21 @@ device cache and the CPU tier are empty, so a hit can only come from the disk.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import signal
 from pathlib import Path
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
 
 from benchmarks.common import free_port
 from tests.server.test_durable_restart import (
+    CHUNKS,
+    MAX_TOKENS,
     durable_server,
     kill_hard,
     open_session,
@@ -68,7 +76,7 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
         assert status(http, active) == "active"
         kill_hard(server)
 
-    with durable_server("restarted", state_dir, port, tmp_path, **extra) as server, \
+    with contextlib.ExitStack() as stack, durable_server("restarted", state_dir, port, tmp_path, **extra) as server, \
             httpx.Client(base_url=server.base_url, timeout=120) as http:
         for name, session, inputs in (("parked", parked, parked_chunks), ("active", active, active_chunks)):
             resumed = send(http, session, inputs[2])
@@ -97,9 +105,24 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
             send(http, session, chunks(seed)[0])
         contexts = {"parked": transcript_ids(http, parked), "active": transcript_ids(http, active)}
         assert status(http, parked) == status(http, active) == "active"
-        # SIGTERM to the server alone, as a container runtime sends it to its main process.
+        # A session owned by an open websocket, and a control with the same chunks over REST.
+        ws_control = open_session(http)
+        ws_expected = [send(http, ws_control, chunk)["output"]["token_ids"] for chunk in CHUNKS[:2]]
+        owned_ws = stack.enter_context(ws_connect(server.base_url.replace("http://", "ws://") + "/v1/sessions/ws"))
+        over_ws = json.loads(owned_ws.recv(timeout=60))["session"]["id"]
+        owned_ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "ignore_eos": True}}))
+        assert json.loads(owned_ws.recv(timeout=60))["type"] == "session.updated"
+        owned_ws.send(json.dumps({"type": "input.append", "input": CHUNKS[0], "max_tokens": MAX_TOKENS}))
+        while json.loads(owned_ws.recv(timeout=60))["type"] != "response.done":
+            pass
+        ws_transcript = transcript_ids(http, over_ws)
+        # SIGTERM to the server alone, as a container runtime sends it to its main process
+        # (a restart, a rolling upgrade, a scale-in): a server stop is not a client leaving.
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises it after its stop
+        with pytest.raises(ConnectionClosed) as closed_by_server:
+            owned_ws.recv(timeout=30)
+        assert closed_by_server.value.rcvd is not None and closed_by_server.value.rcvd.code == 1012
 
     with durable_server("after-sigterm", state_dir, port, tmp_path, **extra) as server, \
             httpx.Client(base_url=server.base_url, timeout=120) as http:
@@ -108,3 +131,8 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
             details = resumed["usage"]["prompt_tokens_details"]
             # Every token with KV: all but the last one sampled.
             assert details["disk_tier_tokens"] == (len(contexts[name]) - 1) // BLOCK * BLOCK, (name, details)
+        # The websocket's session was parked by the stop, not closed with its connection.
+        state = http.get(f"/v1/sessions/{over_ws}").json()
+        assert (state["status"], state["num_chunks"]) == ("parked", 1), state
+        assert transcript_ids(http, over_ws) == ws_transcript
+        assert send(http, over_ws, CHUNKS[1])["output"]["token_ids"] == ws_expected[1]

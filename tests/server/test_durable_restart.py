@@ -1,5 +1,5 @@
-"""Sessions outlive their server: SIGKILL between chunks, and during one; and a graceful
-stop (SIGTERM) parks every session, a websocket's own among them, instead of closing it.
+"""Sessions outlive their server: SIGKILL between chunks, during one, and right after a
+resumed one (a graceful stop, SIGTERM, is tests/server/test_disk_restart.py's).
 
 Real server processes (``python -m app.main``, embedded tiny model, float32) on one
 SQLite store (the default) in a temporary state directory. The killed server is
@@ -15,7 +15,6 @@ with the incremental run (see docs/correctness.md).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -24,8 +23,6 @@ from typing import Any
 
 import httpx
 import pytest
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import connect as ws_connect
 
 from benchmarks.common import RunningServer, app_server, free_port
 
@@ -136,36 +133,10 @@ def test_sessions_survive_sigkill_between_and_during_chunks(tmp_path: Path) -> N
         assert send(http, during, CHUNKS[1])["output"]["token_ids"] == expected[1]
         kill_hard(server)  # and once more, right after a resumed chunk
 
-    # The websocket outlives the server block: it is open while the server stops.
-    with contextlib.ExitStack() as outlives_the_server:
-        with durable_server("again", state_dir, port, tmp_path) as server, \
-                httpx.Client(base_url=server.base_url, timeout=120) as http:
-            assert http.get(f"/v1/sessions/{during}").json()["num_chunks"] == 2
-            assert send(http, during, CHUNKS[2])["output"]["token_ids"] == expected[2]
-            assert http.delete(f"/v1/sessions/{control}").status_code == 200
-            assert http.get(f"/v1/sessions/{control}").status_code == 404  # deleted: gone
-            # A graceful stop (SIGTERM, as a restart or a scale-in sends) with a REST session
-            # and a websocket-owned session open: a server stop is not a client leaving.
-            over_rest = open_session(http)
-            send(http, over_rest, CHUNKS[0])
-            ws_url = server.base_url.replace("http://", "ws://") + "/v1/sessions/ws"
-            owned_ws = outlives_the_server.enter_context(ws_connect(ws_url))
-            over_ws = json.loads(owned_ws.recv(timeout=60))["session"]["id"]
-            owned_ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "ignore_eos": True}}))
-            assert json.loads(owned_ws.recv(timeout=60))["type"] == "session.updated"
-            owned_ws.send(json.dumps({"type": "input.append", "input": CHUNKS[0], "max_tokens": MAX_TOKENS}))
-            while json.loads(owned_ws.recv(timeout=60))["type"] != "response.done":
-                pass
-            kept = {session: transcript_ids(http, session) for session in (over_rest, over_ws)}
-        # Leaving the block sent SIGTERM; the server stopped with the websocket open.
-        with pytest.raises(ConnectionClosed) as closed_by_server:
-            owned_ws.recv(timeout=30)
-        assert closed_by_server.value.rcvd is not None and closed_by_server.value.rcvd.code == 1012
-
-    with durable_server("after-sigterm", state_dir, port, tmp_path) as server, \
+    with durable_server("again", state_dir, port, tmp_path) as server, \
             httpx.Client(base_url=server.base_url, timeout=120) as http:
-        for session, transcript in kept.items():
-            state = http.get(f"/v1/sessions/{session}").json()
-            assert (state["status"], state["num_chunks"]) == ("parked", 1), state
-            assert transcript_ids(http, session) == transcript
-            assert send(http, session, CHUNKS[1])["output"]["token_ids"] == expected[1]
+        assert http.get(f"/v1/sessions/{during}").json()["num_chunks"] == 2
+        assert send(http, during, CHUNKS[2])["output"]["token_ids"] == expected[2]
+        assert http.delete(f"/v1/sessions/{control}").status_code == 200
+        assert http.get(f"/v1/sessions/{control}").status_code == 404  # deleted: gone
+    # A graceful stop (SIGTERM) with a websocket-owned session open: tests/server/test_disk_restart.py.
