@@ -15,6 +15,10 @@ from app.settings import Settings
 # Every server and service of a test run keeps its sessions in a fresh SQLite store
 # (the default store), never in the user's own state directory.
 os.environ.setdefault("STREAMSESS_STATE_DIR", tempfile.mkdtemp(prefix="streamsess-test-state-"))
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    # A store of its own per xdist worker (the controller's is in the environment the
+    # workers inherit): one worker's idle-expiry would close the other's sessions.
+    os.environ["STREAMSESS_STATE_DIR"] = tempfile.mkdtemp(prefix=f"streamsess-test-state-{worker}-")
 # Mechanics tests run on the random-weight `tiny` preset, here and in every server
 # process a test starts; tests about text and templates ask for the real default
 # model by name (tests/server/test_fresh_server.py starts it as ./scripts/serve does).
@@ -22,7 +26,7 @@ os.environ.setdefault("STREAMSESS_MODEL_PRESET", "tiny")
 # Under pytest-xdist (./scripts/test runs two workers on two cores), each worker's
 # engines compute on a core of their own: vLLM's automatic binding would put every
 # engine's compute thread on core 0, and the two workers would queue on it.
-if (worker := os.environ.get("PYTEST_XDIST_WORKER")) and (cores := sorted(os.sched_getaffinity(0))):
+if worker and (cores := sorted(os.sched_getaffinity(0))):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker.removeprefix("gw")) % len(cores)]))
 
 # Small enough for 2 cores, large enough that no test evicts by accident.

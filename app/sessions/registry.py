@@ -278,6 +278,13 @@ class SessionRegistry:
             await self._adopt(session, *loaded)
         return True
 
+    async def hold_lease(self, session: StreamingSession) -> asyncio.Task[None] | None:
+        """Take the session's chunk lease and keep it renewed, in the task returned (None:
+        no store). To give it up: cancel the task, then ``release_lease``."""
+        if not await self.take_lease(session):
+            return None
+        return asyncio.create_task(self.renew_lease(session), name=f"lease-{session.id}")
+
     async def renew_lease(self, session: StreamingSession) -> None:
         """Renew the chunk's lease while it runs (a task, cancelled at the chunk's end)."""
         interval = self._settings.session_lease_s / 3

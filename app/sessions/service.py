@@ -5,10 +5,8 @@ ones; every refusal is an ``APIError`` in the OpenAI shape, raised before a resp
 begins. The parts: ``registry`` (held sessions and their store), ``parking``
 (admission and parking), ``inputs`` (pure checks), ``run`` (a chunk in flight, which
 owns its lock, lease and reservation). A chunk's way: ``start_chunk`` checks, locks,
-leases and admits, then returns a running ``ChunkRun``; its task runs
-``_chunk_events`` (generate, commit, observe); its end, whatever it is, runs
-``_release_chunk`` once.
-"""
+leases and admits, then returns a running ``ChunkRun``; its task runs ``_chunk_events``
+(generate, commit, observe); its end, whatever it is, runs ``_release_chunk`` once."""
 
 from __future__ import annotations
 
@@ -272,12 +270,13 @@ class SessionService:
             if not wait and session.answering:
                 raise errors.chunk_in_flight()
             await session.lock.acquire()
-            leased = False
+            renewal: asyncio.Task[None] | None = None
             try:
                 # Re-check after waiting: the session may have closed or grown meanwhile.
                 if session.closed:
                     raise errors.session_closed(session.id, session.close_reason)
-                leased = await self.registry.take_lease(session)
+                # Renewed from now on: waiting for room on the device can outlast a lease.
+                renewal = await self.registry.hold_lease(session)
                 if inputs.depends_on_context(chunk_input):
                     # A chat turn closes the reply it follows: the one of the chunk waited for.
                     turn = self._plan(session, chunk_input, generate)
@@ -286,12 +285,12 @@ class SessionService:
                 context = len(session.token_ids) if turn.start is None else turn.start
                 await self.parking.admit(session, context + len(turn.input_ids) + (params.max_tokens or 0))
             except BaseException:
-                if leased:
+                if renewal is not None:
+                    renewal.cancel()
                     await self.registry.release_lease(session)
                 session.lock.release()
                 raise
         # From here on the run owns the lock, the lease and the reservation.
-        renewal = asyncio.create_task(self.registry.renew_lease(session)) if leased else None
         run = ChunkRun(
             session, lambda run: self._chunk_events(run, turn, params, transport),
             lambda run: self._release_chunk(run, renewal),

@@ -261,3 +261,37 @@ async def test_a_session_being_closed_is_not_listed_while_its_store_row_is_writt
         release.set()
         await closing
         assert session.id not in {s.id for s in await service.list_sessions(OWNER)}
+
+
+async def test_a_chunk_waiting_for_device_room_keeps_its_lease(tmp_path: Path) -> None:
+    """Waiting for room on the device (up to admission_timeout_s) can outlast a lease
+    (session_lease_s): the lease is renewed from the moment it is taken, so no other
+    replica can take the session meanwhile. Negative control: renewed only once the
+    chunk is admitted (as before), the held admission never sees a renewal."""
+    from app.store import LeaseRefused
+
+    async with running_service(tmp_path, session_lease_s=0.3) as (service, _engine):
+        session = await service.create(OWNER, GREEDY)
+        renewed, room = asyncio.Event(), asyncio.Event()
+        renew, admit = service.store.renew_lease, service.parking.admit
+
+        async def counted_renew(*args: Any) -> bool:
+            result = await renew(*args)
+            renewed.set()
+            return bool(result)
+
+        async def held_admit(*args: Any) -> None:
+            await room.wait()
+            await admit(*args)
+
+        service.store.renew_lease = counted_renew  # type: ignore[method-assign]
+        service.parking.admit = held_admit  # type: ignore[method-assign]
+        starting = asyncio.create_task(service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=2),
+                                                           transport="test", wait=False))
+        await asyncio.wait_for(renewed.wait(), 5)  # a TimeoutError here: not renewed while it waited
+        renewed.clear()
+        await asyncio.wait_for(renewed.wait(), 5)  # and again, past the lease's first term
+        assert await service.store.acquire_lease(session.id, "another-replica", 30) is LeaseRefused.HELD
+        room.set()
+        run = await starting
+        assert (await run.result()).index == 0
