@@ -34,6 +34,11 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 API_KEY = "bench-key"
+# Two engines side by side have their model workers bound to the same CPU, and vLLM's
+# shared-memory readers keep spinning for 1 s after their last read
+# (SpinCondition.busy_loop_s): an engine that has just worked takes CPU from the other
+# for a second. A benchmark switching between them waits this long first.
+SWITCH_SETTLE_S = 1.5
 API_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 T = TypeVar("T")
 RESERVED_CPUS = "1"  # VLLM_CPU_NUM_OF_RESERVED_CPU on every side of every comparison
@@ -260,9 +265,10 @@ def app_server(
 
 
 def our_server(
-    setup: EngineSetup, log_dir: Path, connector: str = "offloading", **settings: str
+    setup: EngineSetup, log_dir: Path, connector: str = "offloading", name: str = "ours", **settings: str
 ) -> contextlib.AbstractContextManager[RunningServer]:
-    """Our server on ``setup``; ``settings`` are more STREAMSESS_* values (name=value)."""
+    """Our server on ``setup``; ``settings`` are more STREAMSESS_* values (name=value);
+    ``name`` names its log (two of ours side by side need two)."""
     values = {
         "model_preset": setup.preset,
         "api_keys": API_KEY,
@@ -277,7 +283,7 @@ def our_server(
         "connector": connector,
         "log_level": "warning",
     }
-    return app_server("ours", log_dir / "ours.log", {**values, **settings}, model=f"embedded-{setup.preset}")
+    return app_server(name, log_dir / f"{name}.log", {**values, **settings}, model=f"embedded-{setup.preset}")
 
 
 def vllm_server(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -28,10 +29,12 @@ import httpx
 
 from benchmarks.common import (
     API_HEADERS,
+    SWITCH_SETTLE_S,
     WORDS,
     EngineSetup,
     PerTurn,
     benchmark_parser,
+    enter_together,
     finish,
     median_per_turn,
     our_server,
@@ -86,12 +89,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(args.out) / "logs"
     sides: dict[str, Turns] = {}
     # ours-no-store: the same server keeping its sessions in memory only, to tell the
-    # store's cost per turn (the lease, the chunk's commit, the stored response).
-    for label, store in (("ours", {}), ("ours-no-store", {"store_url": "none"})):
-        with our_server(setup, log_dir, **store) as server:
+    # store's cost per turn (the lease, the chunk's commit, the stored response). The two
+    # run side by side, their chains alternating, so that the machine's drift falls on
+    # both alike, with a pause at each switch so that neither runs beside the other's
+    # engine still spinning after its last step (vLLM's busy_loop_s).
+    with contextlib.ExitStack() as stack:
+        ours = dict(zip(("ours", "ours-no-store"), enter_together(stack, [
+            our_server(setup, log_dir), our_server(setup, log_dir, name="ours-no-store", store_url="none")])))
+        runs: dict[str, list[Turns]] = {label: [] for label in ours}
+        for server in ours.values():
             await run_chain(server.base_url, server.model, warmup, args.gen, API_HEADERS)
-            sides[label] = median_per_turn([await run_chain(server.base_url, server.model, chain, args.gen, API_HEADERS)
-                                   for chain in chains])
+        for chain in chains:
+            for label, server in ours.items():
+                await asyncio.sleep(SWITCH_SETTLE_S)
+                runs[label].append(await run_chain(server.base_url, server.model, chain, args.gen, API_HEADERS))
+        sides.update({label: median_per_turn(label_runs) for label, label_runs in runs.items()})
     for prefix_caching in (True, False):
         label = f"vllm-store-prefix-{'on' if prefix_caching else 'off'}"
         with vllm_server(setup, log_dir, prefix_caching, label=label,

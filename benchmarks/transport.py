@@ -48,6 +48,7 @@ import websockets
 
 from benchmarks.common import (
     API_HEADERS,
+    SWITCH_SETTLE_S,
     EngineSetup,
     RunningServer,
     benchmark_parser,
@@ -75,12 +76,9 @@ BARE = "-bare"
 BARE_HOP_OF = {"rest": "rest-bare", "sse": "sse-bare", "websocket": "websocket-bare",
                "websocket-deflate": "websocket-bare"}  # the same client library
 PROFILE_RATE_HZ = 250
-# The floor's engine and the server's run side by side, and both model workers are
-# bound to the same CPU. vLLM's shared-memory readers keep spinning for 1 s after
-# their last read (SpinCondition.busy_loop_s), so an engine that has just worked
-# takes CPU from the other for a second. Between the floor and the server the
-# benchmark waits that out, then warms the next side up with unmeasured chunks.
-SWITCH_SETTLE_S = 1.5
+# The floor's engine and the server's run side by side: between them the benchmark
+# waits out the spin (common.SWITCH_SETTLE_S), then warms the next side up with
+# unmeasured chunks.
 WARM_CHUNKS = 3
 
 
