@@ -65,6 +65,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.config.workeroutput["kernels_ran"] = sorted(KERNELS_RAN)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: the controller gathers its workers' kernels
 def pytest_testnodedown(node: Any, error: Any) -> None:
     from tests.helpers import KERNELS_RAN
 

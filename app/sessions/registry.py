@@ -191,9 +191,13 @@ class SessionRegistry:
             return [self.describe(s) for s in self.held.values() if s.owner == owner and not s.closed]
         async with self.store_errors():
             records = await self.store.list_open(owner)
-        # A session this replica is closing is not open, though its store row may not say so yet.
-        return [self.describe(self.held[r.id]) if r.id in self.held else self._describe_record(r)
-                for r in records if not (r.id in self.held and self.held[r.id].closed)]
+        listed = []
+        for record in records:
+            if (held := self.held.get(record.id)) is None:
+                listed.append(self._describe_record(record))
+            elif not held.closed:  # one this replica is closing is not open, whatever its row says yet
+                listed.append(self.describe(held))
+        return listed
 
     def describe(self, session: StreamingSession) -> SessionObject:
         described = self._describe_record(session.record())

@@ -127,6 +127,7 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
     with durable_server("after-sigterm", state_dir, port, tmp_path, **extra) as server, \
             httpx.Client(base_url=server.base_url, timeout=120) as http:
         for name, session in (("parked", parked), ("active", active)):
+            assert status(http, session) == "parked", name  # parked by the stop, not closed
             resumed = send(http, session, [5, 6, 7])
             details = resumed["usage"]["prompt_tokens_details"]
             # Every token with KV: all but the last one sampled.
