@@ -74,7 +74,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     errors: Counter[str] = Counter()
     latencies: dict[str, list[float]] = {"turn 1": [], "turn 2": [], "full device": []}
     log_dir = Path(args.out) / "logs"
-    with our_server(setup, log_dir, session_park_after_s="600", admission_timeout_s="30") as server:
+    with our_server(setup, log_dir, name="capacity", session_park_after_s="600", admission_timeout_s="30") as server:
         async with httpx.AsyncClient(base_url=server.base_url, headers=API_HEADERS, timeout=300) as http:
             limit = asyncio.Semaphore(args.concurrency)
 

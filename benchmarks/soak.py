@@ -96,6 +96,13 @@ async def websocket_worker(url: str, args: Any, record: Record, seed: int, inter
             session_deadline = min(deadline, time.monotonic() + args.chunks_per_session * interval_s)
             await paced(record, interval_s, session_deadline, step)
             await ws.send(json.dumps({"type": "session.close"}))
+            # The close is answered before the connection ends: a close that failed is an error.
+            try:
+                while (event := json.loads(await ws.recv()))["type"] != "session.closed":
+                    if event["type"] == "error":
+                        raise RuntimeError(f"session.close: {event['error']['code']}: {event['error']['message']}")
+            except Exception as exc:
+                record.errors.append((record.now(), f"{type(exc).__name__}: {exc}"[:300]))
 
 
 async def rest_worker(base: str, args: Any, record: Record, seed: int, interval_s: float, deadline: float) -> None:
@@ -113,7 +120,9 @@ async def rest_worker(base: str, args: Any, record: Record, seed: int, interval_
 
             session_deadline = min(deadline, time.monotonic() + args.chunks_per_session * interval_s)
             await paced(record, interval_s, session_deadline, step)
-            await http.delete(f"/v1/sessions/{session_id}")
+            deleted = await http.delete(f"/v1/sessions/{session_id}")
+            if deleted.status_code != 200:
+                record.errors.append((record.now(), f"DELETE {deleted.status_code} {deleted.text[:200]}"))
 
 
 def rss_mb(pid: int) -> tuple[float, float]:
@@ -160,7 +169,7 @@ async def main_async(args: Any) -> dict[str, Any]:
                         dtype=args.dtype, max_num_seqs=16)
     log_dir = Path(args.out) / "logs"
     # As users run it: the default SQLite store, so its writes are soaked too.
-    with our_server(setup, log_dir, admission_timeout_s="120") as server:
+    with our_server(setup, log_dir, name="soak", admission_timeout_s="120") as server:
         base = server.base_url
         ws_base = base.replace("http://", "ws://")
         record = Record()
@@ -174,7 +183,8 @@ async def main_async(args: Any) -> dict[str, Any]:
               for n in range(args.websocket_workers)),
         )
         async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=30) as http:
-            left_open = [s["id"] for s in (await http.get("/v1/sessions")).json()["data"] if s["status"] != "closed"]
+            left_open = [{k: s[k] for k in ("id", "status", "num_chunks")}
+                         for s in (await http.get("/v1/sessions")).json()["data"] if s["status"] != "closed"]
     rows = windows(record, rss, args.window_s, args.duration_s)
     warm, end = rows[0]["rss_mb"], rows[-1]["rss_mb"]
     growth_pct = 100 * (end - warm) / warm
@@ -186,6 +196,7 @@ async def main_async(args: Any) -> dict[str, Any]:
                  "chunks_per_session": args.chunks_per_session},
         "windows": rows,
         "errors_sample": record.errors[:20],
+        "sessions_left_open": left_open,
         "summary": {
             "chunks": len(record.chunks), "errors": len(record.errors),
             "achieved_rate": len(record.chunks) / args.duration_s,

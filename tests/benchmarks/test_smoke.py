@@ -100,7 +100,7 @@ def test_soak_quick(quick_runs: tuple[Path, dict]) -> None:
     result = run_quick("soak", quick_runs)
     summary = result["summary"]
     assert summary["errors"] == 0, result["errors_sample"]
-    assert summary["chunks"] > 0 and summary["sessions_left_open"] == 0
+    assert summary["chunks"] > 0 and summary["sessions_left_open"] == 0, result["sessions_left_open"]
     assert all(row["rss_mb"] > 0 for row in result["windows"])
 
 
