@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -129,14 +130,39 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
         args["prefix_caching_hash_algo"] = "sha256_cbor"
     if settings.async_scheduling is not None:
         args["async_scheduling"] = settings.async_scheduling
+    if worker_in_engine_core(settings):
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        # A class, not "uni": vLLM's CPU platform turns "uni" into "mp" (the worker's
+        # OpenMP binding is set by its process's environment; build_engine sets it).
+        args["distributed_executor_backend"] = UniProcExecutor
     # Pass-through last: an operator's explicit engine argument wins.
     args.update(settings.engine_args)
     return AsyncEngineArgs(**args)
 
 
+def worker_in_engine_core(settings: Settings) -> bool:
+    """Whether the model worker runs in the engine-core process (see the setting)."""
+    from vllm.platforms import current_platform
+
+    single_worker = all(int(settings.engine_args.get(key, 1)) == 1
+                        for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+    return (settings.cpu_worker_in_engine_core and current_platform.is_cpu() and single_worker
+            and "distributed_executor_backend" not in settings.engine_args)
+
+
+def worker_omp_env(vllm_config: Any) -> contextlib.AbstractContextManager[None]:
+    """The OpenMP environment (threads, cores) vLLM's multiprocess executor gives a
+    worker process of its own, for the engine-core process that runs the worker."""
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    return OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0)
+
+
 def build_engine(settings: Settings) -> AsyncLLM:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor.abstract import Executor
 
     engine_args = build_engine_args(settings)
     logger.info(
@@ -148,9 +174,15 @@ def build_engine(settings: Settings) -> AsyncLLM:
         settings.block_size,
     )
     observer = SchedulerObserver()
-    engine = AsyncLLM.from_engine_args(
-        engine_args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=[observer.logger_factory]
-    )
+    # AsyncLLM.from_engine_args, with the config at hand for the worker's OpenMP binding.
+    usage = UsageContext.OPENAI_API_SERVER
+    vllm_config = engine_args.create_engine_config(usage)
+    with worker_omp_env(vllm_config) if worker_in_engine_core(settings) else contextlib.nullcontext():
+        engine = AsyncLLM(
+            vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+            log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats,
+            usage_context=usage, stat_loggers=[observer.logger_factory],
+        )
     # The admission backstop reads it (app.sessions.admission.observer_of).
     setattr(engine, OBSERVER_ATTRIBUTE, observer)
     return engine

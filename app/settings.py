@@ -95,6 +95,16 @@ class Settings(BaseSettings):
     )
     max_num_seqs: int = Field(default=64, gt=0, description="Engine slots; each open session holds one.")
     async_scheduling: bool | None = Field(default=None, description="vLLM async scheduling; None: vLLM's default.")
+    cpu_worker_in_engine_core: bool = Field(
+        default=True,
+        description=(
+            "On a CPU machine with one worker, run vLLM's model worker inside its engine-core process "
+            "(vLLM's UniProcExecutor, with the OpenMP binding vLLM gives a worker process) instead of a "
+            "process of its own: one process fewer to start (its torch and vLLM imports) and to keep in "
+            "memory, and no shared-memory queue between the two spinning for a second after each step. "
+            "False: vLLM's own CPU default. An engine_args distributed_executor_backend wins."
+        ),
+    )
     seed: int = 0
     engine_args: dict[str, Any] = Field(
         default_factory=dict,

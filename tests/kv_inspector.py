@@ -33,6 +33,13 @@ def _digest(rows: list[Any]) -> str:
 class KVInspector:
     model_runner: Any
 
+    def streamsess_process(self) -> tuple[int, str]:
+        """The worker's process: its id and its title (vLLM names its processes)."""
+        import os
+        from pathlib import Path
+
+        return os.getpid(), Path(f"/proc/{os.getpid()}/cmdline").read_bytes().split(b"\0")[0].decode()
+
     def streamsess_attention_kernels(self) -> list[str]:
         """The CPU attention kernels ("amx", "vec", ...) the model's layers run."""
         return sorted({str(m.isa) for m in self.model_runner.model.modules() if hasattr(m, "isa")})

@@ -61,6 +61,19 @@ def test_engine_arguments_carry_connector_and_tier() -> None:
     assert passthrough.tensor_parallel_size == 2
 
 
+def test_the_cpu_worker_runs_in_the_engine_core_unless_asked_otherwise() -> None:
+    """On this CPU-only machine the model worker runs in the engine-core process (one
+    process fewer to start); vLLM's own default, an explicit backend or several workers
+    keep vLLM's choice. tests/engine/test_session_service.py checks the process itself."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    assert build_engine_args(Settings(_env_file=None)).distributed_executor_backend is UniProcExecutor
+    for kept in ({"cpu_worker_in_engine_core": False}, {"engine_args": '{"tensor_parallel_size": 2}'},
+                 {"engine_args": '{"distributed_executor_backend": "mp"}'}):
+        backend = build_engine_args(Settings(_env_file=None, **kept)).distributed_executor_backend
+        assert backend in (None, "mp"), (kept, backend)
+
+
 def test_simple_connector_refused_without_cuda() -> None:
     with pytest.raises(EngineConfigError, match="CUDA"):
         kv_transfer_config(Settings(_env_file=None, connector="simple"))
