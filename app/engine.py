@@ -174,15 +174,18 @@ def build_engine(settings: Settings) -> AsyncLLM:
         settings.block_size,
     )
     observer = SchedulerObserver()
-    # AsyncLLM.from_engine_args, with the config at hand for the worker's OpenMP binding.
     usage = UsageContext.OPENAI_API_SERVER
-    vllm_config = engine_args.create_engine_config(usage)
-    with worker_omp_env(vllm_config) if worker_in_engine_core(settings) else contextlib.nullcontext():
-        engine = AsyncLLM(
-            vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
-            log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats,
-            usage_context=usage, stat_loggers=[observer.logger_factory],
-        )
+    if not worker_in_engine_core(settings):
+        engine = AsyncLLM.from_engine_args(engine_args, usage_context=usage, stat_loggers=[observer.logger_factory])
+    else:
+        # AsyncLLM.from_engine_args, with the config at hand for the worker's binding.
+        vllm_config = engine_args.create_engine_config(usage)
+        with worker_omp_env(vllm_config):
+            engine = AsyncLLM(
+                vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats,
+                usage_context=usage, stat_loggers=[observer.logger_factory],
+            )
     # The admission backstop reads it (app.sessions.admission.observer_of).
     setattr(engine, OBSERVER_ATTRIBUTE, observer)
     return engine
