@@ -74,7 +74,7 @@ async def ours(http: httpx.AsyncClient, model: str, outputs: list[str], gen: int
         assert final.get("status") == "completed" and calls, final
         usage = final["usage"]
         rounds.append({"ttft_s": first or 0.0, "total_s": time.perf_counter() - start,
-                       "input_tokens": usage["input_tokens"],
+                       "input_tokens": usage["input_tokens"], "output_tokens": usage["output_tokens"],
                        "cached_tokens": usage["input_tokens_details"]["cached_tokens"]})
         previous, call_id = final["id"], calls[0]["call_id"]
     return rounds
@@ -108,7 +108,7 @@ async def vllm_chat(http: httpx.AsyncClient, model: str, outputs: list[str], gen
                         entry["arguments"] += function.get("arguments") or ""
         assert calls, "no tool call"
         rounds.append({"ttft_s": first or 0.0, "total_s": time.perf_counter() - start,
-                       "input_tokens": usage.get("prompt_tokens", 0),
+                       "input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0),
                        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
         call = calls[0]
         messages += [{"role": "assistant", "content": None, "tool_calls": [
