@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from app.errors import APIError
-from app.sessions.protocol import Metadata
+from app.sessions.protocol import Integer, Metadata
 
 # OpenAI's limit on the items one request may add to a conversation.
 MAX_ITEMS_PER_REQUEST = 20
@@ -44,6 +44,10 @@ class ConversationRef(BaseModel):
 
 
 class ResponsesCreateRequest(ResponsesRequest):
+    # JSON-safe, as the session API's seeds: vLLM's 64-bit bound cannot be held by a client
+    # or schema validator comparing in doubles (fresh-seed fuzzing found 2**63 valid by the
+    # schema and refused by the server).
+    seed: Integer | None = None
     conversation: str | ConversationRef | None = Field(
         default=None, description="The conversation this response continues and is added to.")
     generate: bool = Field(

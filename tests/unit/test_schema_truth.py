@@ -66,6 +66,17 @@ def test_the_schema_states_the_servers_bounds() -> None:
     assert seed["maximum"] == SAFE_INTEGER_MAX == 2**53 - 1
 
 
+def test_a_responses_seed_is_bounded_where_doubles_are_exact() -> None:
+    from app.responses.protocol import ResponsesCreateRequest
+
+    seed = next(v for v in ResponsesCreateRequest.model_json_schema()["properties"]["seed"]["anyOf"]
+                if v.get("type") == "integer")
+    assert (seed["minimum"], seed["maximum"]) == (-SAFE_INTEGER_MAX, SAFE_INTEGER_MAX)
+    assert ResponsesCreateRequest.model_validate({"input": "hi", "seed": SAFE_INTEGER_MAX}).seed == SAFE_INTEGER_MAX
+    with pytest.raises(ValidationError):
+        ResponsesCreateRequest.model_validate({"input": "hi", "seed": 2**63})
+
+
 def test_vllm_rules_beyond_its_models_are_in_the_schema() -> None:
     nullable_array = {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]}
     schema = {"components": {"schemas": {
