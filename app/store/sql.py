@@ -145,6 +145,8 @@ class SQLSessionStore(SessionStore):
     def __init__(self, url: str):
         self.url = async_url(url)
         self._engine: AsyncEngine | None = None
+        # SQLite: a pool of its own for lease writes, at synchronous=NORMAL (see _transaction).
+        self._lease_engine: AsyncEngine | None = None
         # SQLite has one writer at a time: this process's writers queue here, in
         # order, rather than time out in SQLite's busy handler under load.
         self._sqlite_writer = asyncio.Lock()
@@ -161,6 +163,9 @@ class SQLSessionStore(SessionStore):
             engine = create_async_engine(self.url, hide_parameters=True,
                                          connect_args={"timeout": STATEMENT_TIMEOUT_S})
             sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+            self._lease_engine = create_async_engine(self.url, hide_parameters=True,
+                                                     connect_args={"timeout": STATEMENT_TIMEOUT_S})
+            sa.event.listen(self._lease_engine.sync_engine, "connect", _sqlite_lease_pragmas)
         else:
             engine = create_async_engine(
                 self.url, hide_parameters=True, pool_pre_ping=True, pool_size=5, max_overflow=5,
@@ -189,17 +194,26 @@ class SQLSessionStore(SessionStore):
         return values
 
     async def close(self) -> None:
-        if self._engine is not None:
-            await self._engine.dispose()
+        for engine in (self._engine, self._lease_engine):
+            if engine is not None:
+                await engine.dispose()
 
     @contextlib.asynccontextmanager
-    async def _transaction(self, write: bool = True) -> AsyncIterator[AsyncConnection]:
+    async def _transaction(self, write: bool = True, synced: bool = True) -> AsyncIterator[AsyncConnection]:
         """One transaction; any failure of the database or its disk becomes
-        StoreUnavailableError, after the transaction rolled back."""
+        StoreUnavailableError, after the transaction rolled back. ``synced=False`` (lease
+        writes): the commit returns before it is on disk. A lease lost to a power loss or a
+        database crash is harmless: its holder's commit checks it (and is refused), and a
+        holder lost with it needs no lease. That takes a flush off every chunk's first
+        token (SQLite: a connection at synchronous=NORMAL; PostgreSQL: synchronous_commit
+        off for this transaction); chunks, sessions and objects stay synced."""
         assert self._engine is not None, "start() the store first"
         writer = self._sqlite_writer if write and self.dialect == "sqlite" else contextlib.nullcontext()
+        engine = self._lease_engine if not synced and self._lease_engine is not None else self._engine
         try:
-            async with writer, self._engine.begin() as conn:
+            async with writer, engine.begin() as conn:
+                if not synced and self.dialect == "postgresql":
+                    await conn.execute(sa.text("SET LOCAL synchronous_commit = off"))
                 yield conn
         except IntegrityError:
             raise
@@ -268,7 +282,7 @@ class SQLSessionStore(SessionStore):
                  .where(c.id == session_id, c.status != "closed", takeable)
                  .values(lease_holder=holder, lease_expires=now + ttl_s)
                  .returning(*RECORD_COLUMNS))
-        async with self._transaction() as conn:
+        async with self._transaction(synced=False) as conn:
             row = (await conn.execute(query)).first()
             if row is not None:
                 return _record(row)
@@ -279,7 +293,7 @@ class SQLSessionStore(SessionStore):
 
     async def renew_lease(self, session_id: str, holder: str, ttl_s: float) -> bool:
         c = sessions.c
-        async with self._transaction() as conn:
+        async with self._transaction(synced=False) as conn:
             result = await conn.execute(
                 sessions.update().where(c.id == session_id, c.lease_holder == holder)
                 .values(lease_expires=time.time() + ttl_s)
@@ -288,7 +302,7 @@ class SQLSessionStore(SessionStore):
 
     async def release_lease(self, session_id: str, holder: str) -> None:
         c = sessions.c
-        async with self._transaction() as conn:
+        async with self._transaction(synced=False) as conn:
             await conn.execute(
                 sessions.update().where(c.id == session_id, c.lease_holder == holder)
                 .values(lease_holder=None, lease_expires=None)
@@ -367,9 +381,14 @@ class SQLSessionStore(SessionStore):
 _SQLITE_SYNCHRONOUS = {"0": "off", "1": "normal", "2": "full", "3": "extra"}
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _connection_record: Any) -> None:
+def _sqlite_pragmas(dbapi_connection: Any, _connection_record: Any, synchronous: str = "FULL") -> None:
     cursor = dbapi_connection.cursor()
     # WAL: readers do not block the writer; FULL: a commit is on disk before it returns.
-    for pragma in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON", "busy_timeout=10000"):
+    for pragma in ("journal_mode=WAL", f"synchronous={synchronous}", "foreign_keys=ON", "busy_timeout=10000"):
         cursor.execute(f"PRAGMA {pragma}")
     cursor.close()
+
+
+def _sqlite_lease_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
+    # NORMAL in WAL mode: a commit survives a killed process, not a power loss (leases only).
+    _sqlite_pragmas(dbapi_connection, connection_record, synchronous="NORMAL")

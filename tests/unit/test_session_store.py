@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import sqlalchemy as sa
 
 from app.store import LeaseRefused, SessionExistsError, SessionRecord, StoreUnavailableError
 from app.store.sql import SQLSessionStore
@@ -226,6 +227,40 @@ async def test_commits_are_durable_on_the_stores_own_connections(store: SQLSessi
         # fsync is the database server's own setting, off on the test server (tests only);
         # synchronous_commit is what a client's session could weaken, and must not.
         assert await store.durability() == {"fsync": "off", "synchronous_commit": "on"}
+
+
+async def test_only_lease_writes_skip_the_flush(store: SQLSessionStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease's commit returns before it is on disk (a lost lease is refused at the
+    holder's commit, and a lost holder needs none); a chunk's commit, a session's row and
+    objects wait for it. Oracle: the setting in force on the transaction's own connection,
+    and which transactions each store call opens."""
+    query = "PRAGMA synchronous" if store.dialect == "sqlite" else "SHOW synchronous_commit"
+    modes = {}
+    for synced in (False, True):
+        async with store._transaction(synced=synced) as conn:
+            modes[synced] = str((await conn.execute(sa.text(query))).scalar_one()).lower()
+    assert modes == ({False: "1", True: "2"} if store.dialect == "sqlite" else {False: "off", True: "on"})
+
+    opened: list[bool] = []
+    transaction = store._transaction
+
+    def recording(write: bool = True, synced: bool = True) -> Any:
+        opened.append(synced)
+        return transaction(write=write, synced=synced)
+
+    monkeypatch.setattr(store, "_transaction", recording)
+    session_id = unique("lease-sync")
+    await store.create(record(session_id))
+    assert opened == [True]
+    assert not isinstance(await store.acquire_lease(session_id, "a", 30.0), LeaseRefused)
+    assert await store.renew_lease(session_id, "a", 30.0)
+    await store.release_lease(session_id, "a")
+    assert opened[1:] == [False, False, False]
+    assert not isinstance(await store.acquire_lease(session_id, "a", 30.0), LeaseRefused)
+    assert await store.commit_chunk(session_id, "a", 0, [1, 2, 3], time.time())
+    assert opened[-1] is True
+    assert (await store.durability())["synchronous" if store.dialect == "sqlite" else "synchronous_commit"] in (
+        "full", "on")
 
 
 async def test_negative_control_sqlite_without_synchronous_full_is_seen(
