@@ -34,8 +34,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 API_KEY = "bench-key"
-# Two engines side by side have their model workers bound to the same CPU, and vLLM's
-# shared-memory readers keep spinning for 1 s after their last read
+# Two engines side by side have their model workers bound to the same CPU, and where a
+# worker has a process of its own (vLLM's server; ours with cpu_worker_in_engine_core
+# off) its shared-memory readers keep spinning for 1 s after their last read
 # (SpinCondition.busy_loop_s): an engine that has just worked takes CPU from the other
 # for a second. A benchmark switching between them waits this long first.
 SWITCH_SETTLE_S = 1.5

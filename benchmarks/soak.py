@@ -58,6 +58,10 @@ class Record:
     def now(self) -> float:
         return time.monotonic() - self.start
 
+    def error(self, what: str | BaseException) -> None:
+        text = f"{type(what).__name__}: {what}" if isinstance(what, BaseException) else what
+        self.errors.append((self.now(), text[:300]))
+
 
 async def paced(record: Record, interval_s: float, deadline: float, step: Any) -> None:
     """Run ``step`` every ``interval_s`` until ``deadline`` (late steps do not bunch up)."""
@@ -68,7 +72,7 @@ async def paced(record: Record, interval_s: float, deadline: float, step: Any) -
         try:
             await step()
         except Exception as exc:  # every failure is a recorded error; the soak goes on
-            record.errors.append((record.now(), f"{type(exc).__name__}: {exc}"[:300]))
+            record.error(exc)
         else:
             record.chunks.append((record.now(), time.monotonic() - began))
         next_at = max(next_at + interval_s, time.monotonic())
@@ -102,7 +106,7 @@ async def websocket_worker(url: str, args: Any, record: Record, seed: int, inter
                     if event["type"] == "error":
                         raise RuntimeError(f"session.close: {event['error']['code']}: {event['error']['message']}")
             except Exception as exc:
-                record.errors.append((record.now(), f"{type(exc).__name__}: {exc}"[:300]))
+                record.error(exc)
 
 
 async def rest_worker(base: str, args: Any, record: Record, seed: int, interval_s: float, deadline: float) -> None:
@@ -122,7 +126,7 @@ async def rest_worker(base: str, args: Any, record: Record, seed: int, interval_
             await paced(record, interval_s, session_deadline, step)
             deleted = await http.delete(f"/v1/sessions/{session_id}")
             if deleted.status_code != 200:
-                record.errors.append((record.now(), f"DELETE {deleted.status_code} {deleted.text[:200]}"))
+                record.error(f"DELETE {deleted.status_code} {deleted.text[:200]}")
 
 
 def rss_mb(pid: int) -> tuple[float, float]:

@@ -35,10 +35,10 @@ class KVInspector:
 
     def streamsess_process(self) -> tuple[int, str]:
         """The worker's process: its id and its title (vLLM names its processes)."""
-        import os
-        from pathlib import Path
+        import psutil
 
-        return os.getpid(), Path(f"/proc/{os.getpid()}/cmdline").read_bytes().split(b"\0")[0].decode()
+        process = psutil.Process()
+        return process.pid, process.cmdline()[0]
 
     def streamsess_attention_kernels(self) -> list[str]:
         """The CPU attention kernels ("amx", "vec", ...) the model's layers run."""

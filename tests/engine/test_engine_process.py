@@ -2,16 +2,16 @@
 process (``cpu_worker_in_engine_core``, on by default), bound as vLLM binds a worker.
 
 Oracle: the operating system. The worker reports its own process (through the KV
-inspector worker extension), and /proc says which processes this one started. With the
+inspector worker extension), and psutil says which processes this one started. With the
 setting off, the same check sees vLLM's own layout (a worker process beside the engine
 core): the negative control, so the check cannot pass whatever the layout."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import contextlib
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import make_settings
@@ -19,35 +19,21 @@ from tests.conftest import make_settings
 pytestmark = pytest.mark.engine
 
 
-def descendants(pid: int) -> dict[int, str]:
-    """Every process below ``pid``: its id and its title (argv[0])."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found: dict[int, str] = {}
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, its_parent in parents.items():
-            if its_parent == parent and child not in found:
-                try:
-                    found[child] = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode()
-                except OSError:
-                    continue
-                frontier.append(child)
+def descendants() -> dict[int, str]:
+    """Every process below this one: its id and its title (argv[0])."""
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # ended meanwhile
+            found[child.pid] = (child.cmdline() or [""])[0]
     return found
 
 
 async def worker_layout(engine: Any) -> tuple[str, list[str]]:
     """(the title of the process the worker runs in, the titles of vLLM's processes)."""
     ((worker_pid, worker_title),) = await engine.collective_rpc("streamsess_process")
-    titles = sorted(t for t in descendants(os.getpid()).values() if t.startswith("VLLM::"))
-    assert worker_pid in descendants(os.getpid()), "the worker is not a process this test started"
-    return worker_title, titles
+    processes = descendants()
+    assert worker_pid in processes, "the worker is not a process this test started"
+    return worker_title, sorted(t for t in processes.values() if t.startswith("VLLM::"))
 
 
 async def test_the_worker_runs_in_the_engine_core_process(engine: Any) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from benchmarks.common import RunningServer, app_server, free_port
@@ -53,19 +54,6 @@ def client(server: RunningServer) -> httpx.Client:
     return httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def test_the_log_holds_no_prompt_output_or_key(logged_server: LoggedServer) -> None:
     outputs = []
     with client(logged_server.server) as http:
@@ -94,7 +82,7 @@ def test_a_killed_engine_gives_503s_then_the_server_exits_to_be_restarted(logged
     with client(server) as http:
         session_id = http.post("/v1/sessions", json={"defaults": {"temperature": 0}}).json()["id"]
         assert http.post(f"/v1/sessions/{session_id}/chunks", json={"input": [1, 2, 3], "max_tokens": 2}).status_code == 200
-        engines = children(server.process.pid)
+        engines = [child.pid for child in psutil.Process(server.process.pid).children()]
         assert engines, "the server has no engine process"
         for pid in engines:
             os.kill(pid, signal.SIGKILL)
