@@ -28,9 +28,7 @@ async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep) -
         if "realtime=v1" in websocket.headers.get("openai-beta", ""):
             raise APIError(400, "The Realtime beta protocol (OpenAI-Beta: realtime=v1) is not served; use the GA "
                            "protocol (openai>=2: client.realtime.connect).", code="beta_protocol_unsupported")
-        model = query.get("model")
-        if model is not None and model != service.model_name:
-            raise APIError(404, f"The model {model!r} does not exist.", code="model_not_found", param="model")
+        service.check_model(query.get("model"))
         if (session_id := query.get("session_id")) is not None:
             session = await service.attach(owner, session_id)
             owns_session = False

@@ -13,7 +13,17 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from app.errors import APIError
-from app.sessions.protocol import Integer, Metadata
+from app.sessions.protocol import (
+    SAFE_INTEGER_MAX,
+    Integer,
+    Metadata,
+    MinP,
+    RepetitionPenalty,
+    StopTokenIds,
+    Temperature,
+    TopK,
+    TopP,
+)
 
 # OpenAI's limit on the items one request may add to a conversation.
 MAX_ITEMS_PER_REQUEST = 20
@@ -48,6 +58,15 @@ class ResponsesCreateRequest(ResponsesRequest):
     # or schema validator comparing in doubles (fresh-seed fuzzing found 2**63 valid by the
     # schema and refused by the server).
     seed: Integer | None = None
+    # The session API's sampling bounds: a stored response samples on a session, and an
+    # out-of-range value is refused naming its parameter (on vLLM's handler too).
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=SAFE_INTEGER_MAX)] | None = None
+    stop_token_ids: StopTokenIds | None = Field(default_factory=list)
     conversation: str | ConversationRef | None = Field(
         default=None, description="The conversation this response continues and is added to.")
     generate: bool = Field(

@@ -106,12 +106,13 @@ class ResponsesService:
         here. ``unstored``: responses a websocket connection keeps although they are not
         stored (its latest), which ``previous_response_id`` may name."""
         check_supported(request)
+        self.sessions.check_model(request.model)
         tools = self.sessions.declared_tools(
             [tool.model_dump(exclude_none=True) for tool in request.tools or []], "tools")
         parser = self.sessions.reply_parser(tools, request.tool_choice, request.parallel_tool_calls)
         new_items = items.input_items(request.input)
         new_messages = items.as_messages(new_items)
-        options = _Options(self._options(request), parser, request.generate)
+        options = _Options(self._options(request), parser, request.generate, len(new_messages))
         response_id = items.new_id("resp")
         conversation_id = request.conversation_id
         if conversation_id is not None:
@@ -360,8 +361,12 @@ class _Options:
     sampling: SamplingOptions
     parser: OutputParser
     generate: bool = True  # False: a warm-up (no grammar: nothing is answered)
+    new_messages: int = 0  # the request's own, last in every turn's conversation
 
     def turn(self, input_ids: list[int], start: int | None, wanted: ChatState, replayed: int = 0) -> Turn:
+        # Here, where each path (new, continued, forked, conversation) has the whole
+        # conversation, before the chunk starts.
+        items.check_tool_outputs(wanted.messages, self.new_messages)
         return Turn(input_ids, start, wanted, replayed,
                     structured_outputs=self.parser.structured_outputs() if self.generate else None,
                     reply=lambda text: items.reply_message(self.parser.final(text)), generate=self.generate)

@@ -39,6 +39,10 @@ def chunk_undone() -> APIError:
     )
 
 
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model {model!r} does not exist.", code="model_not_found", param="model")
+
+
 def session_exists(session_id: str) -> APIError:
     return APIError(409, f"A session with id {session_id!r} exists already.", code="session_exists",
                     param="X-Session-ID")

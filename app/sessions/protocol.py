@@ -23,6 +23,15 @@ SAFE_INTEGER_MAX = 2**53 - 1
 Integer = Annotated[int, Field(ge=-SAFE_INTEGER_MAX, le=SAFE_INTEGER_MAX)]
 # vLLM holds token ids as 32-bit integers; a chunk's are bounded by the vocabulary.
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# Sampling bounds (OpenAI's where it states them), shared by every API that samples on a
+# session, so each refuses out-of-range values alike and its schema says so.
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1, le=SAFE_INTEGER_MAX)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=64)]
 
 
 def _integral(value: Any) -> Any:
@@ -48,16 +57,16 @@ class SamplingOptions(BaseModel):
         return {key: _integral(value) for key, value in data.items()} if isinstance(data, dict) else data
 
     max_tokens: Integer | None = Field(default=None, ge=1, description="Tokens to generate after this chunk.")
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: Integer | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     seed: Integer | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+    stop_token_ids: StopTokenIds | None = None
 
 
 SAMPLING_FIELDS = tuple(SamplingOptions.model_fields)

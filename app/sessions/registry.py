@@ -68,8 +68,6 @@ class SessionRegistry:
             check_session_id(session_id)
             if session_id in self.held or session_id in self._closed:
                 raise errors.session_exists(session_id)
-        if request.model is not None and request.model != self.model_name:
-            raise APIError(404, f"The model {request.model!r} does not exist.", code="model_not_found", param="model")
         self._check_room()
         session = StreamingSession(
             session_id=session_id or f"sess_{secrets.token_hex(12)}", owner=owner, model=self.model_name,

@@ -191,6 +191,7 @@ class SessionService:
         ``X-Session-ID`` header), so a proxy can route creation and every later
         request of the session to the same replica by hashing it."""
         with self._counted():
+            self.check_model(request.model)
             inputs.check_sampling(request.defaults, "defaults", self.max_chunk_output_tokens, self._vocab_size)
             return await self.registry.create(owner, request, session_id)
 
@@ -212,6 +213,11 @@ class SessionService:
 
     async def list_sessions(self, owner: str) -> list[SessionObject]:
         return await self.registry.list_sessions(owner)
+
+    def check_model(self, model: str | None) -> None:
+        """A request that names a model names the one served (vLLM's routes answer the same 404)."""
+        if model is not None and model != self.model_name:
+            raise errors.model_not_found(model)
 
     def describe(self, session: StreamingSession) -> SessionObject:
         return self.registry.describe(session)

@@ -65,6 +65,8 @@ async def test_malformed_and_invalid_bodies(http: httpx.AsyncClient) -> None:
     assert assert_openai_error(await http.post(url, json={"input": [1], "n": 2}), 400)["param"] == "n"
     assert_openai_error(await http.post(url, json={"input": [10**9]}), 400, "invalid_token_id")
     assert_openai_error(await http.post(url, json={"input": [1], "temperature": -1}), 400)
+    assert assert_openai_error(await http.post("/v1/sessions", json={"model": "nope"}), 404,
+                               "model_not_found")["param"] == "model"
     # Nothing was lost: the session still answers.
     ok = await http.post(url, json={"input": [1, 2, 3], "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["index"] == 0

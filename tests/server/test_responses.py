@@ -164,6 +164,23 @@ async def test_refusals_have_openai_shapes_and_leave_the_chain_usable(client: op
     ]
     for fields, status, code in cases:
         assert_openai_error(await http.post("/v1/responses", json={**body, **fields}), status, code)
+    # Refusals that name their parameter, as OpenAI's do: an output that answers no call
+    # (a call made in the same input is answered below), another model, sampling out of range.
+    named: list[tuple[dict[str, Any], int, str, str]] = [
+        ({"previous_response_id": first.id, "input": [{"type": "function_call_output", "call_id": "call_nope",
+                                                      "output": "1"}]}, 400, "tool_call_not_found", "input"),
+        ({"previous_response_id": first.id, "model": "nope"}, 404, "model_not_found", "model"),
+        ({"model": "nope"}, 404, "model_not_found", "model"),
+        ({"previous_response_id": first.id, "temperature": 5}, 400, "invalid_request", "temperature"),
+        ({"conversation": conversation.id, "top_p": 0}, 400, "invalid_request", "top_p"),
+        ({"previous_response_id": first.id, "stop_token_ids": [2**70]}, 400, "invalid_request", "stop_token_ids.0"),
+    ]
+    for fields, status, code, param in named:
+        error = assert_openai_error(await http.post("/v1/responses", json={**body, **fields}), status, code)
+        assert error["param"] == param and "validation error for" not in error["message"], error
+    answered = [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "1"}]
+    assert (await http.post("/v1/responses", json={**body, "input": answered})).status_code == 200
     # vLLM's stateless routes refuse what would continue a conversation (vLLM would drop it).
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     assert_openai_error(await http.post("/v1/chat/completions", json={**chat, "conversation": conversation.id}),
@@ -183,6 +200,7 @@ async def test_refusals_have_openai_shapes_and_leave_the_chain_usable(client: op
                             "conversation_not_found")
     # Nothing above touched the chain or the conversation.
     assert (await session_of(http, first.id))["num_chunks"] == 1
+    assert (await http.get(f"/v1/conversations/{conversation.id}/items")).json()["data"] == []
     assert (await respond(client, "two", previous_response_id=first.id)).status in ("completed", "incomplete")
     assert (await respond(client, "hi", conversation=conversation.id)).status in ("completed", "incomplete")
 
