@@ -26,7 +26,7 @@ from app.errors import APIError
 from app.realtime.protocol import ClientEventError, new_id
 from app.realtime.responding import RealtimeResponse
 from app.responses.items import reply_message
-from app.sessions.chat import ChatState, Messages, continue_to, plan_turn
+from app.sessions.chat import ChatState, Messages, continue_to, plan_turn, unanswered_output
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions, SessionDefaults
 from app.sessions.run import ChunkRun
@@ -137,6 +137,10 @@ class Conversation:
         if item.id is not None and item.id in self.items:
             raise ClientEventError(f"An item with id {item.id!r} exists already.", "item_exists", "item.id",
                                    event.event_id)
+        context = (self.session.chat.messages if self.session.chat is not None else []) + self.pending
+        if (call_id := unanswered_output([*context, message], 1)) is not None:
+            raise ClientEventError(f"Tool call ID {call_id!r} not found in conversation.", "tool_call_not_found",
+                                   "item.call_id", event.event_id)
         item.id = item.id or new_id("item")
         item.object, item.status = "realtime.item", "completed"  # type: ignore[union-attr]  # (checked above)
         previous = next(reversed(self.items), None)

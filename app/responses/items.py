@@ -75,18 +75,6 @@ def as_messages(items: list[dict[str, Any]]) -> Messages:
     return messages
 
 
-def check_tool_outputs(messages: Messages, new: int) -> None:
-    """OpenAI's rule for the last ``new`` messages (a request's input): a tool's output
-    answers a call made before it, in the context or in the same input."""
-    called: set[str] = set()
-    for index, message in enumerate(messages):
-        call_id = message.get("tool_call_id")
-        if message["role"] == "tool" and index >= len(messages) - new and call_id not in called:
-            raise APIError(400, f"No tool call found for function call output with call_id {call_id}.",
-                           code="tool_call_not_found", param="input")
-        called.update(call["id"] for call in message.get("tool_calls", []))
-
-
 def input_items(raw: Any, param: str = "input") -> list[dict[str, Any]]:
     """A request's input as items with ids: a string is one user message; a list holds
     messages (``type`` "message" or left out) with string content or text parts,

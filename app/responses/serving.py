@@ -28,7 +28,7 @@ from vllm.entrypoints.openai.responses.protocol import (
 from app.errors import APIError
 from app.responses import items
 from app.responses.protocol import ResponsesCreateRequest, check_supported
-from app.sessions.chat import ChatState, continue_to
+from app.sessions.chat import ChatState, continue_to, unanswered_output
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.run import ChunkRun
@@ -366,7 +366,9 @@ class _Options:
     def turn(self, input_ids: list[int], start: int | None, wanted: ChatState, replayed: int = 0) -> Turn:
         # Here, where each path (new, continued, forked, conversation) has the whole
         # conversation, before the chunk starts.
-        items.check_tool_outputs(wanted.messages, self.new_messages)
+        if (call_id := unanswered_output(wanted.messages, self.new_messages)) is not None:
+            raise APIError(400, f"No tool call found for function call output with call_id {call_id}.",
+                           code="tool_call_not_found", param="input")
         return Turn(input_ids, start, wanted, replayed,
                     structured_outputs=self.parser.structured_outputs() if self.generate else None,
                     reply=lambda text: items.reply_message(self.parser.final(text)), generate=self.generate)

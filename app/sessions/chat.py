@@ -61,6 +61,17 @@ class ChatState:
                    bool(data.get("closed", False)))
 
 
+def unanswered_output(messages: Messages, new: int) -> str | None:
+    """The call id of a tool output among the last ``new`` messages that answers no
+    call made before it, if any: OpenAI refuses such an output (Responses and Realtime)."""
+    called: set[str] = set()
+    for index, message in enumerate(messages):
+        if message["role"] == "tool" and index >= len(messages) - new and message.get("tool_call_id") not in called:
+            return str(message.get("tool_call_id"))
+        called.update(call["id"] for call in message.get("tool_calls", []))
+    return None
+
+
 class NotIncrementalError(ValueError):
     """The template renders an earlier turn differently once a later one follows
     (Qwen3 drops a reply's reasoning block once a user message comes after it)."""

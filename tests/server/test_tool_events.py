@@ -129,7 +129,12 @@ async def test_a_realtime_tool_round_trip_streams_sdk_events(tool_server: str) -
         assert streamed == {call["id"]: call["arguments"] for call in calls}
         kinds = [e["type"] for e in events]
         assert kinds.count("conversation.item.added") == kinds.count("conversation.item.done") == len(calls)
-        # Its output back, and an answer in words (this response's own tool_choice: none).
+        # An output for no call is refused (as OpenAI checks call_id against the conversation);
+        # the call's own output back, and an answer in words (this response's tool_choice: none).
+        await connection.conversation.item.create(item={"type": "function_call_output", "call_id": "call_nope",
+                                                        "output": "Sunny."})
+        error = await frames.next()
+        assert error["type"] == "error" and error["error"]["code"] == "tool_call_not_found", error
         for call in calls:
             await connection.conversation.item.create(item={"type": "function_call_output", "call_id": call["call_id"],
                                                             "output": "Sunny."})

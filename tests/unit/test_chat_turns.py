@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.models.builder import ensure_model
-from app.sessions.chat import NotIncrementalError, plan_turn, render_turn
+from app.sessions.chat import NotIncrementalError, plan_turn, render_turn, unanswered_output
 
 CHATML = (  # SmolLM2's shape: a default system prompt where the conversation has none
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -226,3 +226,18 @@ def test_a_warm_up_adds_its_messages_without_the_assistant_prefix(
         forgotten = ChatState(have.instructions, have.messages, have.tools)
         ids, _ = continue_to(tokenizer, forgotten, forgotten.with_messages([]), warmed)
         assert tokenizer.decode(warmed + ids, skip_special_tokens=False) != expected
+
+
+def test_a_tool_output_must_answer_a_call_made_before_it() -> None:
+    """OpenAI's rule, on the request's own (last) messages only: a stored conversation
+    with an orphan output stays usable."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                "function": {"name": "f", "arguments": "{}"}}]}
+    answer = {"role": "tool", "tool_call_id": "c1", "content": "1"}
+    orphan = {"role": "tool", "tool_call_id": "c2", "content": "2"}
+    user = {"role": "user", "content": "hi"}
+    assert unanswered_output([user, call, answer], 1) is None  # the call is in the context
+    assert unanswered_output([user, call, answer], 2) is None  # or in the same input
+    assert unanswered_output([user, answer, call], 2) == "c1"  # made after its output
+    assert unanswered_output([user, call, orphan], 1) == "c2"
+    assert unanswered_output([orphan, user], 1) is None  # an old orphan is not the request's
