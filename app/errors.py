@@ -7,6 +7,7 @@ No web framework here (session logic raises these); ``app.http_errors`` sends th
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -92,3 +93,10 @@ def error_param(loc: Any) -> str | None:
     if parts and parts[0] in ("body", "query", "path", "header"):
         parts = parts[1:]
     return ".".join(part for part in parts if _FIELD_NAME.fullmatch(part)) or None
+
+
+def most_specific(errors: Sequence[Any]) -> Any:
+    """The error of a validation's list to report: the deepest. A value that fits no
+    branch of a union gets one error per branch, and the deepest is in the branch the
+    client meant (a chat message without content, not "should be a valid string")."""
+    return max(errors, key=lambda error: len(error.get("loc") or ()) if isinstance(error, dict) else 0)

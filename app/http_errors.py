@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
-from app.errors import APIError, error_param
+from app.errors import APIError, error_param, most_specific
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -22,7 +22,7 @@ def error_response(error: APIError, headers: dict[str, str] | None = None) -> JS
 
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
-    first = errors[0] if errors else {}
+    first = most_specific(errors) if errors else {}
     if not isinstance(first, dict):
         # vLLM's own routes raise it with plain strings.
         return APIError(400, str(first) or "Invalid request.", code="invalid_request")

@@ -15,7 +15,7 @@ from typing import Any
 from openai.types import realtime as rt
 from pydantic import BaseModel, ValidationError
 
-from app.errors import error_param
+from app.errors import error_param, most_specific
 
 # The client events we answer, by type, as the SDK models them.
 CLIENT_EVENTS: dict[str, type[BaseModel]] = {
@@ -65,7 +65,7 @@ def parse_client_event(data: Any) -> Any:
     try:
         return CLIENT_EVENTS[kind].model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        first = most_specific(exc.errors())
         param = error_param(first.get("loc"))
         raise ClientEventError(f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
                                "invalid_event", param, event_id) from None

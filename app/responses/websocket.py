@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import WebSocket
 from pydantic import ValidationError
 
-from app.errors import APIError, error_param
+from app.errors import APIError, error_param, most_specific
 from app.responses import items
 from app.responses.protocol import ResponsesCreateRequest
 from app.responses.serving import ContextPoint, PendingResponse, ResponsesService
@@ -104,7 +104,7 @@ class ResponsesConnection:
             try:
                 request = ResponsesCreateRequest.model_validate(body)
             except ValidationError as invalid:
-                first = invalid.errors()[0]
+                first = most_specific(invalid.errors())
                 raise APIError(400, f"Invalid response.create: {first['msg']}.", code="invalid_request",
                                param=error_param(first["loc"])) from None
             self._lane(stream_id).turns.put_nowait(request)

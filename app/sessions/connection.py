@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
-from app.errors import APIError, error_param
+from app.errors import APIError, error_param, most_specific
 from app.sessions.protocol import (
     ChunkOutput,
     ClientEvent,
@@ -132,7 +132,7 @@ class SessionConnection:
         try:
             return _client_events.validate_python(data)
         except ValidationError as exc:
-            first = exc.errors()[0]
+            first = most_specific(exc.errors())
             param = error_param(first.get("loc"))
             if isinstance(data, dict) and first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
                 message = f"Unknown event type {data.get('type')!r}; expected session.update, input.append or session.close."

@@ -63,6 +63,9 @@ async def test_malformed_and_invalid_bodies(http: httpx.AsyncClient) -> None:
     assert_openai_error(await http.post(url, json={"max_tokens": 3}), 400, "invalid_request")
     assert assert_openai_error(await http.post(url, json={"input": []}), 400)["param"] == "input"
     assert assert_openai_error(await http.post(url, json={"input": [1], "n": 2}), 400)["param"] == "n"
+    # A value that fits no form of a union is reported in the form it came closest to.
+    missing = assert_openai_error(await http.post(url, json={"input": [{"role": "user"}]}), 400)
+    assert missing["param"] == "input.0.content" and "required" in missing["message"], missing
     assert_openai_error(await http.post(url, json={"input": [10**9]}), 400, "invalid_token_id")
     assert_openai_error(await http.post(url, json={"input": [1], "temperature": -1}), 400)
     assert assert_openai_error(await http.post("/v1/sessions", json={"model": "nope"}), 404,
