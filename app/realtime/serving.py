@@ -188,7 +188,7 @@ class Conversation:
         tool_choice = _plain(overrides.tool_choice) if overrides is not None and overrides.tool_choice is not None \
             else self.config.tool_choice
         try:
-            parser = self.service.reply_parser(tools, tool_choice,
+            parser = self.service.parsers.reply_parser(tools, tool_choice,
                                                overrides.parallel_tool_calls if overrides is not None else None)
         except (APIError, ValueError) as exc:
             raise ClientEventError(str(exc), "invalid_value", "response.tool_choice", event.event_id) from None
@@ -237,7 +237,7 @@ class Conversation:
     def _tools(self, tools: Any, param: str, event_id: str | None) -> list[dict[str, Any]]:
         declared = [_plain(tool) for tool in tools or []]
         try:
-            self.service.declared_tools(declared, param)
+            self.service.parsers.declared_tools(declared, param)
         except APIError as exc:
             raise ClientEventError(exc.message, exc.code, exc.param, event_id) from None
         return declared

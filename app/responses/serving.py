@@ -107,9 +107,9 @@ class ResponsesService:
         stored (its latest), which ``previous_response_id`` may name."""
         check_supported(request)
         self.sessions.check_model(request.model)
-        tools = self.sessions.declared_tools(
+        tools = self.sessions.parsers.declared_tools(
             [tool.model_dump(exclude_none=True) for tool in request.tools or []], "tools")
-        parser = self.sessions.reply_parser(tools, request.tool_choice, request.parallel_tool_calls)
+        parser = self.sessions.parsers.reply_parser(tools, request.tool_choice, request.parallel_tool_calls)
         new_items = items.input_items(request.input)
         new_messages = items.as_messages(new_items)
         options = _Options(self._options(request), parser, request.generate, len(new_messages))

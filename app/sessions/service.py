@@ -38,7 +38,7 @@ from app.sessions.run import ChunkEvent, ChunkRun
 from app.sessions.session import ENGINE_ERROR, ChunkResult, StreamingSession
 from app.settings import Settings
 from app.store import NullStore, SessionStore
-from app.tools.parsing import OutputParser, function_tools
+from app.tools.parsing import ReplyParsers
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class SessionService:
         self._settings = settings
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self.parsers = ReplyParsers(tokenizer, settings.resolved_tool_call_parser(), settings.reasoning_parser,
+                                    settings.tool_strict_level)
         self._metrics = metrics
         self.recorder = recorder
         self._salter = salter
@@ -104,18 +106,6 @@ class SessionService:
     @property
     def max_chunk_output_tokens(self) -> int:
         return self._settings.max_chunk_output_tokens
-
-    def reply_parser(self, tools: list[dict[str, Any]] | None, tool_choice: Any,
-                     parallel_calls: bool | None = None) -> OutputParser:
-        """A reader of one reply, with this server's tool-call and reasoning parsers."""
-        return OutputParser(self.tokenizer, self._settings.resolved_tool_call_parser(),
-                            self._settings.reasoning_parser, tools, tool_choice, self._settings.tool_strict_level,
-                            parallel_calls is not False)
-
-    def declared_tools(self, tools: list[dict[str, Any]], param: str) -> list[dict[str, Any]] | None:
-        """A request's tools, checked: function tools only, and a tool-call parser to read
-        their calls (without one they would be rendered and never read)."""
-        return function_tools(tools, self._settings.resolved_tool_call_parser(), param)
 
     def declare_bounds(self, schema: dict[str, Any]) -> None:
         """This server's input bounds, in its published OpenAPI schema."""

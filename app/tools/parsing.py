@@ -92,6 +92,26 @@ def function_tools(tools: list[dict[str, Any]], tool_parser: str | None, param: 
     return chat_tools(tools)
 
 
+@dataclass(frozen=True)
+class ReplyParsers:
+    """This server's way of reading replies (its tool-call and reasoning parsers, its
+    strict level), on the tokenizer its sessions render with."""
+
+    tokenizer: Any
+    tool_parser: str | None
+    reasoning_parser: str | None
+    strict_level: str = "auto"
+
+    def declared_tools(self, tools: list[dict[str, Any]], param: str) -> list[dict[str, Any]] | None:
+        return function_tools(tools, self.tool_parser, param)
+
+    def reply_parser(self, tools: list[dict[str, Any]] | None, tool_choice: Any,
+                     parallel_calls: bool | None = None) -> OutputParser:
+        """A reader of one reply."""
+        return OutputParser(self.tokenizer, self.tool_parser, self.reasoning_parser, tools, tool_choice,
+                            self.strict_level, parallel_calls is not False)
+
+
 class OutputParser:
     """Reads one generation, for a request's ``tools`` and ``tool_choice`` (either
     API's shape). ``structured_outputs`` is the grammar vLLM's chat completions would
