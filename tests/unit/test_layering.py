@@ -2,7 +2,8 @@
 
 - session logic (``app/sessions`` but its transports) reaches, through every module of
   ours it imports, neither FastAPI nor Starlette, nor the engine's builder or the server;
-- ``connectors/`` (loaded by vLLM's own processes by module path) imports nothing of ``app``.
+- ``connectors/`` (loaded by vLLM's own processes by module path) imports nothing of ``app``;
+- no file in ``app/`` is over 400 lines.
 """
 
 from __future__ import annotations
@@ -75,3 +76,11 @@ def test_connectors_import_nothing_of_the_app() -> None:
 def test_the_check_sees_a_forbidden_import() -> None:
     """Negative control: a transport does import FastAPI, and the walk finds it."""
     assert "fastapi" in reached_from("app.sessions.rest")
+
+
+def test_no_file_in_app_is_over_400_lines() -> None:
+    """A file a newcomer can hold in mind: one that grows past this is split along its
+    responsibilities (issue 24's rule)."""
+    long = {str(p.relative_to(REPO)): n for p in (REPO / "app").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}, long
