@@ -138,12 +138,17 @@ class Conversation:
             raise ClientEventError(f"An item with id {item.id!r} exists already.", "item_exists", "item.id",
                                    event.event_id)
         context = (self.session.chat.messages if self.session.chat is not None else []) + self.pending
+        previous = next(reversed(self.items), None)
+        at_the_end = previous if previous is not None or context else "root"
+        if event.previous_item_id not in (None, at_the_end):  # an insertion, not an append: never moved silently
+            raise ClientEventError("Items are added at the end of this conversation (a streaming session is "
+                                   f"append-only): previous_item_id must be {at_the_end!r} or left out.",
+                                   "unsupported_on_session", "previous_item_id", event.event_id)
         if (call_id := unanswered_output([*context, message], 1)) is not None:
             raise ClientEventError(f"Tool call ID {call_id!r} not found in conversation.", "tool_call_not_found",
                                    "item.call_id", event.event_id)
         item.id = item.id or new_id("item")
         item.object, item.status = "realtime.item", "completed"  # type: ignore[union-attr]  # (checked above)
-        previous = next(reversed(self.items), None)
         self.items[item.id] = item
         if message.get("tool_calls") and self.pending and self.pending[-1].get("tool_calls"):
             self.pending[-1]["tool_calls"] += message["tool_calls"]  # parallel calls: one assistant turn

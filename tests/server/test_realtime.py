@@ -206,7 +206,23 @@ async def test_cancel_mid_response_then_the_conversation_goes_on(server: str) ->
 
 async def test_bad_events_get_error_events_and_the_conversation_goes_on(server: str) -> None:
     async with realtime(server) as (connection, frames):
+        # previous_item_id may name the end ("root" while empty, then the last item), not an
+        # earlier place: a streaming session only appends.
+        first = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+
+        async def add(previous_item_id: str) -> dict[str, Any]:
+            await connection.send_raw(json.dumps({"type": "conversation.item.create", "item": first,
+                                                  "previous_item_id": previous_item_id}))
+            added = await frames.next()
+            assert added["type"] == "conversation.item.added", added
+            await frames.next()  # conversation.item.done
+            return dict(added)
+
+        head = (await add("root"))["item"]["id"]
+        assert (await add(head))["previous_item_id"] == head
         bad: list[tuple[Any, str]] = [
+            (json.dumps({"type": "conversation.item.create", "previous_item_id": "root", "item": first}),
+             "unsupported_on_session"),
             ("{not json", "invalid_json"),
             (json.dumps({"type": "no.such.event"}), "invalid_event_type"),
             (json.dumps({"type": "conversation.item.delete", "item_id": "x", "event_id": "mine"}),
