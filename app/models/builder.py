@@ -55,7 +55,7 @@ class ModelPreset:
 
 
 PRESETS: dict[str, ModelPreset] = {
-    # The embedded default: starts in seconds, about 400 tok/s on one core.
+    # Random weights, for the tests of mechanics: starts in seconds, about 400 tok/s on one core.
     "tiny": ModelPreset(
         name="tiny",
         hidden_size=256,
