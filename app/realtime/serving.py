@@ -26,7 +26,15 @@ from app.errors import APIError
 from app.realtime.protocol import ClientEventError, new_id
 from app.realtime.responding import RealtimeResponse
 from app.responses.items import reply_message
-from app.sessions.chat import ChatState, Messages, continue_to, plan_turn, unanswered_output
+from app.sessions.chat import (
+    DEFAULT_RETAIN,
+    ChatState,
+    Messages,
+    Truncation,
+    continue_to,
+    plan_turn,
+    unanswered_output,
+)
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions, SessionDefaults
 from app.sessions.run import ChunkRun
@@ -49,6 +57,15 @@ class RealtimeConfig:
     audio: Any = None
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the client declared them
     tool_choice: Any = "auto"
+    # OpenAI's Realtime default: a conversation that outgrows the context drops its oldest
+    # messages ("disabled": the turn is refused instead).
+    truncation: Any = "auto"
+
+    def retain(self) -> float | None:
+        """The share of the context a cut leaves (None: no truncation)."""
+        if self.truncation == "disabled":
+            return None
+        return DEFAULT_RETAIN if self.truncation == "auto" else float(self.truncation["retention_ratio"])
 
 
 @dataclass
@@ -89,7 +106,7 @@ class Conversation:
             type="realtime", model=self.session.model, instructions=self.config.instructions,
             output_modalities=["text"], max_output_tokens=self.config.max_output_tokens or "inf",
             audio=self.config.audio, tools=self.config.tools or None,
-            tool_choice=self.config.tool_choice,
+            tool_choice=self.config.tool_choice, truncation=self.config.truncation,
         )
         # Extension: the session's id, to attach to it again (?session_id=).
         config.id = self.session.id  # type: ignore[attr-defined]
@@ -127,6 +144,8 @@ class Conversation:
             self.config.tools = tools
         if update.tool_choice is not None:
             self.config.tool_choice = _plain(update.tool_choice)
+        if update.truncation is not None:
+            self.config.truncation = _truncation(update.truncation, event.event_id)
         await self.emit(rt.SessionUpdatedEvent(type="session.updated", event_id=self.event_id(),
                                                session=self.session_config()))
 
@@ -198,8 +217,8 @@ class Conversation:
         except (APIError, ValueError) as exc:
             raise ClientEventError(str(exc), "invalid_value", "response.tool_choice", event.event_id) from None
         in_force = (instructions if instructions is not None else self.config.instructions) or None
-        plan = self._turn_plan(list(self.pending), in_force, tools, parser)
         options = SamplingOptions(max_tokens=max_tokens or self.service.max_chunk_output_tokens)
+        plan = self._turn_plan(list(self.pending), in_force, tools, parser, options.max_tokens or 0)
         try:
             await self.service.limits.admit_request(self.owner)
             self.run = await self.service.start_chunk(
@@ -213,7 +232,7 @@ class Conversation:
         self.response = asyncio.create_task(self._respond(self.run, parser), name=f"realtime-{self.session.id}")
 
     def _turn_plan(self, messages: Messages, instructions: str | None, tools: list[dict[str, Any]],
-                   parser: OutputParser) -> TurnPlan:
+                   parser: OutputParser, max_tokens: int) -> TurnPlan:
         """The turn, planned against the session's context once its lock is held. The
         instructions in force head the conversation: where they differ from those its
         context renders (changed by ``session.update``, or a response's own), the
@@ -229,13 +248,19 @@ class Conversation:
         replies = {"structured_outputs": parser.structured_outputs(),
                    "reply": lambda text: reply_message(parser.final(text))}
 
+        retain = self.config.retain()
+        truncation = Truncation(self.session.max_tokens, retain) if retain is not None else None
+
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
             if conversation is None:
                 ids, start = plan_turn(tokenizer, None, head + messages, context_ids, chat_tools)
                 return Turn(ids, start, None, **replies)
             wanted = ChatState(instructions, conversation.messages + messages, chat_tools)
-            ids, start = continue_to(tokenizer, conversation, wanted, context_ids)
-            return Turn(ids, start, wanted, **replies)
+            if truncation is None:
+                return Turn(*continue_to(tokenizer, conversation, wanted, context_ids), wanted, **replies)
+            wanted, ids, start, earlier = truncation.plan(tokenizer, conversation, wanted, context_ids,
+                                                          len(messages), max_tokens)
+            return Turn(ids, start, wanted, earlier, **replies)
 
         return plan
 
@@ -286,3 +311,19 @@ class Conversation:
 def _plain(value: Any) -> Any:
     """An SDK model as the plain dict the rest of the server reads."""
     return value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+
+
+def _truncation(value: Any, event_id: str | None) -> Any:
+    """A session's truncation, checked: "auto", "disabled", or a retention ratio (a share
+    of the context that a cut leaves; OpenAI's custom token limits are not taken)."""
+    value = _plain(value)
+    if value in ("auto", "disabled"):
+        return value
+    if isinstance(value, dict) and value.get("token_limits"):
+        raise ClientEventError("truncation.token_limits is not supported: the limit is the session's context.",
+                               "unsupported_value", "session.truncation.token_limits", event_id)
+    ratio = value.get("retention_ratio") if isinstance(value, dict) else None
+    if not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+        raise ClientEventError("truncation is 'auto', 'disabled' or a retention_ratio in (0, 1].", "invalid_value",
+                               "session.truncation", event_id)
+    return {"type": "retention_ratio", "retention_ratio": float(ratio)}

@@ -14,7 +14,7 @@ the session's context under its lock (``chat.continue_to``).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage
@@ -27,8 +27,14 @@ from vllm.entrypoints.openai.responses.protocol import (
 
 from app.errors import APIError
 from app.responses import items
+from app.responses.errors import (
+    conversation_not_found,
+    previous_response_not_found,
+    response_not_found,
+    superseded,
+)
 from app.responses.protocol import ResponsesCreateRequest, check_supported
-from app.sessions.chat import ChatState, continue_to, unanswered_output
+from app.sessions.chat import ChatState, Truncation, continue_to, unanswered_output
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.run import ChunkRun
@@ -73,24 +79,6 @@ class PendingResponse:
     point: ContextPoint | None = None  # where it left its session, once it has ended
 
 
-def superseded() -> APIError:
-    return APIError(409, "The response is no longer the latest of its session.", code="response_superseded")
-
-
-def previous_response_not_found(response_id: str) -> APIError:
-    return APIError(400, f"Previous response with id {response_id!r} not found.",
-                    code="previous_response_not_found", param="previous_response_id")
-
-
-def response_not_found(response_id: str) -> APIError:
-    return APIError(404, f"No response with id {response_id!r}.", code="response_not_found", param="response_id")
-
-
-def conversation_not_found(conversation_id: str) -> APIError:
-    return APIError(404, f"No conversation with id {conversation_id!r}.", code="conversation_not_found",
-                    param="conversation")
-
-
 class ResponsesService:
     def __init__(self, sessions: SessionService) -> None:
         self.sessions = sessions
@@ -112,7 +100,8 @@ class ResponsesService:
         parser = self.sessions.parsers.reply_parser(tools, request.tool_choice, request.parallel_tool_calls)
         new_items = items.input_items(request.input)
         new_messages = items.as_messages(new_items)
-        options = _Options(self._options(request), parser, request.generate, len(new_messages))
+        truncation = Truncation(self.sessions.registry.max_context) if request.truncation == "auto" else None
+        options = _Options(self._options(request), parser, request.generate, len(new_messages), truncation)
         response_id = items.new_id("resp")
         conversation_id = request.conversation_id
         if conversation_id is not None:
@@ -131,7 +120,8 @@ class ResponsesService:
             session_id = await self._new_session(owner, response_id)
             run = await self._start(owner, session_id, self._plan(wanted, options), options, opened=True)
         params = self.sessions.sampling_params(run.session, options.sampling)
-        return PendingResponse(response_id, request, run, session_id, wanted, new_items, params, parser)
+        return PendingResponse(response_id, request, run, session_id, options.planned or wanted, new_items, params,
+                               parser)
 
     async def _continue(self, owner: str, point: ContextPoint, new_messages: list[dict[str, Any]],
                         head: ChatState, options: _Options) -> tuple[ChunkRun, str, ChatState]:
@@ -157,9 +147,10 @@ class ResponsesService:
         wanted = ChatState(head.instructions, chat.messages + new_messages, head.tools)
 
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
-            ids, start = continue_to(self.sessions.tokenizer, chat, wanted, prefix, options.generate)
-            kept = prefix if start is None else prefix[:start]
-            return options.turn(kept + ids, None, wanted, replayed=len(kept))
+            # Planned against the older point's context, which the new session replays.
+            turn = options.turn(self.sessions.tokenizer, chat, wanted, prefix)
+            kept = prefix if turn.start is None else prefix[:turn.start]
+            return replace(turn, input_ids=kept + turn.input_ids, start=None, replayed=len(kept) + turn.replayed)
 
         session_id = await self._new_session(owner, items.new_id("resp"))
         return await self._start(owner, session_id, plan, options, opened=True), session_id, wanted
@@ -187,8 +178,7 @@ class ResponsesService:
             if expect is not None and (conversation is None or len(conversation.messages) != expect.messages
                                        or len(context_ids) != expect.token_end):
                 raise superseded()  # another response went first: the caller forks
-            ids, start = continue_to(tokenizer, conversation, wanted, context_ids, options.generate)
-            return options.turn(ids, start, wanted)
+            return options.turn(tokenizer, conversation, wanted, context_ids)
 
         return plan
 
@@ -362,14 +352,24 @@ class _Options:
     parser: OutputParser
     generate: bool = True  # False: a warm-up (no grammar: nothing is answered)
     new_messages: int = 0  # the request's own, last in every turn's conversation
+    truncation: Truncation | None = None  # truncation "auto": the oldest messages cut where it would not fit
+    planned: ChatState | None = None  # the conversation the turn's context holds, once planned (after a cut)
 
-    def turn(self, input_ids: list[int], start: int | None, wanted: ChatState, replayed: int = 0) -> Turn:
-        # Here, where each path (new, continued, forked, conversation) has the whole
-        # conversation, before the chunk starts.
+    def turn(self, tokenizer: Any, have: ChatState | None, wanted: ChatState, context_ids: list[int]) -> Turn:
+        """The turn taking a context that renders ``have`` to one that renders ``wanted``:
+        here, where each path (new, continued, forked, conversation) has the whole
+        conversation, before the chunk starts."""
         if (call_id := unanswered_output(wanted.messages, self.new_messages)) is not None:
             raise APIError(400, f"No tool call found for function call output with call_id {call_id}.",
                            code="tool_call_not_found", param="input")
-        return Turn(input_ids, start, wanted, replayed,
+        if self.truncation is None:
+            ids, start = continue_to(tokenizer, have, wanted, context_ids, self.generate)
+            earlier = 0
+        else:
+            wanted, ids, start, earlier = self.truncation.plan(tokenizer, have, wanted, context_ids, self.new_messages,
+                                                               self.sampling.max_tokens or 0, self.generate)
+        self.planned = wanted
+        return Turn(ids, start, wanted, earlier,
                     structured_outputs=self.parser.structured_outputs() if self.generate else None,
                     reply=lambda text: items.reply_message(self.parser.final(text)), generate=self.generate)
 

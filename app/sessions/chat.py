@@ -12,6 +12,7 @@ already closed: a reply that ended on its own ends on the template's end-of-turn
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,63 @@ def unanswered_output(messages: Messages, new: int) -> str | None:
             return str(message.get("tool_call_id"))
         called.update(call["id"] for call in message.get("tool_calls", []))
     return None
+
+
+# The share of the context a cut leaves by default: a quarter stays free for the next
+# turns, which append again (a cut that left just enough would re-render every turn).
+DEFAULT_RETAIN = 0.75
+
+
+@dataclass
+class Truncation:
+    """OpenAI's ``truncation: auto`` on a session: when a turn would not fit the context
+    (its rendering plus the answer's ``max_tokens``), the oldest messages are left out
+    until the rest fills ``retain`` of it, so that the next turns append again for a
+    while (each cut renders the context again from its head: the cost is in the usage)."""
+
+    max_context: int
+    retain: float = DEFAULT_RETAIN
+
+    def plan(self, tokenizer: Any, have: ChatState | None, wanted: ChatState, context_ids: list[int], new: int,
+             max_tokens: int, generation_prompt: bool = True) -> tuple[ChatState, list[int], int | None, int]:
+        """``continue_to``, cutting first where the turn would not fit: the conversation
+        as the context will hold it, the ids, where they go, and how many of the ids are
+        earlier messages sent again after a cut (not counted as the client's input)."""
+        ids, start = continue_to(tokenizer, have, wanted, context_ids, generation_prompt)
+        if (len(context_ids) if start is None else start) + len(ids) + max_tokens <= self.max_context:
+            return wanted, ids, start, 0
+        fitted, earlier = self.fit(tokenizer, have, wanted, new, max_tokens, generation_prompt)
+        if fitted is wanted:
+            return wanted, ids, start, 0  # nothing to cut: the size check refuses it
+        ids, start = continue_to(tokenizer, have, fitted, context_ids, generation_prompt)
+        return fitted, ids, start, 0 if start is None else max(0, earlier - start)
+
+    def fit(self, tokenizer: Any, have: ChatState | None, wanted: ChatState, new: int,
+            max_tokens: int, generation_prompt: bool = True) -> tuple[ChatState, int]:
+        """``wanted`` (its last ``new`` messages this turn's) as the context can hold it,
+        and the size of its rendering without the turn's messages. The cut ``have``
+        made already is kept (a conversation's stored items are all of its messages); a
+        cut starts the context at a user message; the turn's own messages stay."""
+        messages, cut = wanted.messages, 0
+        if have is not None and have.messages and have.same_head(wanted):
+            cut = next((k for k in range(1, len(messages) - len(have.messages) + 1)
+                        if messages[k:k + len(have.messages)] == have.messages), 0)
+
+        def size(first: int, with_new: bool = True) -> int:
+            kept = messages[first:] if with_new else messages[first:len(messages) - new]
+            rendered = ChatState(wanted.instructions, kept, wanted.tools).rendered()
+            return len(_encode(tokenizer, _apply(tokenizer, rendered, generation_prompt and with_new, wanted.tools)))
+
+        budget = self.max_context - max_tokens
+        if size(cut) > budget:
+            starts = [k for k in range(cut + 1, len(messages) - new + 1)
+                      if k == len(messages) - new or messages[k]["role"] == "user"]
+            if starts:  # the fewest messages left out that bring it within retain of the budget
+                cut = starts[min(bisect.bisect_left(starts, True, key=lambda k: size(k) <= self.retain * budget),
+                                 len(starts) - 1)]
+        if cut == 0:
+            return wanted, 0
+        return ChatState(wanted.instructions, messages[cut:], wanted.tools), size(cut, with_new=False)
 
 
 class NotIncrementalError(ValueError):

@@ -236,6 +236,11 @@ async def test_bad_events_get_error_events_and_the_conversation_goes_on(server: 
             (json.dumps({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": -1}}),
              "invalid_value"),
             (json.dumps({"type": "response.create", "response": {"max_output_tokens": -5}}), "invalid_value"),
+            (json.dumps({"type": "session.update", "session": {"type": "realtime", "truncation": {
+                "type": "retention_ratio", "retention_ratio": 0}}}), "invalid_value"),
+            (json.dumps({"type": "session.update", "session": {"type": "realtime", "truncation": {
+                "type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"post_instructions": 99}}}}),
+             "unsupported_value"),
         ]
         for raw, code in bad:
             await connection.send_raw(raw)

@@ -198,3 +198,63 @@ async def test_a_template_that_refuses_the_conversation_is_an_error_event(
         state = (await http.get(f"/v1/sessions/{session_id}")).json()
         assert state["status"] != "closed" and state["num_chunks"] == 0, state
         await http.delete(f"/v1/sessions/{session_id}")
+
+
+async def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(server: str, tokenizer: Any) -> None:
+    """Truncation "auto" (OpenAI's Realtime default) on a 4,096-token context, turns of
+    about 700 tokens. Oracle: each turn's prompt is the template over the instructions and
+    the latest of the client's messages, from a user message on (the same text check as
+    above); a cut leaves room, so the turns after it append (their earlier tokens come
+    from cache). Negative control: with truncation "disabled" the same turn is refused
+    (context_length_exceeded), as every turn was before truncation existed."""
+    words = "amber basalt cobalt dune ember fjord granite harbor".split()
+    questions = [" ".join(words[(turn + i) % len(words)] for i in range(300)) for turn in range(10)]
+    assert all(len(tokenizer.encode(q, add_special_tokens=False)) > 500 for q in questions)
+    head = [{"role": "system", "content": "Keep it short."}]
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        refused_at = None
+        session_id = await new_session(http)
+        async with attached(server, session_id, "Keep it short.") as connection:
+            await connection.send({"type": "session.update", "session": {"type": "realtime", "truncation": "disabled"}})
+            assert (await connection.until("session.updated"))["session"]["truncation"] == "disabled"
+            for turn, question in enumerate(questions):
+                item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]}
+                await connection.send({"type": "conversation.item.create", "item": item})
+                await connection.until("conversation.item.done")
+                await connection.send({"type": "response.create", "response": {"max_output_tokens": 6}})
+                event = json.loads(await connection.ws.recv())
+                while event["type"] not in ("error", "response.done"):
+                    event = json.loads(await connection.ws.recv())
+                if event["type"] == "error":
+                    assert event["error"]["code"] == "context_length_exceeded", event
+                    refused_at = turn
+                    break
+        assert refused_at is not None and refused_at >= 3, refused_at
+        await http.delete(f"/v1/sessions/{session_id}")
+
+        session_id = await new_session(http)
+        messages: Messages = []
+        prompts, cached = [], []
+        async with attached(server, session_id, "Keep it short.") as connection:
+            assert connection.created["session"]["truncation"] == "auto"
+            for question in questions:
+                done = await connection.turn(question)
+                assert done["response"]["status"] in ("completed", "incomplete"), done
+                messages.append({"role": "user", "content": question})
+                usage = done["response"]["usage"]
+                transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()
+                prompt = tokenizer.decode(transcript["token_ids"][:usage["input_tokens"]]).replace("<|endoftext|>", "")
+                kept = [messages[first:] for first in range(len(messages)) if messages[first]["role"] == "user"]
+                rendered = [tokenizer.apply_chat_template(head + suffix, chat_template=tokenizer.chat_template,
+                                                          tokenize=False, add_generation_prompt=True)
+                            for suffix in kept]
+                assert prompt.replace("\ufffd", "") in [r.replace("\ufffd", "") for r in rendered]
+                prompts.append(usage["input_tokens"])
+                cached.append(usage["input_token_details"]["cached_tokens"])
+                messages.append({"role": "assistant", "content": reply_of(done).replace("<|endoftext|>", "")})
+        cuts = [turn for turn in range(1, len(prompts)) if prompts[turn] < prompts[turn - 1]]
+        assert cuts and cuts[0] == refused_at, (prompts, refused_at)
+        assert max(prompts) + 6 <= 4096
+        # After a cut, the next turn appends: its earlier tokens come from cache.
+        assert any(turn + 1 < len(prompts) and cached[turn + 1] >= prompts[turn] - 32 for turn in cuts), (prompts, cached)
+        await http.delete(f"/v1/sessions/{session_id}")

@@ -446,3 +446,38 @@ async def test_at_the_session_limit_an_idle_chain_makes_room_and_is_continued_by
     # The evicted chain goes on: a new session replays its context from the store.
     again = await respond(client, "more", previous_response_id=firsts[0].id)
     assert again.usage.input_tokens > firsts[0].usage.input_tokens + firsts[0].usage.output_tokens
+
+
+async def test_truncation_auto_keeps_a_chain_and_a_conversation_going_past_the_context(
+        client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> None:
+    """Turns of about 700 tokens on a 4,096-token context. With truncation "auto" the
+    oldest turns are left out and the chain stays one session (a cut is not a fork); its
+    conversation's items stay whole. Without it (the default, "disabled", as at OpenAI)
+    the turn that would not fit is refused: the negative control."""
+    words = "amber basalt cobalt dune ember fjord granite harbor".split()
+    texts = [" ".join(words[(turn + i) % len(words)] for i in range(300)) for turn in range(7)]
+    previous, refused_at = None, None
+    for turn, text in enumerate(texts):
+        reply = await http.post("/v1/responses", json={"model": MODEL, "input": text, "max_output_tokens": 4,
+                                                        "temperature": 0, "previous_response_id": previous})
+        if reply.status_code != 200:
+            assert_openai_error(reply, 400, "context_length_exceeded")
+            refused_at = turn
+            break
+        previous = reply.json()["id"]
+    assert refused_at is not None, "the chain never outgrew the context"
+    first = previous = None
+    prompts = []
+    conversation = await client.conversations.create()
+    for text in texts:
+        chained = await client.responses.create(model=MODEL, input=text, max_output_tokens=4, temperature=0,
+                                                previous_response_id=previous, truncation="auto")
+        first, previous = first or chained.id, chained.id
+        prompts.append(chained.usage.input_tokens)
+        on_conversation = await client.responses.create(model=MODEL, input=text, max_output_tokens=4,
+                                                        conversation=conversation.id, truncation="auto")
+        assert on_conversation.truncation == "auto" and on_conversation.status in ("completed", "incomplete")
+    assert prompts[refused_at] < prompts[refused_at - 1] and max(prompts) + 4 <= 4096, (prompts, refused_at)
+    assert (await session_of(http, first))["num_chunks"] == len(texts)  # one session: no fork
+    items = [item async for item in client.conversations.items.list(conversation.id)]
+    assert len(items) == 2 * len(texts)  # every turn's input and reply, the cut ones too

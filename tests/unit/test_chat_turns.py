@@ -14,7 +14,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.models.builder import ensure_model
-from app.sessions.chat import NotIncrementalError, plan_turn, render_turn, unanswered_output
+from app.sessions.chat import (
+    ChatState,
+    NotIncrementalError,
+    Truncation,
+    plan_turn,
+    render_turn,
+    unanswered_output,
+)
 
 CHATML = (  # SmolLM2's shape: a default system prompt where the conversation has none
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -241,3 +248,55 @@ def test_a_tool_output_must_answer_a_call_made_before_it() -> None:
     assert unanswered_output([user, answer, call], 2) == "c1"  # made after its output
     assert unanswered_output([user, call, orphan], 1) == "c2"
     assert unanswered_output([orphan, user], 1) is None  # an old orphan is not the request's
+
+
+def test_truncation_keeps_each_turn_within_the_context_and_cuts_seldom(base_tokenizer: Any) -> None:
+    """A chat that outgrows its context (OpenAI's ``truncation: auto``). Oracle: the
+    template over the conversation as planned (the kept messages), against the context
+    built turn by turn; and the context never over its size with the answer's tokens.
+    Negative control: the whole conversation would not fit."""
+    tokenizer = with_template(base_tokenizer, CHATML, None)
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    truncation, max_tokens = Truncation(max_context=400), 8
+    have: ChatState | None = None  # a new session: its first turn renders the head too
+    context: list[int] = []
+    cuts, appends = 0, 0
+    for index in range(40):
+        question = {"role": "user", "content": f"Question {index}: what follows {index}?"}
+        wanted = have.with_messages([question]) if have else ChatState("Answer briefly.", [question])
+        planned, ids, start, earlier = truncation.plan(tokenizer, have, wanted, context, 1, max_tokens)
+        context = (context if start is None else context[:start]) + ids
+        assert len(context) + max_tokens <= truncation.max_context
+        rendered = tokenizer.apply_chat_template(planned.rendered(), tokenize=False, add_generation_prompt=True)
+        assert tokenizer.decode(context, skip_special_tokens=False) == rendered
+        assert planned.messages[0]["role"] == "user" and planned.messages[-1] == wanted.messages[-1]
+        if index == 0:
+            pass  # the first turn renders the whole (new) conversation
+        elif start is None:
+            appends += 1
+        else:
+            cuts += 1
+            assert 0 < earlier < len(ids)  # the earlier messages sent again, not counted as new input
+        reply = f"It is {index + 1}."
+        context += [*encode(tokenizer, reply), end_id]
+        have = planned.with_messages([{"role": "assistant", "content": reply}])
+    whole = ChatState("Answer briefly.", [m for i in range(40) for m in (
+        {"role": "user", "content": f"Question {i}: what follows {i}?"}, {"role": "assistant", "content": f"It is {i + 1}."})])
+    whole_ids = encode(tokenizer, tokenizer.apply_chat_template(whole.rendered(), tokenize=False))
+    assert len(whole_ids) > 2 * truncation.max_context  # without cuts, it could not fit
+    assert cuts >= 2 and appends >= 3 * cuts  # each cut leaves a quarter of the room: several turns
+
+
+def test_truncation_keeps_the_cut_a_conversation_has_already(base_tokenizer: Any) -> None:
+    """A conversation's stored items are all of its messages; its session holds the
+    window left after a cut: the next turn appends to that window, no new cut."""
+    tokenizer = with_template(base_tokenizer, CHATML, None)
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(12)]
+    have = ChatState(None, messages[6:])
+    context = encode(tokenizer, tokenizer.apply_chat_template(have.rendered(), tokenize=False))
+    wanted = ChatState(None, [*messages, {"role": "user", "content": "next"}])
+    planned, _, _, _ = Truncation(max_context=10_000).plan(tokenizer, have, wanted, context, 1, 8)
+    assert planned.messages == wanted.messages  # it fits whole: nothing cut
+    planned, _, start, earlier = Truncation(max_context=len(context) + 40).plan(
+        tokenizer, have, wanted, context, 1, 8)
+    assert planned.messages == [*messages[6:], wanted.messages[-1]] and start is None and earlier == 0
