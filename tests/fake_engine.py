@@ -53,6 +53,8 @@ class FakeEngine:
     held: bool = False
     _tokens: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
     fail_next: BaseException | None = None
+    # How long an aborted request takes to end (vLLM's generate awaits its abort).
+    abort_delay_s: float = 0.0
     requests: dict[str, list[int]] = field(default_factory=dict)  # live request id -> context
 
     def __post_init__(self) -> None:
@@ -102,5 +104,9 @@ class FakeEngine:
                     yield FakeOutput([Completion([token], self.tokenizer.decode([token]),
                                                  "length" if produced == wanted else None)])
                 context.pop()  # vLLM drops each chunk's last sampled token on resume
+        except asyncio.CancelledError:
+            if self.abort_delay_s:
+                await asyncio.sleep(self.abort_delay_s)
+            raise
         finally:
             del self.requests[request_id]

@@ -64,7 +64,7 @@ class ChunkRun:
             if not task.cancelled() and (error := task.exception()) is not None:
                 self._events.put_nowait(error)
         if cleanup is None:
-            self.released.set_result(None)
+            self._set_released()
         else:
             # The store's part awaits; it runs in a task nobody can cancel by leaving.
             asyncio.get_running_loop().create_task(self._cleanup(cleanup), name=f"chunk-release-{self.session.id}")
@@ -75,6 +75,11 @@ class ChunkRun:
         except Exception:
             logger.exception("session %s: releasing a chunk in the store failed", self.session.id)
         finally:
+            self._set_released()
+
+    def _set_released(self) -> None:
+        # A waiter cancelled while gathering it (a server stop cut short) cancels the future.
+        if not self.released.done():
             self.released.set_result(None)
 
     @property

@@ -107,7 +107,7 @@ class StreamingSession:
         self._inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
         self._outputs: asyncio.Queue[Any] = asyncio.Queue()
         self._pump: asyncio.Task[None] | None = None
-        self._abandoned_pump: asyncio.Task[None] | None = None  # an undone chunk's request, unwinding
+        self._abandoned: set[asyncio.Task[None]] = set()  # undone chunks' requests, unwinding
         self._num_tokens_at_close: int | None = None
         # Set when a chunk was undone, until the next one starts: its lock may be
         # held a moment longer while it unwinds, but it is no longer answering.
@@ -221,7 +221,7 @@ class StreamingSession:
             first = list(self.token_ids) + list(input_ids)
             prompt = tokens_input(first, cache_salt=self.cache_salt)
             self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
-            self._pump = asyncio.create_task(self._run_engine(params), name=f"session-{self.id}")
+            self._pump = asyncio.create_task(self._run_engine(params, self._outputs), name=f"session-{self.id}")
         else:
             prompt = tokens_input(self._unsent + list(input_ids))
             self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
@@ -301,20 +301,21 @@ class StreamingSession:
         while (chunk := await self._inputs.get()) is not None:
             yield chunk
 
-    async def _run_engine(self, first_params: Any) -> None:
+    async def _run_engine(self, first_params: Any, outputs: asyncio.Queue[Any]) -> None:
+        # ``outputs``: this request's own, so an aborted one ending late cannot end the next's chunk.
         try:
             async for output in self._engine.generate(
                 prompt=self._feed(), sampling_params=first_params, request_id=self.request_id
             ):
-                self._outputs.put_nowait(output)
-            self._outputs.put_nowait(None)
+                outputs.put_nowait(output)
+            outputs.put_nowait(None)
         except asyncio.CancelledError:
             # Closed or aborted: wake a chunk that may be waiting for output.
-            self._outputs.put_nowait(None)
+            outputs.put_nowait(None)
             raise
         except BaseException as exc:  # engine errors reach the chunk's consumer
             logger.warning("session %s: engine request failed: %s", self.id, exc)
-            self._outputs.put_nowait(exc)
+            outputs.put_nowait(exc)
         finally:
             self.device_tokens = 0
 
@@ -346,13 +347,12 @@ class StreamingSession:
         self._undone = True
 
     def _drop_request(self, token_ids: list[int], num_chunks: int) -> None:
-        """Abort the engine request without waiting for it and hold ``token_ids``
-        as the transcript, parked. The next engine request, which reuses the
-        request id, first waits for the aborted one to end (``_settle_abandoned``)."""
+        """Abort the engine request without waiting for it and hold ``token_ids`` as the transcript,
+        parked. The next request (the same id) first waits for it to end (``_settle_abandoned``)."""
         pump, self._pump = self._pump, None
         if pump is not None and not pump.done():
             pump.cancel()
-            self._abandoned_pump = pump
+            self._abandoned.add(pump)
         self.device_tokens = 0
         self.token_ids = list(token_ids)
         self.num_chunks = num_chunks
@@ -360,10 +360,10 @@ class StreamingSession:
             self.status = "parked"
 
     async def _settle_abandoned(self) -> None:
-        pump, self._abandoned_pump = self._abandoned_pump, None
-        if pump is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await pump
+        """Wait until every aborted request has ended (tracked until then, whoever waits)."""
+        while self._abandoned:
+            await asyncio.wait(set(self._abandoned))
+            self._abandoned = {pump for pump in self._abandoned if not pump.done()}
 
     async def restart_from(self, token_ids: list[int], num_chunks: int) -> None:
         """Drop the engine request (aborting it) and hold ``token_ids`` as the

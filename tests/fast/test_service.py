@@ -83,6 +83,37 @@ async def test_a_consumer_that_leaves_mid_chunk_undoes_it(tmp_path: Path) -> Non
         assert again.index == 1 and first.index == 0
 
 
+async def test_a_chunk_cancelled_while_an_undone_request_unwinds_leaves_the_next_one_whole(tmp_path: Path) -> None:
+    """A chunk undone (its consumer left) aborts its engine request, which takes a moment
+    to end; the next chunk waits for it, since it reuses the request id. If that next
+    chunk is itself cancelled while it waits, the chunk after it must still wait, and the
+    aborted request's end must not reach it. Before the fix, it did: "the engine ended the
+    session mid-chunk", the session closed (seen once in a clean-clone CI run, after a
+    websocket hang-up)."""
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        engine.abort_delay_s = 0.3
+        engine.hold()
+        first = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=50),
+                                          transport="test", wait=False)
+        events = first.events()
+        engine.allow(1)
+        await anext(events)
+        await events.aclose()  # undone: its request is aborted and still ending
+        await first.released
+        second = await service.start_chunk(OWNER, session.id, [3], SamplingOptions(max_tokens=3),
+                                           transport="test", wait=False)
+        await asyncio.sleep(0.05)  # waiting for the aborted request
+        second.cancel()
+        await second.released
+        third = await service.start_chunk(OWNER, session.id, [4], SamplingOptions(max_tokens=3),
+                                          transport="test", wait=False)
+        await asyncio.sleep(0.5)  # the aborted request ends meanwhile
+        engine.flow()
+        assert (await third.result()).index == 0
+        assert not session.closed and session.token_ids[:1] == [4]
+
+
 async def test_a_second_chunk_in_flight_is_409_and_the_first_goes_on(tmp_path: Path) -> None:
     async with running_service(tmp_path) as (service, engine):
         session = await service.create(OWNER, GREEDY)
