@@ -220,6 +220,11 @@ async def test_bad_events_get_error_events_and_the_conversation_goes_on(server: 
 
         head = (await add("root"))["item"]["id"]
         assert (await add(head))["previous_item_id"] == head
+        ratio = {"type": "retention_ratio", "retention_ratio": 0.5}
+        await connection.send_raw(json.dumps({"type": "session.update", "session": {"type": "realtime",
+                                                                                      "truncation": ratio}}))
+        updated = await frames.next()
+        assert updated["type"] == "session.updated" and updated["session"]["truncation"] == ratio, updated
         bad: list[tuple[Any, str]] = [
             (json.dumps({"type": "conversation.item.create", "previous_item_id": "root", "item": first}),
              "unsupported_on_session"),
