@@ -92,42 +92,45 @@ class Truncation:
              max_tokens: int, generation_prompt: bool = True) -> tuple[ChatState, list[int], int | None, int]:
         """``continue_to``, cutting first where the turn would not fit: the conversation
         as the context will hold it, the ids, where they go, and how many of the ids are
-        earlier messages sent again after a cut (not counted as the client's input)."""
+        earlier messages sent again after a cut (not counted as the client's input).
+        ``wanted``'s last ``new`` messages are the turn's own: never cut."""
+        wanted = _within_cut(have, wanted, new)
         ids, start = continue_to(tokenizer, have, wanted, context_ids, generation_prompt)
         if (len(context_ids) if start is None else start) + len(ids) + max_tokens <= self.max_context:
             return wanted, ids, start, 0
-        fitted, earlier = self.fit(tokenizer, have, wanted, new, max_tokens, generation_prompt)
-        if fitted is wanted:
-            return wanted, ids, start, 0  # nothing to cut: the size check refuses it
-        ids, start = continue_to(tokenizer, have, fitted, context_ids, generation_prompt)
-        return fitted, ids, start, 0 if start is None else max(0, earlier - start)
-
-    def fit(self, tokenizer: Any, have: ChatState | None, wanted: ChatState, new: int,
-            max_tokens: int, generation_prompt: bool = True) -> tuple[ChatState, int]:
-        """``wanted`` (its last ``new`` messages this turn's) as the context can hold it,
-        and the size of its rendering without the turn's messages. The cut ``have``
-        made already is kept (a conversation's stored items are all of its messages); a
-        cut starts the context at a user message; the turn's own messages stay."""
-        messages, cut = wanted.messages, 0
-        if have is not None and have.messages and have.same_head(wanted):
-            cut = next((k for k in range(1, len(messages) - len(have.messages) + 1)
-                        if messages[k:k + len(have.messages)] == have.messages), 0)
+        messages, budget = wanted.messages, self.max_context - max_tokens
 
         def size(first: int, with_new: bool = True) -> int:
             kept = messages[first:] if with_new else messages[first:len(messages) - new]
             rendered = ChatState(wanted.instructions, kept, wanted.tools).rendered()
             return len(_encode(tokenizer, _apply(tokenizer, rendered, generation_prompt and with_new, wanted.tools)))
 
-        budget = self.max_context - max_tokens
-        if size(cut) > budget:
-            starts = [k for k in range(cut + 1, len(messages) - new + 1)
-                      if k == len(messages) - new or messages[k]["role"] == "user"]
-            if starts:  # the fewest messages left out that bring it within retain of the budget
-                cut = starts[min(bisect.bisect_left(starts, True, key=lambda k: size(k) <= self.retain * budget),
-                                 len(starts) - 1)]
-        if cut == 0:
-            return wanted, 0
-        return ChatState(wanted.instructions, messages[cut:], wanted.tools), size(cut, with_new=False)
+        # The fewest messages left out that bring it within ``retain`` of the budget; the
+        # context starts at a user message, or at the turn's own messages.
+        starts = [k for k in range(1, len(messages) - new + 1)
+                  if k == len(messages) - new or messages[k]["role"] == "user"]
+        if not starts:
+            return wanted, ids, start, 0  # nothing to cut: the size check refuses it
+        cut = starts[min(bisect.bisect_left(starts, True, key=lambda k: size(k) <= self.retain * budget),
+                         len(starts) - 1)]
+        fitted = ChatState(wanted.instructions, messages[cut:], wanted.tools)
+        ids, start = continue_to(tokenizer, have, fitted, context_ids, generation_prompt)
+        return fitted, ids, start, 0 if start is None else max(0, size(cut, with_new=False) - start)
+
+
+def _within_cut(have: ChatState | None, wanted: ChatState, new: int) -> ChatState:
+    """``wanted`` from where ``have``'s messages begin in it: a conversation's stored items
+    are all of its messages, while its context holds what the last cut left."""
+    if have is None or not have.messages or not have.same_head(wanted):
+        return wanted
+    messages, held = wanted.messages, have.messages
+    if messages[:len(held)] == held:
+        return wanted  # the context holds its beginning: no cut to keep
+    expected = len(messages) - new - len(held)  # the usual place: right before the turn's own
+    candidates = [expected] if expected > 0 and messages[expected:expected + len(held)] == held else \
+        (k for k in range(1, len(messages) - len(held) + 1) if messages[k:k + len(held)] == held)
+    cut = next(iter(candidates), 0)
+    return ChatState(wanted.instructions, messages[cut:], wanted.tools) if cut else wanted
 
 
 class NotIncrementalError(ValueError):

@@ -289,14 +289,22 @@ def test_truncation_keeps_each_turn_within_the_context_and_cuts_seldom(base_toke
 
 def test_truncation_keeps_the_cut_a_conversation_has_already(base_tokenizer: Any) -> None:
     """A conversation's stored items are all of its messages; its session holds the
-    window left after a cut: the next turn appends to that window, no new cut."""
+    window left after a cut: the next turn appends to that window, no new cut, and the
+    messages cut before do not come back (that would recompute the whole context)."""
     tokenizer = with_template(base_tokenizer, CHATML, None)
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(12)]
     have = ChatState(None, messages[6:])
     context = encode(tokenizer, tokenizer.apply_chat_template(have.rendered(), tokenize=False))
     wanted = ChatState(None, [*messages, {"role": "user", "content": "next"}])
-    planned, _, _, _ = Truncation(max_context=10_000).plan(tokenizer, have, wanted, context, 1, 8)
-    assert planned.messages == wanted.messages  # it fits whole: nothing cut
-    planned, _, start, earlier = Truncation(max_context=len(context) + 40).plan(
-        tokenizer, have, wanted, context, 1, 8)
-    assert planned.messages == [*messages[6:], wanted.messages[-1]] and start is None and earlier == 0
+    for max_context in (10_000, len(context) + 40):
+        planned, _, start, earlier = Truncation(max_context).plan(tokenizer, have, wanted, context, 1, 8)
+        assert planned.messages == [*messages[6:], wanted.messages[-1]] and start is None and earlier == 0
+    # A context that holds the conversation from its beginning is appended to as it is.
+    whole = ChatState(None, messages)
+    planned, _, start, _ = Truncation(10_000).plan(tokenizer, whole, wanted, context, 1, 8)
+    assert planned.messages == wanted.messages
+    # The same message twice is a turn, not a window to look for.
+    same = {"role": "user", "content": "again"}
+    once = ChatState(None, [same])
+    twice = ChatState(None, [same, same])
+    assert Truncation(10_000).plan(tokenizer, once, twice, encode(tokenizer, "x"), 1, 8)[0] == twice
