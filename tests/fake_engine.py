@@ -55,6 +55,10 @@ class FakeEngine:
     fail_next: BaseException | None = None
     # How long an aborted request takes to end (vLLM's generate awaits its abort).
     abort_delay_s: float = 0.0
+    # Requests the engine ends on its own: once their current chunk is answered, or when
+    # their next chunk comes, before answering it.
+    end_after_chunk: set[str] = field(default_factory=set)
+    end_on_next_chunk: set[str] = field(default_factory=set)
     requests: dict[str, list[int]] = field(default_factory=dict)  # live request id -> context
 
     def __post_init__(self) -> None:
@@ -91,6 +95,9 @@ class FakeEngine:
         context = self.requests[request_id] = []
         try:
             async for chunk in prompt:
+                if request_id in self.end_on_next_chunk:
+                    self.end_on_next_chunk.discard(request_id)
+                    return
                 if self.fail_next is not None:
                     error, self.fail_next = self.fail_next, None
                     raise error
@@ -104,6 +111,9 @@ class FakeEngine:
                     yield FakeOutput([Completion([token], self.tokenizer.decode([token]),
                                                  "length" if produced == wanted else None)])
                 context.pop()  # vLLM drops each chunk's last sampled token on resume
+                if request_id in self.end_after_chunk:
+                    self.end_after_chunk.discard(request_id)
+                    return
         except asyncio.CancelledError:
             if self.abort_delay_s:
                 await asyncio.sleep(self.abort_delay_s)

@@ -19,8 +19,8 @@ from pydantic import BaseModel
 
 from app.errors import APIError
 from app.realtime.protocol import new_id
+from app.sessions.chunk import CANCELLED, ChunkDelta, ChunkResult
 from app.sessions.run import ChunkRun
-from app.sessions.session import CANCELLED, ChunkDelta, ChunkResult
 from app.tools.parsing import CallDelta, OutputParser
 
 

@@ -35,11 +35,12 @@ from app.responses.errors import (
 )
 from app.responses.protocol import ResponsesCreateRequest, check_supported
 from app.sessions.chat import ChatState, Truncation, continue_to, unanswered_output
+from app.sessions.chunk import CANCELLED, ChunkResult
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
-from app.sessions.session import CANCELLED, ChunkResult, StreamingSession
+from app.sessions.session import StreamingSession
 from app.store import StoredObject
 from app.tools.parsing import OutputParser
 

@@ -20,7 +20,7 @@ from typing import Any
 from app.errors import APIError
 from app.responses import items
 from app.responses.serving import PendingResponse, ResponsesService
-from app.sessions.session import ChunkDelta, ChunkResult
+from app.sessions.chunk import ChunkDelta, ChunkResult
 from app.tools.parsing import CallDelta, ToolCall
 
 _CLOSING = {"completed": "response.completed", "incomplete": "response.incomplete",

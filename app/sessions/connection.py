@@ -18,6 +18,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
 from app.errors import APIError, error_param, most_specific
+from app.sessions.chunk import ChunkResult
 from app.sessions.protocol import (
     ChunkOutput,
     ClientEvent,
@@ -34,7 +35,7 @@ from app.sessions.protocol import (
     SessionUpdateEvent,
 )
 from app.sessions.service import SessionService
-from app.sessions.session import ChunkResult, StreamingSession
+from app.sessions.session import StreamingSession
 from app.transport.websocket import EventChannel
 
 _client_events: TypeAdapter[Any] = TypeAdapter(ClientEvent)

@@ -23,10 +23,11 @@ from app.metrics import SessionMetrics
 from app.provenance import ProvenanceRecorder
 from app.sessions import errors
 from app.sessions.chat import ChatState
+from app.sessions.chunk import ChunkResult
 from app.sessions.errors import DELETED
 from app.sessions.inputs import SESSION_ID, check_session_id
 from app.sessions.protocol import SessionCreateRequest, SessionDefaults, SessionObject
-from app.sessions.session import ChunkResult, StreamingSession
+from app.sessions.session import StreamingSession
 from app.settings import Settings
 from app.store import (
     LeaseRefused,

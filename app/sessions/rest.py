@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from app.deps import OwnerDep, ServiceDep
 from app.errors import APIError, OpenAIErrorBody
 from app.sessions import errors
+from app.sessions.chunk import ChunkResult
 from app.sessions.protocol import (
     SESSION_ID_PATTERN,
     ChunkDeltaEvent,
@@ -28,7 +29,6 @@ from app.sessions.protocol import (
     TranscriptResponse,
 )
 from app.sessions.run import ChunkRun
-from app.sessions.session import ChunkResult
 from app.transport.disconnect import unless_disconnected
 from app.transport.sse import EventStream
 

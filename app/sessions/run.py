@@ -18,8 +18,9 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Final
 
+from app.sessions.chunk import ChunkDelta, ChunkResult
 from app.sessions.errors import chunk_undone
-from app.sessions.session import ChunkDelta, ChunkResult, StreamingSession
+from app.sessions.session import StreamingSession
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from app.metrics import SessionMetrics, session_metrics
 from app.provenance import ProvenanceRecorder
 from app.sessions import chat, errors, inputs
 from app.sessions.admission import DeviceCapacity, SchedulerObserver, observer_of
+from app.sessions.chunk import ENGINE_ERROR, ChunkResult
 from app.sessions.errors import ChunkRefusedError, SessionFailedError
 from app.sessions.parking import Parking
 from app.sessions.protocol import (
@@ -35,7 +36,7 @@ from app.sessions.protocol import (
 )
 from app.sessions.registry import SessionRegistry
 from app.sessions.run import ChunkEvent, ChunkRun
-from app.sessions.session import ENGINE_ERROR, ChunkResult, StreamingSession
+from app.sessions.session import StreamingSession
 from app.settings import Settings
 from app.store import NullStore, SessionStore
 from app.tools.parsing import ReplyParsers

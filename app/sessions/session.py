@@ -20,7 +20,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.engine.protocol import StreamingInput
@@ -28,38 +27,15 @@ from vllm.inputs.engine import tokens_input
 
 from app.provenance import PrefillSources, ProvenanceRecorder, chunk_usage, resume_source
 from app.sessions.chat import ChatState
+from app.sessions.chunk import CANCELLED, ENGINE_ERROR, ChunkDelta, ChunkResult
 from app.sessions.errors import ChunkRefusedError, SessionFailedError, is_input_error
-from app.sessions.protocol import ChunkUsage, SessionDefaults, SessionStatus
+from app.sessions.protocol import SessionDefaults, SessionStatus
 from app.store import SessionRecord
 
 logger = logging.getLogger(__name__)
 
-# The close reason of a session whose engine request failed.
-ENGINE_ERROR = "engine_error"
-# The finish reason of an answer stopped early on request (the session goes on).
-CANCELLED = "cancelled"
 # How long a graceful close waits for the engine to finish the request before aborting.
 GRACEFUL_CLOSE_S = 10.0
-
-
-@dataclass
-class ChunkDelta:
-    token_ids: list[int]
-    text: str
-
-
-@dataclass
-class ChunkResult:
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    usage: ChunkUsage
-    time_to_first_token: float | None
-    # For the first chunk after a park: where its prefix came from.
-    resumed_from: str | None = None
-    # Where the chunk began when it cut the context (a re-rendered chat turn); None: at its end.
-    start: int | None = None
 
 
 class StreamingSession:
@@ -210,18 +186,10 @@ class StreamingSession:
         context_before = len(self.token_ids)
         started = time.monotonic()
         self.status = "generating"
-        new_request = self._pump is None
+        new_request = self._pump is None or self._pump.done()  # none, or it ended while idle
         resumed = new_request and context_before > 0  # the first chunk after a park
         if new_request:
-            # A new engine request: its first input is the whole transcript plus the
-            # chunk (exact token ids, never re-tokenized text).
-            self._unsent = []
-            self._inputs = asyncio.Queue()
-            self._outputs = asyncio.Queue()
-            first = list(self.token_ids) + list(input_ids)
-            prompt = tokens_input(first, cache_salt=self.cache_salt)
-            self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
-            self._pump = asyncio.create_task(self._run_engine(params, self._outputs), name=f"session-{self.id}")
+            self._new_request(input_ids, params)
         else:
             prompt = tokens_input(self._unsent + list(input_ids))
             self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
@@ -231,7 +199,7 @@ class StreamingSession:
         first_token_at: float | None = None
         finish_reason: str | None = None
         num_cached_tokens = 0
-        finished_cleanly = False
+        finished_cleanly = restarted = False
         try:
             while finish_reason is None:
                 item = await self._outputs.get()
@@ -240,7 +208,16 @@ class StreamingSession:
                         raise ChunkRefusedError(str(item)) from item
                     raise SessionFailedError(f"engine request failed: {item}") from item
                 if item is None:
-                    raise SessionFailedError("the engine ended the session mid-chunk")
+                    if token_ids or restarted:
+                        raise SessionFailedError("the engine ended the session mid-chunk")
+                    # Ended before this chunk began (seen in CI after websocket hang-ups, cause
+                    # not found yet): the chunk goes on a new request from the transcript, once.
+                    logger.warning("session %s: its engine request ended before chunk %d began; sent again on "
+                                   "a new request", self.id, index)
+                    restarted = new_request = True
+                    resumed = context_before > 0
+                    self._new_request(input_ids, params)
+                    continue
                 completion = item.outputs[0]
                 num_cached_tokens = item.num_cached_tokens or num_cached_tokens
                 if completion.token_ids and answer:
@@ -297,15 +274,27 @@ class StreamingSession:
         )
 
     # ------------------------------------------------------------------ engine
-    async def _feed(self) -> AsyncIterator[StreamingInput]:
-        while (chunk := await self._inputs.get()) is not None:
+    def _new_request(self, input_ids: list[int], params: Any) -> None:
+        """A new engine request, with queues of its own (so an aborted one that ends late
+        cannot end the next one's chunk): its first input is the whole transcript plus
+        the chunk (exact token ids, never re-tokenized text)."""
+        self._unsent = []
+        self._inputs, self._outputs = asyncio.Queue(), asyncio.Queue()
+        prompt = tokens_input(list(self.token_ids) + list(input_ids), cache_salt=self.cache_salt)
+        self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
+        self._pump = asyncio.create_task(self._run_engine(params, self._inputs, self._outputs),
+                                         name=f"session-{self.id}")
+
+    @staticmethod
+    async def _feed(inputs: asyncio.Queue[StreamingInput | None]) -> AsyncIterator[StreamingInput]:
+        while (chunk := await inputs.get()) is not None:
             yield chunk
 
-    async def _run_engine(self, first_params: Any, outputs: asyncio.Queue[Any]) -> None:
-        # ``outputs``: this request's own, so an aborted one ending late cannot end the next's chunk.
+    async def _run_engine(self, first_params: Any, inputs: asyncio.Queue[StreamingInput | None],
+                          outputs: asyncio.Queue[Any]) -> None:
         try:
             async for output in self._engine.generate(
-                prompt=self._feed(), sampling_params=first_params, request_id=self.request_id
+                prompt=self._feed(inputs), sampling_params=first_params, request_id=self.request_id
             ):
                 outputs.put_nowait(output)
             outputs.put_nowait(None)

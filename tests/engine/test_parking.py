@@ -23,10 +23,11 @@ import pytest_asyncio
 from app.errors import APIError
 from app.metrics import session_metrics
 from app.sessions.admission import DeviceCapacity
+from app.sessions.chunk import ChunkResult
 from app.sessions.inputs import Turn
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
 from app.sessions.service import SessionService
-from app.sessions.session import ChunkResult, StreamingSession
+from app.sessions.session import StreamingSession
 from tests.conftest import make_settings
 from tests.helpers import generate_once, live_request_ids, random_tokens, started_engine, until
 
