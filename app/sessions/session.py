@@ -208,7 +208,7 @@ class StreamingSession:
                         raise ChunkRefusedError(str(item)) from item
                     raise SessionFailedError(f"engine request failed: {item}") from item
                 if item is None:
-                    if token_ids or restarted:
+                    if token_ids or restarted or self.closed:
                         raise SessionFailedError("the engine ended the session mid-chunk")
                     # Ended before this chunk began (seen in CI after websocket hang-ups, cause
                     # not found yet): the chunk goes on a new request from the transcript, once.

@@ -133,6 +133,23 @@ async def test_a_request_the_engine_ended_while_idle_or_before_a_chunk_began_is_
         assert engine.requests[session.id][:len(session.token_ids) - 1] == session.token_ids[:-1]
 
 
+async def test_a_session_closed_before_its_chunk_began_is_not_started_again(tmp_path: Path) -> None:
+    """The other way a request ends before a chunk's first token: the session was closed
+    (DELETE). That chunk ends with session_closed; no new request is started for it."""
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        engine.hold()
+        run = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3),
+                                        transport="test", wait=False)
+        await asyncio.sleep(0.05)  # appended, no token yet
+        await service.close(OWNER, session.id)
+        with pytest.raises(APIError) as ended:
+            await run.result()
+        assert ended.value.code == "session_closed" and session.closed
+        await asyncio.sleep(0.05)
+        assert session.id not in engine.requests and not session.has_engine_request
+
+
 async def test_a_second_chunk_in_flight_is_409_and_the_first_goes_on(tmp_path: Path) -> None:
     async with running_service(tmp_path) as (service, engine):
         session = await service.create(OWNER, GREEDY)
