@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -58,25 +59,35 @@ def pytest_report_header() -> str:
     return f"CPU flags that pick vLLM's CPU kernels: {' '.join(kernel_flags()) or 'none'}"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.helpers import RequestRestartLog
+
+    logging.getLogger("app.sessions.session").addHandler(RequestRestartLog())
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    from tests.helpers import KERNELS_RAN
+    from tests.helpers import KERNELS_RAN, REQUEST_RESTARTS
 
     if hasattr(session.config, "workeroutput"):  # an xdist worker: hand them to the controller
         session.config.workeroutput["kernels_ran"] = sorted(KERNELS_RAN)
+        session.config.workeroutput["request_restarts"] = list(REQUEST_RESTARTS)
 
 
-@pytest.hookimpl(optionalhook=True)  # xdist's hook: the controller gathers its workers' kernels
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: the controller gathers its workers' records
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    from tests.helpers import KERNELS_RAN
+    from tests.helpers import KERNELS_RAN, REQUEST_RESTARTS
 
     KERNELS_RAN.update(getattr(node, "workeroutput", {}).get("kernels_ran", []))
+    REQUEST_RESTARTS.extend(getattr(node, "workeroutput", {}).get("request_restarts", []))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    from tests.helpers import KERNELS_RAN
+    from tests.helpers import KERNELS_RAN, REQUEST_RESTARTS
 
     ran = ", ".join(sorted(KERNELS_RAN)) or "none recorded"
     terminalreporter.write_line(f"CPU attention kernels the engine checks ran under: {ran}")
+    counted = ", ".join(f"{test} ({REQUEST_RESTARTS.count(test)})" for test in sorted(set(REQUEST_RESTARTS)))
+    terminalreporter.write_line(f"Engine requests that ended on their own, chunk sent again: {counted or 'none'}")
 
 
 @pytest.fixture(scope="session")
