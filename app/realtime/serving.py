@@ -31,7 +31,7 @@ from app.sessions.chat import (
     ChatState,
     Messages,
     Truncation,
-    continue_to,
+    continue_within,
     plan_turn,
     unanswered_output,
 )
@@ -256,9 +256,7 @@ class Conversation:
                 ids, start = plan_turn(tokenizer, None, head + messages, context_ids, chat_tools)
                 return Turn(ids, start, None, **replies)
             wanted = ChatState(instructions, conversation.messages + messages, chat_tools)
-            if truncation is None:
-                return Turn(*continue_to(tokenizer, conversation, wanted, context_ids), wanted, **replies)
-            wanted, ids, start, earlier = truncation.plan(tokenizer, conversation, wanted, context_ids,
+            wanted, ids, start, earlier = continue_within(truncation, tokenizer, conversation, wanted, context_ids,
                                                           len(messages), max_tokens)
             return Turn(ids, start, wanted, earlier, **replies)
 

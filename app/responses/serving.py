@@ -34,7 +34,7 @@ from app.responses.errors import (
     superseded,
 )
 from app.responses.protocol import ResponsesCreateRequest, check_supported
-from app.sessions.chat import ChatState, Truncation, continue_to, unanswered_output
+from app.sessions.chat import ChatState, Truncation, continue_within, unanswered_output
 from app.sessions.chunk import CANCELLED, ChunkResult
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.protocol import SamplingOptions, SessionCreateRequest
@@ -363,12 +363,8 @@ class _Options:
         if (call_id := unanswered_output(wanted.messages, self.new_messages)) is not None:
             raise APIError(400, f"No tool call found for function call output with call_id {call_id}.",
                            code="tool_call_not_found", param="input")
-        if self.truncation is None:
-            ids, start = continue_to(tokenizer, have, wanted, context_ids, self.generate)
-            earlier = 0
-        else:
-            wanted, ids, start, earlier = self.truncation.plan(tokenizer, have, wanted, context_ids, self.new_messages,
-                                                               self.sampling.max_tokens or 0, self.generate)
+        wanted, ids, start, earlier = continue_within(self.truncation, tokenizer, have, wanted, context_ids,
+                                                      self.new_messages, self.sampling.max_tokens or 0, self.generate)
         self.planned = wanted
         return Turn(ids, start, wanted, earlier,
                     structured_outputs=self.parser.structured_outputs() if self.generate else None,

@@ -118,6 +118,15 @@ class Truncation:
         return fitted, ids, start, 0 if start is None else max(0, size(cut, with_new=False) - start)
 
 
+def continue_within(truncation: Truncation | None, tokenizer: Any, have: ChatState | None, wanted: ChatState,
+                    context_ids: list[int], new: int, max_tokens: int,
+                    generation_prompt: bool = True) -> tuple[ChatState, list[int], int | None, int]:
+    """``continue_to``, through ``truncation`` where it is on (``Truncation.plan``)."""
+    if truncation is None:
+        return (wanted, *continue_to(tokenizer, have, wanted, context_ids, generation_prompt), 0)
+    return truncation.plan(tokenizer, have, wanted, context_ids, new, max_tokens, generation_prompt)
+
+
 def _within_cut(have: ChatState | None, wanted: ChatState, new: int) -> ChatState:
     """``wanted`` from where ``have``'s messages begin in it: a conversation's stored items
     are all of its messages, while its context holds what the last cut left."""
@@ -126,10 +135,9 @@ def _within_cut(have: ChatState | None, wanted: ChatState, new: int) -> ChatStat
     messages, held = wanted.messages, have.messages
     if messages[:len(held)] == held:
         return wanted  # the context holds its beginning: no cut to keep
-    expected = len(messages) - new - len(held)  # the usual place: right before the turn's own
-    candidates = [expected] if expected > 0 and messages[expected:expected + len(held)] == held else \
-        (k for k in range(1, len(messages) - len(held) + 1) if messages[k:k + len(held)] == held)
-    cut = next(iter(candidates), 0)
+    # Before the turn's own messages, looked for from there back (where it usually is).
+    last = len(messages) - new - len(held)
+    cut = next((k for k in range(last, 0, -1) if messages[k:k + len(held)] == held), 0)
     return ChatState(wanted.instructions, messages[cut:], wanted.tools) if cut else wanted
 
 
