@@ -75,7 +75,8 @@ class Oracle:
         self.http, self.tokenizer, self.session_id = http, tokenizer, session_id
         self.messages: Messages = []
 
-    def clean(self, text: str) -> str:
+    @staticmethod
+    def clean(text: str) -> str:
         # A reply cut mid-character shows its incomplete last character as nothing in
         # the text the client got, and as U+FFFD in a decode of the context's ids.
         return text.replace("<|endoftext|>", "").replace("\ufffd", "")
@@ -243,15 +244,15 @@ async def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(s
                 messages.append({"role": "user", "content": question})
                 usage = done["response"]["usage"]
                 transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()
-                prompt = tokenizer.decode(transcript["token_ids"][:usage["input_tokens"]]).replace("<|endoftext|>", "")
+                prompt = Oracle.clean(tokenizer.decode(transcript["token_ids"][:usage["input_tokens"]]))
                 kept = [messages[first:] for first in range(len(messages)) if messages[first]["role"] == "user"]
                 rendered = [tokenizer.apply_chat_template(head + suffix, chat_template=tokenizer.chat_template,
                                                           tokenize=False, add_generation_prompt=True)
                             for suffix in kept]
-                assert prompt.replace("\ufffd", "") in [r.replace("\ufffd", "") for r in rendered]
+                assert prompt in [Oracle.clean(text) for text in rendered]
                 prompts.append(usage["input_tokens"])
                 cached.append(usage["input_token_details"]["cached_tokens"])
-                messages.append({"role": "assistant", "content": reply_of(done).replace("<|endoftext|>", "")})
+                messages.append({"role": "assistant", "content": Oracle.clean(reply_of(done))})
         cuts = [turn for turn in range(1, len(prompts)) if prompts[turn] < prompts[turn - 1]]
         assert cuts and cuts[0] == refused_at, (prompts, refused_at)
         assert max(prompts) + 6 <= 4096
