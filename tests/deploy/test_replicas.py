@@ -122,13 +122,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         nginx = subprocess.Popen(["nginx", "-c", str(config)], stderr=subprocess.PIPE)
         stack.callback(stop_process, nginx)
         proxy = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                if httpx.get(f"{proxy}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        deadline = time.monotonic() + 10
+        while not proxy_healthy(proxy):
+            assert nginx.poll() is None, f"nginx exited: {nginx.stderr.read() if nginx.stderr else b''!r}"
+            assert time.monotonic() < deadline, "nginx never answered /health within 10 s"
+            time.sleep(0.1)
         yield Cluster(proxy, {r.name: r for r in replicas})
+
+
+def proxy_healthy(proxy: str) -> bool:
+    try:
+        return httpx.get(f"{proxy}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def stop_process(process: subprocess.Popen[bytes]) -> None:

@@ -303,6 +303,8 @@ async def test_a_chunk_with_no_room_fails_fast_and_leaves_its_session(small_engi
         with pytest.raises(APIError) as refused:
             await send(service, small, random_tokens(rng, 40), 80)
         assert refused.value.status == 503 and refused.value.code == "server_busy"
+        # The refusal is the scenario only while the long chunk still holds the device.
+        assert not long_chunk.done(), "the long chunk ended within the admission timeout"
         assert refused.value.headers and int(refused.value.headers["Retry-After"]) >= 1
         assert (small.status, list(small.token_ids), small.num_chunks) == before
         await long_chunk

@@ -21,6 +21,7 @@ from app.sessions.service import SessionService
 from app.settings import Settings
 from app.store import StoreUnavailableError, open_store
 from tests.fake_engine import FakeEngine
+from tests.helpers import until
 
 # Each test takes milliseconds: a hang is a failure, not a wait.
 pytestmark = pytest.mark.timeout(30)
@@ -103,12 +104,17 @@ async def test_a_chunk_cancelled_while_an_undone_request_unwinds_leaves_the_next
         await first.released
         second = await service.start_chunk(OWNER, session.id, [3], SamplingOptions(max_tokens=3),
                                            transport="test", wait=False)
-        await asyncio.sleep(0.05)  # waiting for the aborted request
+        # Time for the second chunk to reach its wait for the aborted request (0.3 s to
+        # end): were it cancelled before that, the test would pass without its scenario.
+        await asyncio.sleep(0.05)
+        assert session.id in engine.requests, "the aborted request ended before the second chunk was cancelled"
         second.cancel()
         await second.released
         third = await service.start_chunk(OWNER, session.id, [4], SamplingOptions(max_tokens=3),
                                           transport="test", wait=False)
-        await asyncio.sleep(0.5)  # the aborted request ends meanwhile
+        # The aborted request ends (0.3 s) while the third chunk waits for it; the third
+        # then starts a request of its own, held at its first token.
+        assert await until(lambda: engine.requests.get(session.id) == [4]), "the third chunk never started"
         engine.flow()
         assert (await third.result()).index == 0
         assert not session.closed and session.token_ids[:1] == [4]
@@ -141,13 +147,13 @@ async def test_a_session_closed_before_its_chunk_began_is_not_started_again(tmp_
         engine.hold()
         run = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3),
                                         transport="test", wait=False)
-        await asyncio.sleep(0.05)  # appended, no token yet
-        await service.close(OWNER, session.id)
+        assert await until(lambda: engine.requests.get(session.id) == [1, 2]), "the chunk was never appended"
+        await service.close(OWNER, session.id)  # appended, no token yet
         with pytest.raises(APIError) as ended:
             await run.result()
         assert ended.value.code == "session_closed" and session.closed
-        await asyncio.sleep(0.05)
-        assert session.id not in engine.requests and not session.has_engine_request
+        # A request started again would wait for chunks for good: it would never go.
+        assert await until(lambda: session.id not in engine.requests and not session.has_engine_request, 2.0)
 
 
 async def test_a_second_chunk_in_flight_is_409_and_the_first_goes_on(tmp_path: Path) -> None:

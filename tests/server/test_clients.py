@@ -94,6 +94,8 @@ async def test_errors_are_typed(server: str) -> None:
             if (await client.sessions.retrieve(session.id)).status == "generating":
                 break
             await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the first chunk never started generating within 5 s")
         with pytest.raises(ConflictError) as in_flight:
             await session.send([4], max_tokens=1)
         assert in_flight.value.code == "chunk_in_flight"

@@ -19,5 +19,8 @@ async def test_harness_over_http(server: str) -> None:
         await backend.aclose()
     summary = report.summary()
     assert report.sessions == 8 and report.passed, summary
-    assert report.device_resets == 1 and report.prefix_requests_with_tier_hits > 0, summary
+    # After the device reset, the prefix requests of sessions whose blocks reached the tier
+    # must be served from it: 10 of 31 on seed 7 (one hit would show little).
+    assert report.device_resets == 1, summary
+    assert report.prefix_requests_with_tier_hits >= report.prefix_requests // 5, summary
     assert report.leftover_requests == [], summary

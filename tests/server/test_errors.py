@@ -120,10 +120,12 @@ async def test_concurrent_append_gets_409(http: httpx.AsyncClient) -> None:
     session_id = await new_session(http)
     url = f"/v1/sessions/{session_id}/chunks"
     first = asyncio.create_task(http.post(url, json={"input": [3] * 50, "max_tokens": 1000}))
-    for _ in range(200):
+    for _ in range(500):
         if (await http.get(f"/v1/sessions/{session_id}")).json()["status"] == "generating":
             break
         await asyncio.sleep(0.01)
+    else:
+        pytest.fail("the first chunk never started generating within 5 s")
     second = await http.post(url, json={"input": [4], "max_tokens": 1})
     assert_openai_error(second, 409, "chunk_in_flight")
     assert (await first).status_code == 200
