@@ -232,17 +232,24 @@ def enter_together(stack: contextlib.ExitStack, managers: list[contextlib.Abstra
     return [future.result() for future in futures]  # the first failure raises; the stack leaves the rest
 
 
+STOP_TIMEOUT_S = 60
+
+
 def stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's group and wait for it; a server that does not stop within
+    ``STOP_TIMEOUT_S`` is killed and the hang is raised, never hidden."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     try:
-        process.wait(timeout=60)
+        process.wait(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-    # Engine processes the server spawned die with their group.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+        raise RuntimeError(f"process {process.pid} ignored SIGTERM for {STOP_TIMEOUT_S} s and was killed") from None
+    finally:
+        # Engine processes the server spawned die with their group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def app_server(

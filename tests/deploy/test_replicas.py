@@ -143,6 +143,7 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=30)
     except subprocess.TimeoutExpired:
         process.kill()
+        raise RuntimeError(f"process {process.pid} ignored SIGTERM for 30 s and was killed") from None
 
 
 @pytest_asyncio.fixture
