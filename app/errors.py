@@ -7,6 +7,7 @@ No web framework here (session logic raises these); ``app.http_errors`` sends th
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,5 +99,13 @@ def error_param(loc: Any) -> str | None:
 def most_specific(errors: Sequence[Any]) -> Any:
     """The error of a validation's list to report: the deepest. A value that fits no
     branch of a union gets one error per branch, and the deepest is in the branch the
-    client meant (a chat message without content, not "should be a valid string")."""
-    return max(errors, key=lambda error: len(error.get("loc") or ()) if isinstance(error, dict) else 0)
+    client meant (a chat message without content, not "should be a valid string");
+    between errors as deep, the one in the branch with the fewest errors (a completion
+    body sent to a route that takes a chat or a completion is a completion)."""
+    def branch(error: Any) -> str | None:
+        loc = error.get("loc") or () if isinstance(error, dict) else ()
+        return str(loc[0]) if loc and not _FIELD_NAME.fullmatch(str(loc[0])) else None
+
+    per_branch = Counter(branch(error) for error in errors)
+    return max(errors, key=lambda error: (len(error.get("loc") or ()) if isinstance(error, dict) else 0,
+                                          -per_branch[branch(error)]))

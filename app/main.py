@@ -39,14 +39,13 @@ from app.middleware import (
 )
 from app.models.smollm2 import ModelUnavailable
 from app.openai_routes import (
-    declare_filled_in_fields,
-    declare_vllm_input_rules,
     drop_replaced_routes,
     drop_routes_the_model_cannot_serve,
     drop_unserved_routes,
+    metrics_read_only,
     openai_body_routes,
-    patch_openapi,
 )
+from app.openai_schema import declare_filled_in_fields, patch_openapi, vllm_input_rules
 from app.openai_usage import UsageProvenanceMiddleware
 from app.responses.protocol import declare_stored_response_rules
 from app.responses.serving import ResponsesService
@@ -126,6 +125,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
 
     app.router.lifespan_context = lifespan
     drop_unserved_routes(app)
+    metrics_read_only(app)
     # Our routes first: Starlette's router and vLLM's metrics instrumentator each walk
     # the routes in order, matching every path pattern before ours otherwise. No path
     # of ours is one of vLLM's (tests/unit/test_settings_and_models.py checks).
@@ -134,7 +134,8 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.router.routes[:] = [route for route in app.router.routes if route not in vllm_routes] + vllm_routes
     install_error_handlers(app)
     patch_openapi(
-        app, declare_error_codes, declare_filled_in_fields, declare_vllm_input_rules, declare_stored_response_rules,
+        app, declare_error_codes, declare_filled_in_fields, vllm_input_rules(bool(settings.reasoning_parser)),
+        declare_stored_response_rules,
         lambda schema: app.state.session_service.declare_bounds(schema),
     )
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from

@@ -23,10 +23,16 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from starlette.routing import Mount
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-# SageMaker's route reads its body itself and hands it to the chat or completion
-# handler, whichever model validates it: it generates, with no body model to check.
-DISPATCHING_GENERATE_PATHS = frozenset({"/invocations"})
+from app.errors import APIError
+from app.http_errors import send_http_error
+
+# SageMaker's route reads its body itself and hands it to the first of these routes
+# whose body model validates it (vLLM's get_generate_invocation_types, in its order): it
+# generates, and is validated strictly as one of them.
+DISPATCHING_GENERATE_PATHS = {"/invocations": ("/v1/chat/completions", "/v1/completions")}
 # Data-parallel rescaling: this server runs one engine per replica, so a rescale
 # can only fail (vLLM answers 500), and any key could ask for it. Not served.
 UNSERVED_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep"})
@@ -40,13 +46,6 @@ STATEFUL_FIELDS = ("conversation", "previous_response_id")
 # Routes vLLM mounts for every model but answers 501 on models without their serving
 # handler (set in app.state by vLLM's init_app_state): served only where they work.
 MODEL_DEPENDENT_PATHS = {"/v1/systemone": "serving_structured_decisions"}
-
-
-# Fields the openai SDK's types (and so the schema) require, which vLLM's validators
-# fill in when a Responses request's input item leaves them out: a reasoning item's
-# id; an assistant message's id and status, and its output texts' annotations.
-FILLED_IN_BY_VLLM = {"ResponseReasoningItemParam": ("id",), "ResponseReasoningItem": ("id",),
-                     "ResponseOutputMessageParam": ("id", "status"), "ResponseOutputTextParam": ("annotations",)}
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,9 @@ def missed_errors(value: Any, raw: Any, loc: tuple[Any, ...]) -> list[Any]:
     - a model one of vLLM's before-validators built itself, in lax mode, may hold a
       coerced scalar (a Responses ``function_call`` input item is built as
       ``ResponseFunctionToolCall(**item)``, so ``"async": 0`` became ``False``): a
-      scalar whose JSON type differs from the body's is an error."""
-    if isinstance(value, Iterator):
+      scalar whose JSON type differs from the body's is an error; so is a list made
+      of a JSON object (a chat message's ``"tool_calls": {}`` became ``[]``, its keys)."""
+    if isinstance(value, Iterator) or (isinstance(value, list) and isinstance(raw, dict)):
         if not isinstance(raw, list):
             return [{"type": "list_type", "loc": loc, "msg": "Input should be a valid array", "input": raw}]
         try:
@@ -163,23 +163,47 @@ def openai_body_routes(app: FastAPI, strict: bool, generating: bool) -> dict[str
     generate, to salt them and charge their tokens (``generating``: there is a salt
     or a token limit to apply)."""
     routes: dict[str, OpenAIBodyRoute] = {}
+    annotations: dict[str, Any] = {}
     for route in app.routes:
         if not isinstance(route, APIRoute) or "POST" not in route.methods or _is_ours(route):
-            continue
-        if route.path in DISPATCHING_GENERATE_PATHS:
-            if generating:
-                routes[route.path] = OpenAIBodyRoute(strict_validator=None, generates=True)
             continue
         params = route.dependant.body_params
         annotation: Any = params[0].field_info.annotation if len(params) == 1 else None
         if not (models := body_models(annotation)):
             continue
+        annotations[route.path] = annotation
         generates = generating and any("cache_salt" in model.model_fields for model in models)
         validator = TypeAdapter(annotation) if strict else None
         if generates or validator is not None:
             routes[route.path] = OpenAIBodyRoute(strict_validator=validator, generates=generates,
                                                  stateful=route.path in REPLACED_PATHS)
+    for path, targets in DISPATCHING_GENERATE_PATHS.items():
+        bodies = tuple(annotations[target] for target in targets if target in annotations)
+        if any(isinstance(r, APIRoute) and r.path == path for r in app.routes) and (generating or strict):
+            union: Any = typing.Union[bodies]  # noqa: UP007 (the members are known at run time only)
+            validator = TypeAdapter(union) if strict and bodies else None
+            routes[path] = OpenAIBodyRoute(strict_validator=validator, generates=generating)
     return routes
+
+
+def metrics_read_only(app: FastAPI) -> None:
+    """vLLM mounts Prometheus's app at ``/metrics``, which answers every method (a
+    ``TRACE`` or ``DELETE`` got 200 with the metrics): other methods than GET and HEAD
+    get 405, as on every other route."""
+    for route in app.router.routes:
+        if isinstance(route, Mount) and route.path == "/metrics":
+            route.app = _read_only(route.app)
+
+
+def _read_only(asgi: ASGIApp) -> ASGIApp:
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
+            error = APIError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": "GET, HEAD"})
+            await send_http_error(send, error)
+            return
+        await asgi(scope, receive, send)
+
+    return guarded
 
 
 def drop_unserved_routes(app: FastAPI) -> None:
@@ -200,66 +224,3 @@ def drop_replaced_routes(app: FastAPI) -> None:
 
 def _drop_routes(app: FastAPI, paths: set[str] | frozenset[str]) -> None:
     app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in paths]
-
-
-def declare_filled_in_fields(schema: dict[str, Any]) -> None:
-    """The published schema does not require what vLLM fills in."""
-    components = schema.get("components", {}).get("schemas", {})
-    for name, fields in FILLED_IN_BY_VLLM.items():
-        required = components.get(name, {}).get("required", [])
-        required[:] = [field for field in required if field not in fields]
-
-
-# Arrays vLLM refuses empty (no template renders an empty conversation).
-NON_EMPTY_ARRAYS = [
-    ("ChatCompletionRequest", "messages"), ("ChatCompletionRequest", "tools"),
-    ("ChatCompletionRequest", "allowed_token_ids"), ("CompletionRequest", "allowed_token_ids"),
-]
-
-
-def declare_vllm_input_rules(schema: dict[str, Any]) -> None:
-    """Rules vLLM's handlers enforce beyond their body models, in the published schema
-    (schemathesis's positive_data_acceptance found each refused while schema-valid):
-    the arrays of ``NON_EMPTY_ARRAYS`` are absent or non-empty, ``truncate_prompt_tokens``
-    is not 0; a completion needs a non-empty ``prompt``
-    (``prompt_embeds`` is off unless the server enables it, and a null prompt is
-    refused either way)."""
-    components = schema.get("components", {}).get("schemas", {})
-    for name, field in NON_EMPTY_ARRAYS:
-        prop = components.get(name, {}).get("properties", {}).get(field, {})
-        for variant in [prop, *prop.get("anyOf", [])]:
-            if variant.get("type") == "array":
-                variant["minItems"] = 1
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
-        # -1 keeps the model's length; 0 would truncate the prompt to nothing.
-        truncate = components.get(name, {}).get("properties", {}).get("truncate_prompt_tokens", {})
-        for variant in truncate.get("anyOf", []):
-            if variant.get("type") == "integer":
-                variant["not"] = {"const": 0}
-    completion = components.get("CompletionRequest")
-    if completion is None or "prompt" not in completion.get("properties", {}):
-        return
-    prompt = completion["properties"]["prompt"]
-    prompt["anyOf"] = [variant for variant in prompt.get("anyOf", []) if variant.get("type") != "null"]
-    for variant in prompt["anyOf"]:
-        variant["minLength" if variant.get("type") == "string" else "minItems"] = 1
-        if variant.get("items", {}).get("type") == "array":
-            variant["items"]["minItems"] = 1
-    prompt.pop("default", None)
-    if "prompt" not in (required := completion.setdefault("required", [])):
-        required.append("prompt")
-
-
-def patch_openapi(app: FastAPI, *patches: typing.Callable[[dict[str, Any]], None]) -> None:
-    """Apply ``patches`` to the OpenAPI schema once, as FastAPI first builds it."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = build()  # FastAPI's own, which keeps it in app.openapi_schema
-        for patch in patches:
-            patch(schema)
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]

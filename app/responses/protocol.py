@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from app.errors import APIError
@@ -69,7 +69,9 @@ class ResponsesCreateRequest(ResponsesRequest):
     stop_token_ids: StopTokenIds | None = Field(default_factory=list)
     conversation: str | ConversationRef | None = Field(
         default=None, description="The conversation this response continues and is added to.")
-    generate: bool = Field(
+    # Strict: vLLM's model, which the request middleware validates strictly, has no such
+    # field, and this one's lax mode took 0 for false (fresh-seed fuzzing).
+    generate: StrictBool = Field(
         default=True, description="False: a warm-up, as over OpenAI's Responses websocket (accepted over HTTP "
         "too): the input is added to the response's session and computed, and nothing is generated. The "
         "response (no output) is continued with previous_response_id, whose turn then computes only its own "

@@ -1,33 +1,72 @@
-"""A schemathesis extension (loaded by SCHEMATHESIS_HOOKS in test_schema_fuzz): its
-``positive_data_acceptance``, but for a chunk refused for its token count.
+"""A schemathesis extension (loaded by SCHEMATHESIS_HOOKS in test_schema_fuzz and
+scripts/fuzz-schema): its ``positive_data_acceptance``, but for refusals of valid data
+that no JSON Schema can prevent, each named here. Every other refusal still fails it.
 
-JSON Schema cannot state a token limit: a chunk's chat messages are bounded in number
-(``maxItems``: as many empty messages as the limit holds), but each message's text may
-cost any number of tokens, so a schema-valid chunk can exceed ``max_chunk_tokens`` (a
-fresh seed found 17 messages of multi-byte text: 359 tokens against 256). Such a chunk
-gets 400 ``chunk_too_large``, which this check accepts; and so is a chunk the session
-has no room left for (400 ``context_length_exceeded``: the run's own chunks filled it,
-found by ten fresh-seed runs over every route). Every other refusal of valid data still
-fails it.
+- **Token limits.** A chunk's chat messages are bounded in number (``maxItems``), but
+  each message's text may cost any number of tokens, so a schema-valid chunk can exceed
+  ``max_chunk_tokens`` (a fresh seed found 17 messages of multi-byte text: 359 tokens
+  against 256): 400 ``chunk_too_large``; and a chunk the session has no room left for
+  (400 ``context_length_exceeded``: the run's own chunks filled it).
+- **Bounds set by the prompt.** vLLM's ``routed_experts_prompt_start`` must lie within
+  the prompt's length, which the schema cannot know.
+- **A name of an object that does not exist.** schemathesis accepts a 404 for a missing
+  resource in the path; an id in the body or the query that names nothing is OpenAI's
+  400 (``previous_response_not_found``; a list's ``after`` cursor).
+- **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
+  (``maximum: 9223372036854775807``); schemathesis's validator compares in doubles, where
+  ``9223372036854775999`` equals that bound, and so takes as valid what the schema, read
+  as JSON Schema specifies (numbers compared as numbers), forbids. A refusal naming the
+  bound is accepted when the value is beyond it exactly.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 TOKEN_LIMIT_CODES = {"chunk_too_large", "context_length_exceeded"}
+PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
+MISSING_OBJECT_CODES = {"previous_response_not_found"}
+MISSING_CURSOR_PARAMS = {"after"}
+BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
+
+
+def beyond_stated_bound(message: str, param: str | None, body: Any) -> bool:
+    """Whether the refusal names a bound that the value at ``param`` exceeds exactly."""
+    bound = BOUND.search(message)
+    if bound is None or param is None:
+        return False
+    value = body
+    for key in param.split("."):
+        if isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+        elif isinstance(value, dict) and key in value:
+            value = value[key]
+        else:
+            return False
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    limit = int(bound.group(2))
+    return value > limit if bound.group(1) == "less" else value < limit
+
+
+def refusal_no_schema_can_prevent(error: dict[str, Any], body: Any) -> bool:
+    code, param = error.get("code"), error.get("param")
+    return (code in TOKEN_LIMIT_CODES or code in MISSING_OBJECT_CODES or param in PROMPT_BOUND_PARAMS
+            or (param in MISSING_CURSOR_PARAMS and code == "invalid_value")
+            or beyond_stated_bound(str(error.get("message", "")), param, body))
 
 
 @schemathesis.check
-def positive_data_acceptance_but_token_limits(ctx: Any, response: Any, case: Any) -> bool | None:
+def positive_data_acceptance_but_unstatable(ctx: Any, response: Any, case: Any) -> bool | None:
     if response.status_code == 400:
         try:
-            code = response.json()["error"]["code"]
+            error = response.json()["error"]
         except (ValueError, KeyError, TypeError):
-            code = None
-        if code in TOKEN_LIMIT_CODES:
+            error = None
+        if isinstance(error, dict) and refusal_no_schema_can_prevent(error, case.body):
             return None
     return positive_data_acceptance(ctx, response, case)

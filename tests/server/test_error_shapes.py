@@ -56,6 +56,14 @@ LAX_BODIES = {
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a", "logprobs": [
             {"token": "a", "logprob": 0.0, "bytes": [97, False], "top_logprobs": []}]}]}]},
         "input.0.content.0.logprobs.0.bytes.1"),
+    # A list pydantic made of an object's keys (vLLM's message types take any iterable).
+    "object-for-tool-calls": ("/v1/chat/completions", {"model": "embedded-tiny", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi", "tool_calls": {}}]}, "messages.0.tool_calls"),
+    # SageMaker's route, validated strictly as a chat or a completion request.
+    "invocations": ("/invocations", {"model": "embedded-tiny", "prompt": "hi", "max_tokens": "1"}, "max_tokens"),
+    # Our field on the Responses request, which vLLM's model (the strict pass) lacks.
+    "responses-generate": ("/v1/responses", {"model": "embedded-tiny", "input": "hi", "max_output_tokens": 1,
+                                             "generate": 0}, "generate"),
     # Refused by one of vLLM's own validators (a VLLMValidationError), which our salting
     # would otherwise have mended by replacing the empty salt.
     "empty-salt": ("/v1/responses", {"model": "embedded-tiny", "input": "hi", "max_output_tokens": 1,
@@ -79,6 +87,15 @@ async def test_lax_validation_is_vllms_own_when_asked_for(engine: Any) -> None:
             path, body, _ = LAX_BODIES[case]
             response = await http.post(path, json=body)
             assert response.status_code == 200, response.text
+
+
+async def test_metrics_answer_reads_only(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=30) as http:
+        assert (await http.get("/metrics")).status_code == 200
+        for method in ("TRACE", "DELETE", "POST"):
+            response = await http.request(method, "/metrics")
+            assert_openai_error(response, 405)
+            assert response.headers["allow"] == "GET, HEAD"
 
 
 async def test_routes_that_cannot_work_here_are_not_served(server: str) -> None:

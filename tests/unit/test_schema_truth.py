@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.openai_routes import declare_vllm_input_rules
+from app.openai_schema import declare_vllm_input_rules
 from app.sessions.inputs import declare_bounds
 from app.sessions.protocol import (
     SAFE_INTEGER_MAX,
@@ -100,3 +100,34 @@ def test_vllm_rules_beyond_its_models_are_in_the_schema() -> None:
     assert {"type": "null"} not in completion["properties"]["prompt"]["anyOf"]
     nested, text = completion["properties"]["prompt"]["anyOf"]
     assert (nested["minItems"], nested["items"]["minItems"], text["minLength"]) == (1, 1, 1)
+
+
+def test_vllm_rules_found_by_fresh_seeds_are_in_the_schema() -> None:
+    """Each rule was a schema-valid body refused (or, for /invocations, a body its schema
+    did not describe) in ten fresh-seed runs over every route (docs/reliability.md)."""
+    def schema() -> dict[str, Any]:
+        integer_or_null = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+        return {"paths": {"/invocations": {"post": {"responses": {}}}}, "components": {"schemas": {
+            "ChatCompletionRequest": {"properties": {"thinking_token_budget": copy.deepcopy(integer_or_null)}},
+            "CompletionRequest": {"properties": {"thinking_token_budget": copy.deepcopy(integer_or_null)}},
+            "TokenizeChatRequest": {"properties": {"messages": {"type": "array", "items": {}}}},
+            "AnthropicMessagesRequest": {"properties": {"model": {"type": "string"}, "max_tokens": {"type": "integer"}}},
+            "AnthropicCountTokensRequest": {"properties": {"model": {"type": "string"}}},
+        }}}
+
+    plain, reasoning = schema(), schema()
+    declare_vllm_input_rules(plain)
+    declare_vllm_input_rules(reasoning, reasoning=True)
+    components = plain["components"]["schemas"]
+    assert components["TokenizeChatRequest"]["properties"]["messages"]["minItems"] == 1
+    assert components["AnthropicMessagesRequest"]["properties"]["model"]["minLength"] == 1
+    assert components["AnthropicCountTokensRequest"]["properties"]["model"]["minLength"] == 1
+    assert components["AnthropicMessagesRequest"]["properties"]["max_tokens"]["minimum"] == 1
+    # Without a reasoning parser vLLM's engine refuses any budget but -1 (unlimited: unset).
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        assert components[name]["properties"]["thinking_token_budget"]["anyOf"][0]["const"] == -1
+        budget = reasoning["components"]["schemas"][name]["properties"]["thinking_token_budget"]["anyOf"][0]
+        assert budget == {"type": "integer", "minimum": -1}
+    body = plain["paths"]["/invocations"]["post"]["requestBody"]
+    assert body["required"] and body["content"]["application/json"]["schema"]["anyOf"] == [
+        {"$ref": "#/components/schemas/ChatCompletionRequest"}, {"$ref": "#/components/schemas/CompletionRequest"}]

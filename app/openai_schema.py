@@ -1,0 +1,113 @@
+"""What the published schema says of vLLM's routes beyond their body models: what vLLM
+fills in, and the rules its handlers enforce, so that the schema states what the
+server accepts, no more, no less (fresh-seed schemathesis runs found each rule below
+as a schema-valid body refused, or a schema-invalid one accepted)."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from fastapi import FastAPI
+
+# Fields the openai SDK's types (and so the schema) require, which vLLM's validators
+# fill in when a Responses request's input item leaves them out: a reasoning item's
+# id; an assistant message's id and status, and its output texts' annotations.
+FILLED_IN_BY_VLLM = {"ResponseReasoningItemParam": ("id",), "ResponseReasoningItem": ("id",),
+                     "ResponseOutputMessageParam": ("id", "status"), "ResponseOutputTextParam": ("annotations",)}
+
+
+def declare_filled_in_fields(schema: dict[str, Any]) -> None:
+    """The published schema does not require what vLLM fills in."""
+    components = schema.get("components", {}).get("schemas", {})
+    for name, fields in FILLED_IN_BY_VLLM.items():
+        required = components.get(name, {}).get("required", [])
+        required[:] = [field for field in required if field not in fields]
+
+
+# Arrays vLLM refuses empty (no template renders an empty conversation).
+NON_EMPTY_ARRAYS = [
+    ("ChatCompletionRequest", "messages"), ("ChatCompletionRequest", "tools"),
+    ("ChatCompletionRequest", "allowed_token_ids"), ("CompletionRequest", "allowed_token_ids"),
+    ("TokenizeChatRequest", "messages"),
+]
+# Strings vLLM refuses empty: the Anthropic API's model ("Model is required").
+NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountTokensRequest", "model")]
+# Integers vLLM refuses below 1 ("max_tokens must be positive").
+POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens")]
+# A thinking budget: -1 (unlimited) or a count, the count only with a reasoning parser
+# (vLLM's engine refuses it otherwise).
+THINKING_BUDGETS = [("ChatCompletionRequest", "thinking_token_budget"), ("CompletionRequest", "thinking_token_budget")]
+# SageMaker's route reads its body itself and hands it to the first of these that
+# validates it (vLLM's get_generate_invocation_types, in its order).
+INVOCATION_BODIES = ("ChatCompletionRequest", "CompletionRequest")
+
+
+def _variants(components: dict[str, Any], name: str, field: str) -> list[dict[str, Any]]:
+    prop = components.get(name, {}).get("properties", {}).get(field)
+    return [] if prop is None else [prop, *prop.get("anyOf", [])]
+
+
+def vllm_input_rules(reasoning: bool) -> typing.Callable[[dict[str, Any]], None]:
+    """The schema patch for vLLM's rules; ``reasoning``: a reasoning parser is set."""
+    return lambda schema: declare_vllm_input_rules(schema, reasoning)
+
+
+def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) -> None:
+    """Rules vLLM's handlers enforce beyond their body models, in the published schema:
+    the arrays of ``NON_EMPTY_ARRAYS`` and strings of ``NON_EMPTY_STRINGS`` are absent or
+    non-empty, ``POSITIVE_INTEGERS`` at least 1, a thinking budget as ``THINKING_BUDGETS``
+    says, ``truncate_prompt_tokens`` is not 0; a completion needs a non-empty ``prompt``
+    (``prompt_embeds`` is off unless the server enables it, and a null prompt is
+    refused either way); ``/invocations`` takes a chat or a completion request."""
+    components = schema.get("components", {}).get("schemas", {})
+    for rules, kind, bound in ((NON_EMPTY_ARRAYS, "array", "minItems"), (NON_EMPTY_STRINGS, "string", "minLength"),
+                               (POSITIVE_INTEGERS, "integer", "minimum")):
+        for name, field in rules:
+            for variant in _variants(components, name, field):
+                if variant.get("type") == kind:
+                    variant[bound] = 1
+    for name, field in THINKING_BUDGETS:
+        for variant in _variants(components, name, field):
+            if variant.get("type") == "integer":
+                variant.update({"minimum": -1} if reasoning else {"const": -1})
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        # -1 keeps the model's length; 0 would truncate the prompt to nothing.
+        for variant in _variants(components, name, "truncate_prompt_tokens")[1:]:
+            if variant.get("type") == "integer":
+                variant["not"] = {"const": 0}
+    _declare_invocation_body(schema, components)
+    completion = components.get("CompletionRequest")
+    if completion is None or "prompt" not in completion.get("properties", {}):
+        return
+    prompt = completion["properties"]["prompt"]
+    prompt["anyOf"] = [variant for variant in prompt.get("anyOf", []) if variant.get("type") != "null"]
+    for variant in prompt["anyOf"]:
+        variant["minLength" if variant.get("type") == "string" else "minItems"] = 1
+        if variant.get("items", {}).get("type") == "array":
+            variant["items"]["minItems"] = 1
+    prompt.pop("default", None)
+    if "prompt" not in (required := completion.setdefault("required", [])):
+        required.append("prompt")
+
+
+def _declare_invocation_body(schema: dict[str, Any], components: dict[str, Any]) -> None:
+    operation = schema.get("paths", {}).get("/invocations", {}).get("post")
+    bodies = [{"$ref": f"#/components/schemas/{name}"} for name in INVOCATION_BODIES if name in components]
+    if operation is not None and bodies:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"anyOf": bodies}}}}
+
+
+def patch_openapi(app: FastAPI, *patches: typing.Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``patches`` to the OpenAPI schema once, as FastAPI first builds it."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()  # FastAPI's own, which keeps it in app.openapi_schema
+        for patch in patches:
+            patch(schema)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,38 @@
+"""The fuzzing check's exceptions (tests/server/schemathesis_checks.py): each refusal of
+schema-valid data it accepts is one no JSON Schema can prevent, and nothing else.
+Oracle: the rules as its docstring states them, on hand-made errors."""
+
+from __future__ import annotations
+
+from tests.server.schemathesis_checks import refusal_no_schema_can_prevent
+
+INT64_MAX = 2**63 - 1
+
+
+def error(message: str, param: str | None = None, code: str = "invalid_request") -> dict[str, str | None]:
+    return {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+
+
+def test_a_value_beyond_a_stated_bound_by_exact_comparison_is_accepted() -> None:
+    over = error(f"priority: Input should be less than or equal to {INT64_MAX}", "priority")
+    assert refusal_no_schema_can_prevent(over, {"priority": 2**63 + 191})
+    # Within the bound exactly: the refusal would be the server's fault.
+    assert not refusal_no_schema_can_prevent(over, {"priority": INT64_MAX})
+    nested = error(f"tokens.0: Input should be less than or equal to {INT64_MAX}", "tokens.0")
+    assert refusal_no_schema_can_prevent(nested, {"tokens": [2**64]})
+    under = error("seed: Input should be greater than or equal to -5", "seed")
+    assert refusal_no_schema_can_prevent(under, {"seed": -6}) and not refusal_no_schema_can_prevent(under, {"seed": -5})
+    assert not refusal_no_schema_can_prevent(over, {"other": 2**70})  # the param names nothing in the body
+
+
+def test_token_limits_missing_objects_and_prompt_bounds_are_accepted() -> None:
+    assert refusal_no_schema_can_prevent(error("too long", "input", "chunk_too_large"), {})
+    assert refusal_no_schema_can_prevent(error("not found", "previous_response_id", "previous_response_not_found"), {})
+    assert refusal_no_schema_can_prevent(error("No item with id '0' in this list.", "after", "invalid_value"), None)
+    assert refusal_no_schema_can_prevent(error("must be within the prompt", "routed_experts_prompt_start", "400"), {})
+
+
+def test_every_other_refusal_still_fails_the_check() -> None:
+    assert not refusal_no_schema_can_prevent(error("max_tokens: Input should be a valid integer", "max_tokens"), {})
+    assert not refusal_no_schema_can_prevent(error("bad", "after", "invalid_request"), None)
+    assert not refusal_no_schema_can_prevent(error("Model is required", "model"), {"model": ""})
