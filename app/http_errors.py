@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
@@ -18,6 +19,40 @@ from app.errors import APIError, error_param, most_specific
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers={**(error.headers or {}), **(headers or {})})
+
+
+async def vllm_answer(call: Awaitable[Response], request: Request) -> Response:
+    """A vLLM handler's answer to a request one of our routes handed it, in OpenAI's
+    shape: what it returns, or what the app's handler for what it raises answers
+    (vLLM registers one for its errors), reshaped (``openai_shaped``)."""
+    try:
+        response = await call
+    except Exception as exc:
+        handler = next((request.app.exception_handlers[cls] for cls in type(exc).__mro__
+                        if cls in request.app.exception_handlers), None)
+        if handler is None:
+            raise
+        response = await handler(request, exc)
+    return openai_shaped(response)
+
+
+def openai_shaped(response: Response) -> Response:
+    """vLLM's handlers answer errors with their exception's name as the type and the
+    status as the code (``"type": "BadRequestError", "code": 400``); where one of ours
+    hands a request to vLLM's, its errors take OpenAI's shape, as our own do."""
+    if response.status_code < 400 or not isinstance(response, JSONResponse):
+        return response
+    try:
+        error = json.loads(bytes(response.body))["error"]
+    except (ValueError, KeyError, TypeError):
+        return response
+    if not isinstance(error, dict) or isinstance(error.get("code"), str):
+        return response
+    status = response.status_code
+    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "error"
+    code = "invalid_request" if status == 400 else phrase.lower().replace(" ", "_")
+    param = error.get("param") if isinstance(error.get("param"), str) else None
+    return error_response(APIError(status, str(error.get("message") or phrase), code=code, param=param))
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

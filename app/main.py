@@ -45,7 +45,12 @@ from app.openai_routes import (
     metrics_read_only,
     openai_body_routes,
 )
-from app.openai_schema import declare_filled_in_fields, patch_openapi, vllm_input_rules
+from app.openai_schema import (
+    declare_filled_in_fields,
+    declare_vocabulary,
+    patch_openapi,
+    vllm_input_rules,
+)
 from app.openai_usage import UsageProvenanceMiddleware
 from app.responses.protocol import declare_stored_response_rules
 from app.responses.serving import ResponsesService
@@ -137,6 +142,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         app, declare_error_codes, declare_filled_in_fields, vllm_input_rules(bool(settings.reasoning_parser)),
         declare_stored_response_rules,
         lambda schema: app.state.session_service.declare_bounds(schema),
+        lambda schema: declare_vocabulary(schema, app.state.session_service.vocab_size),
     )
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
     # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.

@@ -43,8 +43,38 @@ THINKING_BUDGETS = [("ChatCompletionRequest", "thinking_token_budget"), ("Comple
 INVOCATION_BODIES = ("ChatCompletionRequest", "CompletionRequest")
 
 
+# vLLM's validate_cache_salt: non-empty, at most 128 characters, none of '@', '/', '\\', NUL.
+CACHE_SALT = {"minLength": 1, "maxLength": 128, "pattern": "^[^@/\\\\\x00]*$"}
+# Per-request multimodal kwargs: refused unless the server trusts them
+# (--trust-request-mm-kwargs, which this server does not set): empty or absent.
+UNTRUSTED_OBJECTS = ("mm_processor_kwargs", "media_io_kwargs")
+# Anthropic's tool_choice names its tool when its type is "tool".
+TOOL_CHOICE_NAMED = {"if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
+                     "then": {"properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]}}
+
+# Token-id lists vLLM's SamplingParams checks against the vocabulary, in any request
+# model; and the ids /detokenize decodes.
+TOKEN_ID_LISTS = {"stop_token_ids", "allowed_token_ids", "logprob_token_ids", "trace_decode_token_ids"}
+DETOKENIZED = ("DetokenizeRequest", "tokens")
+
+
+def declare_vocabulary(schema: dict[str, Any], vocab_size: int) -> None:
+    """Token ids below the vocabulary, as vLLM checks them."""
+    components = schema.get("components", {}).get("schemas", {})
+    lists = [(name, field) for name, component in components.items()
+             for field in component.get("properties", {}) if field in TOKEN_ID_LISTS]
+    for name, field in [*lists, DETOKENIZED]:
+        for variant in _variants(components, name, field):
+            if variant.get("type") == "array" and variant.get("items", {}).get("type") == "integer":
+                variant["items"].update(minimum=0, maximum=vocab_size - 1)
+
+
 def _variants(components: dict[str, Any], name: str, field: str) -> list[dict[str, Any]]:
-    prop = components.get(name, {}).get("properties", {}).get(field)
+    return _property_variants(components.get(name, {}).get("properties", {}), field)
+
+
+def _property_variants(properties: dict[str, Any], field: str) -> list[dict[str, Any]]:
+    prop = properties.get(field)
     return [] if prop is None else [prop, *prop.get("anyOf", [])]
 
 
@@ -76,6 +106,17 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in _variants(components, name, "truncate_prompt_tokens")[1:]:
             if variant.get("type") == "integer":
                 variant["not"] = {"const": 0}
+    for component in components.values():
+        properties = component.get("properties", {})
+        for variant in _property_variants(properties, "cache_salt"):
+            if variant.get("type") == "string":
+                variant.update(CACHE_SALT)
+        for field in UNTRUSTED_OBJECTS:
+            for variant in _property_variants(properties, field):
+                if variant.get("type") == "object":
+                    variant["maxProperties"] = 0
+    if "AnthropicToolChoice" in components:
+        components["AnthropicToolChoice"].update(TOOL_CHOICE_NAMED)
     _declare_invocation_body(schema, components)
     completion = components.get("CompletionRequest")
     if completion is None or "prompt" not in completion.get("properties", {}):

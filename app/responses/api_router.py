@@ -16,6 +16,7 @@ from vllm.entrypoints.openai.responses import api_router as vllm_responses
 
 from app.deps import OwnerDep, ResponsesDep
 from app.errors import APIError, OpenAIErrorBody
+from app.http_errors import vllm_answer
 from app.responses.protocol import ResponsesCreateRequest
 from app.responses.streaming import response_events, sse_frames
 from app.responses.websocket import ResponsesConnection
@@ -37,7 +38,7 @@ async def create_response(body: ResponsesCreateRequest, request: Request, servic
     """Create a model response. Stored responses, ``previous_response_id`` and
     ``conversation`` run on sessions: each turn computes only its new input."""
     if body.store is False and body.previous_response_id is None and body.conversation is None and body.generate:
-        return await vllm_responses.create_responses(body, request)
+        return await vllm_answer(vllm_responses.create_responses(body, request), request)
     pending = await service.start(owner, body)
     if body.stream:
         return EventStream(sse_frames(response_events(service, owner, pending)))

@@ -61,7 +61,7 @@ class SessionService:
         self.recorder = recorder
         self._salter = salter
         self.limits = limits if limits is not None else KeyLimits(settings)
-        self._vocab_size = engine.model_config.get_vocab_size()
+        self.vocab_size = engine.model_config.get_vocab_size()
         self._model_sampling = inputs.model_sampling_defaults(engine.model_config)
         self.registry = SessionRegistry(
             engine, settings, model_name, metrics, store if store is not None else NullStore(), recorder,
@@ -111,7 +111,7 @@ class SessionService:
     def declare_bounds(self, schema: dict[str, Any]) -> None:
         """This server's input bounds, in its published OpenAPI schema."""
         max_chunk_tokens = self._settings.max_chunk_tokens
-        inputs.declare_bounds(schema, self._vocab_size, self.max_chunk_output_tokens, max_chunk_tokens,
+        inputs.declare_bounds(schema, self.vocab_size, self.max_chunk_output_tokens, max_chunk_tokens,
                               chat.max_messages(self.tokenizer, max_chunk_tokens))
 
     @property
@@ -183,7 +183,7 @@ class SessionService:
         request of the session to the same replica by hashing it."""
         with self._counted():
             self.check_model(request.model)
-            inputs.check_sampling(request.defaults, "defaults", self.max_chunk_output_tokens, self._vocab_size)
+            inputs.check_sampling(request.defaults, "defaults", self.max_chunk_output_tokens, self.vocab_size)
             return await self.registry.create(owner, request, session_id)
 
     async def get(self, owner: str, session_id: str, *, include_closed: bool = False) -> StreamingSession:
@@ -215,7 +215,7 @@ class SessionService:
 
     async def update_defaults(self, owner: str, session_id: str, defaults: SessionDefaults) -> StreamingSession:
         session = await self.registry.open_session(owner, session_id)
-        inputs.check_sampling(defaults, "session", self.max_chunk_output_tokens, self._vocab_size)
+        inputs.check_sampling(defaults, "session", self.max_chunk_output_tokens, self.vocab_size)
         merged = session.defaults.model_dump(exclude_none=True) | defaults.model_dump(exclude_none=True)
         now = time.time()
         async with self.registry.store_errors():
@@ -296,11 +296,11 @@ class SessionService:
         return run
 
     def sampling_params(self, session: StreamingSession, options: SamplingOptions) -> Any:
-        return inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens, self._vocab_size,
+        return inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens, self.vocab_size,
                                       self._model_sampling)
 
     def _plan(self, session: StreamingSession, chunk_input: inputs.ChunkInput, generate: bool) -> inputs.Turn:
-        return inputs.plan(self.tokenizer, self._vocab_size, chunk_input, session.token_ids, session.chat, generate)
+        return inputs.plan(self.tokenizer, self.vocab_size, chunk_input, session.token_ids, session.chat, generate)
 
     def _chunk_params(self, session: StreamingSession, options: SamplingOptions, turn: inputs.Turn) -> Any:
         params = self.sampling_params(session, options)

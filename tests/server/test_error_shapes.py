@@ -89,6 +89,17 @@ async def test_lax_validation_is_vllms_own_when_asked_for(engine: Any) -> None:
             assert response.status_code == 200, response.text
 
 
+async def test_errors_of_vllms_responses_handler_take_the_openai_shape(server: str) -> None:
+    # store: false goes to vLLM's own handler, which answers "code": 400 and its
+    # exception's name as the type; ours answers OpenAI's string code, as every route does.
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        response = await http.post("/v1/responses", json={
+            "model": "embedded-tiny", "input": "hi", "store": False, "max_output_tokens": 1,
+            "stop_token_ids": [2**31 - 2]})
+        error = assert_openai_error(response, 400, "invalid_request")
+        assert error["type"] == "invalid_request_error" and error["param"] == "stop_token_ids", error
+
+
 async def test_metrics_answer_reads_only(server: str) -> None:
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=30) as http:
         assert (await http.get("/metrics")).status_code == 200

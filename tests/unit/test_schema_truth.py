@@ -7,6 +7,7 @@ tests/server/test_schema_fuzz.py (positive_data_acceptance, negative_data_reject
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -131,3 +132,33 @@ def test_vllm_rules_found_by_fresh_seeds_are_in_the_schema() -> None:
     body = plain["paths"]["/invocations"]["post"]["requestBody"]
     assert body["required"] and body["content"]["application/json"]["schema"]["anyOf"] == [
         {"$ref": "#/components/schemas/ChatCompletionRequest"}, {"$ref": "#/components/schemas/CompletionRequest"}]
+
+
+def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_checks_them() -> None:
+    from app.openai_schema import declare_vocabulary
+
+    string_or_null = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+    ids = {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]}
+    schema: dict[str, Any] = {"components": {"schemas": {
+        "CompletionRequest": {"properties": {
+            "cache_salt": copy.deepcopy(string_or_null), "stop_token_ids": copy.deepcopy(ids),
+            "allowed_token_ids": copy.deepcopy(ids),
+            "media_io_kwargs": {"anyOf": [{"type": "object"}, {"type": "null"}]}}},
+        "TokenizeChatRequest": {"properties": {"mm_processor_kwargs": {"type": "object"}}},
+        "DetokenizeRequest": {"properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
+        "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
+    }}}
+    declare_vllm_input_rules(schema)
+    declare_vocabulary(schema, 732)
+    components = schema["components"]["schemas"]
+    completion = components["CompletionRequest"]["properties"]
+    salt = completion["cache_salt"]["anyOf"][0]
+    assert (salt["minLength"], salt["maxLength"]) == (1, 128)
+    pattern = re.compile(salt["pattern"])
+    assert pattern.match("key-1") and not any(pattern.match(f"a{c}b") for c in "@/\\\x00")
+    assert completion["media_io_kwargs"]["anyOf"][0]["maxProperties"] == 0
+    assert components["TokenizeChatRequest"]["properties"]["mm_processor_kwargs"]["maxProperties"] == 0
+    for field in ("stop_token_ids", "allowed_token_ids"):
+        assert completion[field]["anyOf"][0]["items"] == {"type": "integer", "minimum": 0, "maximum": 731}
+    assert components["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == 731
+    assert components["AnthropicToolChoice"]["then"]["required"] == ["name"]
