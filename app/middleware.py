@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from fastapi.exceptions import RequestValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 from vllm.exceptions import VLLMValidationError
 
 from app.auth import ANONYMOUS
@@ -145,6 +146,8 @@ class OpenAIRequestMiddleware:
                 return
             if route.strict_validator is not None:
                 try:
+                    # vLLM's rule for salts, which some of its routes (chat batches) skip.
+                    validate_cache_salt(payload.get("cache_salt"))
                     if errors := strict_errors(route.strict_validator, body, payload):
                         await send_http_error(send, validation_error(RequestValidationError(errors)))
                         return

@@ -29,7 +29,8 @@ def declare_filled_in_fields(schema: dict[str, Any]) -> None:
 NON_EMPTY_ARRAYS = [
     ("ChatCompletionRequest", "messages"), ("ChatCompletionRequest", "tools"),
     ("ChatCompletionRequest", "allowed_token_ids"), ("CompletionRequest", "allowed_token_ids"),
-    ("TokenizeChatRequest", "messages"),
+    ("TokenizeChatRequest", "messages"), ("GenerativeScoringRequest", "label_token_ids"),
+    ("StructuredOutputsParams", "choice"),
 ]
 # Strings vLLM refuses empty: the Anthropic API's model ("Model is required").
 NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountTokensRequest", "model")]
@@ -45,17 +46,29 @@ INVOCATION_BODIES = ("ChatCompletionRequest", "CompletionRequest")
 
 # vLLM's validate_cache_salt: non-empty, at most 128 characters, none of '@', '/', '\\', NUL.
 CACHE_SALT = {"minLength": 1, "maxLength": 128, "pattern": "^[^@/\\\\\x00]*$"}
-# Per-request multimodal kwargs: refused unless the server trusts them
-# (--trust-request-mm-kwargs, which this server does not set): empty or absent.
+# Per-request multimodal kwargs and chat templates: refused unless the server trusts
+# them (--trust-request-mm-kwargs, --trust-request-chat-template: this server sets
+# neither): empty or absent.
 UNTRUSTED_OBJECTS = ("mm_processor_kwargs", "media_io_kwargs")
-# Anthropic's tool_choice names its tool when its type is "tool".
-TOOL_CHOICE_NAMED = {"if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
-                     "then": {"properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]}}
+UNTRUSTED_STRINGS = ("chat_template",)
+# Anthropic's tool_choice names its tool when its type is "tool"; a content block that
+# adds or removes a tool carries it (a removal, by reference).
+ANTHROPIC_RULES = {
+    "AnthropicToolChoice": {"if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
+                            "then": {"properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]}},
+    "AnthropicContentBlock": {"allOf": [
+        {"if": {"properties": {"type": {"enum": ["tool_addition", "tool_removal"]}}, "required": ["type"]},
+         "then": {"properties": {"tool": {"type": "object"}}, "required": ["tool"]}},
+        {"if": {"properties": {"type": {"const": "tool_removal"}}, "required": ["type"]},
+         "then": {"properties": {"tool": {"properties": {"type": {"const": "tool_reference"}},
+                                          "required": ["type"]}}}},
+    ]},
+}
+# /detokenize decodes any id its tokenizer's 32-bit ids can hold (not only the model's).
+DETOKENIZED = ("DetokenizeRequest", "tokens", 2**32 - 1)
 
-# Token-id lists vLLM's SamplingParams checks against the vocabulary, in any request
-# model; and the ids /detokenize decodes.
+# Token-id lists vLLM's SamplingParams checks against the vocabulary, in any request model.
 TOKEN_ID_LISTS = {"stop_token_ids", "allowed_token_ids", "logprob_token_ids", "trace_decode_token_ids"}
-DETOKENIZED = ("DetokenizeRequest", "tokens")
 
 
 def declare_vocabulary(schema: dict[str, Any], vocab_size: int) -> None:
@@ -63,10 +76,10 @@ def declare_vocabulary(schema: dict[str, Any], vocab_size: int) -> None:
     components = schema.get("components", {}).get("schemas", {})
     lists = [(name, field) for name, component in components.items()
              for field in component.get("properties", {}) if field in TOKEN_ID_LISTS]
-    for name, field in [*lists, DETOKENIZED]:
+    for name, field, largest in [*((name, field, vocab_size - 1) for name, field in lists), DETOKENIZED]:
         for variant in _variants(components, name, field):
             if variant.get("type") == "array" and variant.get("items", {}).get("type") == "integer":
-                variant["items"].update(minimum=0, maximum=vocab_size - 1)
+                variant["items"].update(minimum=0, maximum=largest)
 
 
 def _variants(components: dict[str, Any], name: str, field: str) -> list[dict[str, Any]]:
@@ -115,8 +128,13 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
             for variant in _property_variants(properties, field):
                 if variant.get("type") == "object":
                     variant["maxProperties"] = 0
-    if "AnthropicToolChoice" in components:
-        components["AnthropicToolChoice"].update(TOOL_CHOICE_NAMED)
+        for field in UNTRUSTED_STRINGS:
+            for variant in _property_variants(properties, field):
+                if variant.get("type") == "string":
+                    variant["maxLength"] = 0
+    for name, rule in ANTHROPIC_RULES.items():
+        if name in components:
+            components[name].update(rule)
     _declare_invocation_body(schema, components)
     completion = components.get("CompletionRequest")
     if completion is None or "prompt" not in completion.get("properties", {}):
@@ -137,6 +155,10 @@ def _declare_invocation_body(schema: dict[str, Any], components: dict[str, Any])
     bodies = [{"$ref": f"#/components/schemas/{name}"} for name in INVOCATION_BODIES if name in components]
     if operation is not None and bodies:
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"anyOf": bodies}}}}
+        # A streamed request is answered as the chat and completion routes answer it.
+        ok = operation.setdefault("responses", {}).setdefault("200", {"description": "Successful Response"})
+        for media in ("application/json", "text/event-stream"):
+            ok.setdefault("content", {}).setdefault(media, {})
 
 
 def patch_openapi(app: FastAPI, *patches: typing.Callable[[dict[str, Any]], None]) -> None:

@@ -186,6 +186,9 @@ _UNSUPPORTED: dict[str, str] = {
     "structured_outputs": "Structured outputs are not supported on stored responses.",
     "logit_bias": "logit_bias is not supported on stored responses.",
     "stop": "Stop strings are not supported on stored responses (stop_token_ids are).",
+    # vLLM refuses them unless the server trusts per-request multimodal kwargs; it does not.
+    "mm_processor_kwargs": "Per-request mm_processor_kwargs are not accepted by this server.",
+    "media_io_kwargs": "Per-request media_io_kwargs are not accepted by this server.",
 }
 
 

@@ -11,7 +11,8 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
   the prompt's length, which the schema cannot know.
 - **A name of an object that does not exist.** schemathesis accepts a 404 for a missing
   resource in the path; an id in the body or the query that names nothing is OpenAI's
-  400 (``previous_response_not_found``; a list's ``after`` cursor).
+  400 (``previous_response_not_found``; a list's ``after`` cursor; a ``tool_choice``
+  naming a function the request's ``tools`` do not hold).
 - **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
   (``maximum: 9223372036854775807``); schemathesis's validator compares in doubles, where
   ``9223372036854775999`` equals that bound, and so takes as valid what the schema, read
@@ -30,6 +31,8 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 TOKEN_LIMIT_CODES = {"chunk_too_large", "context_length_exceeded"}
 PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
 MISSING_OBJECT_CODES = {"previous_response_not_found"}
+# A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
+MISSING_TOOL = ("tool_choice", "not found")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 
@@ -57,6 +60,7 @@ def refusal_no_schema_can_prevent(error: dict[str, Any], body: Any) -> bool:
     code, param = error.get("code"), error.get("param")
     return (code in TOKEN_LIMIT_CODES or code in MISSING_OBJECT_CODES or param in PROMPT_BOUND_PARAMS
             or (param in MISSING_CURSOR_PARAMS and code == "invalid_value")
+            or (param == MISSING_TOOL[0] and MISSING_TOOL[1] in str(error.get("message", "")))
             or beyond_stated_bound(str(error.get("message", "")), param, body))
 
 

@@ -64,6 +64,9 @@ LAX_BODIES = {
     # Our field on the Responses request, which vLLM's model (the strict pass) lacks.
     "responses-generate": ("/v1/responses", {"model": "embedded-tiny", "input": "hi", "max_output_tokens": 1,
                                              "generate": 0}, "generate"),
+    # vLLM's salt rule, which its chat batches skip: every route now applies it.
+    "batch-salt": ("/v1/chat/completions/batch", {"model": "embedded-tiny", "max_tokens": 1, "cache_salt": "a/b",
+                                                  "messages": [[{"role": "user", "content": "hi"}]]}, "cache_salt"),
     # Refused by one of vLLM's own validators (a VLLMValidationError), which our salting
     # would otherwise have mended by replacing the empty salt.
     "empty-salt": ("/v1/responses", {"model": "embedded-tiny", "input": "hi", "max_output_tokens": 1,
@@ -98,6 +101,14 @@ async def test_errors_of_vllms_responses_handler_take_the_openai_shape(server: s
             "stop_token_ids": [2**31 - 2]})
         error = assert_openai_error(response, 400, "invalid_request")
         assert error["type"] == "invalid_request_error" and error["param"] == "stop_token_ids", error
+
+
+async def test_stored_responses_refuse_per_request_multimodal_kwargs(server: str) -> None:
+    # As vLLM's own handler does (the server does not trust them): never dropped silently.
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        response = await http.post("/v1/responses", json={
+            "model": "embedded-tiny", "input": "hi", "max_output_tokens": 1, "mm_processor_kwargs": {"a": 1}})
+        assert assert_openai_error(response, 400, "unsupported_parameter")["param"] == "mm_processor_kwargs"
 
 
 async def test_metrics_answer_reads_only(server: str) -> None:

@@ -130,6 +130,7 @@ def test_vllm_rules_found_by_fresh_seeds_are_in_the_schema() -> None:
         budget = reasoning["components"]["schemas"][name]["properties"]["thinking_token_budget"]["anyOf"][0]
         assert budget == {"type": "integer", "minimum": -1}
     body = plain["paths"]["/invocations"]["post"]["requestBody"]
+    assert set(plain["paths"]["/invocations"]["post"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     assert body["required"] and body["content"]["application/json"]["schema"]["anyOf"] == [
         {"$ref": "#/components/schemas/ChatCompletionRequest"}, {"$ref": "#/components/schemas/CompletionRequest"}]
 
@@ -144,7 +145,11 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
             "cache_salt": copy.deepcopy(string_or_null), "stop_token_ids": copy.deepcopy(ids),
             "allowed_token_ids": copy.deepcopy(ids),
             "media_io_kwargs": {"anyOf": [{"type": "object"}, {"type": "null"}]}}},
-        "TokenizeChatRequest": {"properties": {"mm_processor_kwargs": {"type": "object"}}},
+        "TokenizeChatRequest": {"properties": {"mm_processor_kwargs": {"type": "object"},
+                                               "chat_template": copy.deepcopy(string_or_null)}},
+        "StructuredOutputsParams": {"properties": {"choice": {"anyOf": [
+            {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}}},
+        "AnthropicContentBlock": {"properties": {"type": {"type": "string"}}},
         "DetokenizeRequest": {"properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
         "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
     }}}
@@ -160,5 +165,9 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
     assert components["TokenizeChatRequest"]["properties"]["mm_processor_kwargs"]["maxProperties"] == 0
     for field in ("stop_token_ids", "allowed_token_ids"):
         assert completion[field]["anyOf"][0]["items"] == {"type": "integer", "minimum": 0, "maximum": 731}
-    assert components["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == 731
+    # /detokenize decodes any 32-bit id (the tokenizer's), not only the model's vocabulary.
+    assert components["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == 2**32 - 1
     assert components["AnthropicToolChoice"]["then"]["required"] == ["name"]
+    assert components["AnthropicContentBlock"]["allOf"][0]["then"]["required"] == ["tool"]
+    assert components["TokenizeChatRequest"]["properties"]["chat_template"]["anyOf"][0]["maxLength"] == 0
+    assert components["StructuredOutputsParams"]["properties"]["choice"]["anyOf"][0]["minItems"] == 1
