@@ -47,7 +47,7 @@ from app.openai_routes import (
 )
 from app.openai_schema import (
     declare_filled_in_fields,
-    declare_vocabulary,
+    declare_model_limits,
     patch_openapi,
     vllm_input_rules,
 )
@@ -142,7 +142,8 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         app, declare_error_codes, declare_filled_in_fields, vllm_input_rules(bool(settings.reasoning_parser)),
         declare_stored_response_rules,
         lambda schema: app.state.session_service.declare_bounds(schema),
-        lambda schema: declare_vocabulary(schema, app.state.session_service.vocab_size),
+        lambda schema: declare_model_limits(schema, app.state.session_service.vocab_size,
+                                            app.state.session_service.max_model_len),
     )
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
     # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.

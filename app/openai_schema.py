@@ -30,8 +30,12 @@ NON_EMPTY_ARRAYS = [
     ("ChatCompletionRequest", "messages"), ("ChatCompletionRequest", "tools"),
     ("ChatCompletionRequest", "allowed_token_ids"), ("CompletionRequest", "allowed_token_ids"),
     ("TokenizeChatRequest", "messages"), ("GenerativeScoringRequest", "label_token_ids"),
-    ("StructuredOutputsParams", "choice"),
+    ("StructuredOutputsParams", "choice"), ("GenerativeScoringRequest", "items"),
+    ("AnthropicMessagesRequest", "messages"), ("AnthropicCountTokensRequest", "messages"),
 ]
+# Internal fields of vLLM's structured-output parameters (init=False): the schema listed
+# them, validation ignores them.
+INTERNAL_FIELDS = [("StructuredOutputsParams", "_backend"), ("StructuredOutputsParams", "_backend_was_auto")]
 # Strings vLLM refuses empty: the Anthropic API's model ("Model is required").
 NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountTokensRequest", "model")]
 # Integers vLLM refuses below 1 ("max_tokens must be positive").
@@ -50,7 +54,7 @@ CACHE_SALT = {"minLength": 1, "maxLength": 128, "pattern": "^[^@/\\\\\x00]*$"}
 # them (--trust-request-mm-kwargs, --trust-request-chat-template: this server sets
 # neither): empty or absent.
 UNTRUSTED_OBJECTS = ("mm_processor_kwargs", "media_io_kwargs")
-UNTRUSTED_STRINGS = ("chat_template",)
+UNTRUSTED_TEMPLATE = "chat_template"  # any string, "" too; also as a chat_template_kwargs key
 # Anthropic's tool_choice names its tool when its type is "tool"; a content block that
 # adds or removes a tool carries it (a removal, by reference).
 ANTHROPIC_RULES = {
@@ -71,15 +75,24 @@ DETOKENIZED = ("DetokenizeRequest", "tokens", 2**32 - 1)
 TOKEN_ID_LISTS = {"stop_token_ids", "allowed_token_ids", "logprob_token_ids", "trace_decode_token_ids"}
 
 
-def declare_vocabulary(schema: dict[str, Any], vocab_size: int) -> None:
-    """Token ids below the vocabulary, as vLLM checks them."""
+def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len: int) -> None:
+    """The model's limits, as vLLM checks them: token ids below the vocabulary (in the
+    lists above and a completion's prompt), and a prompt truncated to at most the
+    model's length."""
     components = schema.get("components", {}).get("schemas", {})
     lists = [(name, field) for name, component in components.items()
              for field in component.get("properties", {}) if field in TOKEN_ID_LISTS]
+    lists.append(("CompletionRequest", "prompt"))
     for name, field, largest in [*((name, field, vocab_size - 1) for name, field in lists), DETOKENIZED]:
         for variant in _variants(components, name, field):
-            if variant.get("type") == "array" and variant.get("items", {}).get("type") == "integer":
-                variant["items"].update(minimum=0, maximum=largest)
+            items = variant.get("items", {}) if variant.get("type") == "array" else {}
+            for ids in (items, items.get("items", {}) if items.get("type") == "array" else {}):
+                if ids.get("type") == "integer":
+                    ids.update(minimum=0, maximum=largest)
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        for variant in _variants(components, name, "truncate_prompt_tokens")[1:]:
+            if variant.get("type") == "integer":
+                variant["maximum"] = max_model_len
 
 
 def _variants(components: dict[str, Any], name: str, field: str) -> list[dict[str, Any]]:
@@ -128,10 +141,14 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
             for variant in _property_variants(properties, field):
                 if variant.get("type") == "object":
                     variant["maxProperties"] = 0
-        for field in UNTRUSTED_STRINGS:
-            for variant in _property_variants(properties, field):
-                if variant.get("type") == "string":
-                    variant["maxLength"] = 0
+        if (template := properties.get(UNTRUSTED_TEMPLATE)) is not None:
+            properties[UNTRUSTED_TEMPLATE] = {"type": "null", **{k: v for k, v in template.items()
+                                                                  if k in ("title", "description")}}
+        for variant in _property_variants(properties, "chat_template_kwargs"):
+            if variant.get("type") == "object":
+                variant.setdefault("properties", {})[UNTRUSTED_TEMPLATE] = {"type": "null"}
+    for name, field in INTERNAL_FIELDS:
+        components.get(name, {}).get("properties", {}).pop(field, None)
     for name, rule in ANTHROPIC_RULES.items():
         if name in components:
             components[name].update(rule)

@@ -62,6 +62,7 @@ class SessionService:
         self._salter = salter
         self.limits = limits if limits is not None else KeyLimits(settings)
         self.vocab_size = engine.model_config.get_vocab_size()
+        self.max_model_len = engine.model_config.max_model_len  # the engine's, which vLLM's routes check
         self._model_sampling = inputs.model_sampling_defaults(engine.model_config)
         self.registry = SessionRegistry(
             engine, settings, model_name, metrics, store if store is not None else NullStore(), recorder,

@@ -13,6 +13,9 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
   resource in the path; an id in the body or the query that names nothing is OpenAI's
   400 (``previous_response_not_found``; a list's ``after`` cursor; a ``tool_choice``
   naming a function the request's ``tools`` do not hold).
+- **Rules inside a string, or between two fields.** A structured output's regex,
+  grammar or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be
+  below ``max_tokens``: JSON Schema states neither.
 - **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
   (``maximum: 9223372036854775807``); schemathesis's validator compares in doubles, where
   ``9223372036854775999`` equals that bound, and so takes as valid what the schema, read
@@ -33,6 +36,7 @@ PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
 MISSING_OBJECT_CODES = {"previous_response_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
 MISSING_TOOL = ("tool_choice", "not found")
+UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "must be less than max_tokens")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 
@@ -61,6 +65,7 @@ def refusal_no_schema_can_prevent(error: dict[str, Any], body: Any) -> bool:
     return (code in TOKEN_LIMIT_CODES or code in MISSING_OBJECT_CODES or param in PROMPT_BOUND_PARAMS
             or (param in MISSING_CURSOR_PARAMS and code == "invalid_value")
             or (param == MISSING_TOOL[0] and MISSING_TOOL[1] in str(error.get("message", "")))
+            or any(text in str(error.get("message", "")) for text in UNSTATABLE_MESSAGES)
             or beyond_stated_bound(str(error.get("message", "")), param, body))
 
 

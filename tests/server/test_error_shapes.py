@@ -64,6 +64,11 @@ LAX_BODIES = {
     # Our field on the Responses request, which vLLM's model (the strict pass) lacks.
     "responses-generate": ("/v1/responses", {"model": "embedded-tiny", "input": "hi", "max_output_tokens": 1,
                                              "generate": 0}, "generate"),
+    # A penalty that float32 holds as 0: vLLM divided the logits by it and a constrained
+    # reply died in its grammar check, a 500 (fresh-seed fuzzing). Now out of range.
+    "underflowing-penalty": ("/v1/responses", {"model": "embedded-tiny", "input": "x", "store": False,
+                                               "max_output_tokens": 2, "repetition_penalty": 5e-324,
+                                               "structured_outputs": {"choice": ["a"]}}, "repetition_penalty"),
     # vLLM's salt rule, which its chat batches skip: every route now applies it.
     "batch-salt": ("/v1/chat/completions/batch", {"model": "embedded-tiny", "max_tokens": 1, "cache_salt": "a/b",
                                                   "messages": [[{"role": "user", "content": "hi"}]]}, "cache_salt"),

@@ -136,12 +136,15 @@ def test_vllm_rules_found_by_fresh_seeds_are_in_the_schema() -> None:
 
 
 def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_checks_them() -> None:
-    from app.openai_schema import declare_vocabulary
+    from app.openai_schema import declare_model_limits
 
     string_or_null = {"anyOf": [{"type": "string"}, {"type": "null"}]}
     ids = {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]}
     schema: dict[str, Any] = {"components": {"schemas": {
         "CompletionRequest": {"properties": {
+            "prompt": {"anyOf": [{"type": "array", "items": {"type": "integer"}},
+                                 {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]},
+            "truncate_prompt_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
             "cache_salt": copy.deepcopy(string_or_null), "stop_token_ids": copy.deepcopy(ids),
             "allowed_token_ids": copy.deepcopy(ids),
             "media_io_kwargs": {"anyOf": [{"type": "object"}, {"type": "null"}]}}},
@@ -154,7 +157,7 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
         "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
     }}}
     declare_vllm_input_rules(schema)
-    declare_vocabulary(schema, 732)
+    declare_model_limits(schema, 732, 2048)
     components = schema["components"]["schemas"]
     completion = components["CompletionRequest"]["properties"]
     salt = completion["cache_salt"]["anyOf"][0]
@@ -167,7 +170,10 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
         assert completion[field]["anyOf"][0]["items"] == {"type": "integer", "minimum": 0, "maximum": 731}
     # /detokenize decodes any 32-bit id (the tokenizer's), not only the model's vocabulary.
     assert components["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == 2**32 - 1
+    flat, nested = completion["prompt"]["anyOf"]
+    assert flat["items"]["maximum"] == 731 and nested["items"]["items"]["maximum"] == 731
+    assert completion["truncate_prompt_tokens"]["anyOf"][0]["maximum"] == 2048
     assert components["AnthropicToolChoice"]["then"]["required"] == ["name"]
     assert components["AnthropicContentBlock"]["allOf"][0]["then"]["required"] == ["tool"]
-    assert components["TokenizeChatRequest"]["properties"]["chat_template"]["anyOf"][0]["maxLength"] == 0
+    assert components["TokenizeChatRequest"]["properties"]["chat_template"]["type"] == "null"
     assert components["StructuredOutputsParams"]["properties"]["choice"]["anyOf"][0]["minItems"] == 1

@@ -32,6 +32,12 @@ def test_token_limits_missing_objects_and_prompt_bounds_are_accepted() -> None:
     assert refusal_no_schema_can_prevent(error("must be within the prompt", "routed_experts_prompt_start", "400"), {})
 
 
+def test_rules_inside_strings_or_between_fields_are_accepted() -> None:
+    assert refusal_no_schema_can_prevent(
+        error("Invalid structured_outputs structural_tag specification.", "structured_outputs"), {})
+    assert refusal_no_schema_can_prevent(error("Value error, thinking.budget_tokens must be less than max_tokens"), {})
+
+
 def test_every_other_refusal_still_fails_the_check() -> None:
     assert not refusal_no_schema_can_prevent(error("max_tokens: Input should be a valid integer", "max_tokens"), {})
     assert not refusal_no_schema_can_prevent(error("bad", "after", "invalid_request"), None)
