@@ -32,12 +32,14 @@ NON_EMPTY_ARRAYS = [
     ("TokenizeChatRequest", "messages"), ("GenerativeScoringRequest", "label_token_ids"),
     ("StructuredOutputsParams", "choice"), ("GenerativeScoringRequest", "items"),
     ("AnthropicMessagesRequest", "messages"), ("AnthropicCountTokensRequest", "messages"),
+    ("GenerativeScoringRequest", "query"),
 ]
 # Internal fields of vLLM's structured-output parameters (init=False): the schema listed
 # them, validation ignores them.
 INTERNAL_FIELDS = [("StructuredOutputsParams", "_backend"), ("StructuredOutputsParams", "_backend_was_auto")]
 # Strings vLLM refuses empty: the Anthropic API's model ("Model is required").
-NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountTokensRequest", "model")]
+NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountTokensRequest", "model"),
+                     ("GenerativeScoringRequest", "query")]
 # Integers vLLM refuses below 1 ("max_tokens must be positive").
 POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens")]
 # A thinking budget: -1 (unlimited) or a count, the count only with a reasoning parser

@@ -7,7 +7,7 @@ plus what vLLM drops: ``conversation``. Output objects are vLLM's ``ResponsesRes
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
@@ -32,8 +32,8 @@ MAX_ITEMS_PER_REQUEST = 20
 def declare_stored_response_rules(schema: dict[str, Any]) -> None:
     """What a stored response (the default; or one that continues a chain or a
     conversation) refuses, in the published schema: stop strings, which a streaming
-    session cannot honour (``stop_token_ids`` it can), and input items a session does
-    not take (``_stored_item``). Only a request with
+    session cannot honour (``stop_token_ids`` it can), and chat template kwargs (the
+    session renders with the server's template as it is). Only a request with
     ``store: false`` and neither ``previous_response_id`` nor ``conversation`` goes to
     vLLM's own handler, which takes them. (A fresh-seed schemathesis run over every
     route found ``stop`` schema-valid and refused.)"""
@@ -42,24 +42,14 @@ def declare_stored_response_rules(schema: dict[str, Any]) -> None:
         return
     body["if"] = {"required": ["store"], "properties": {
         "store": {"const": False}, "previous_response_id": {"type": "null"}, "conversation": {"type": "null"}}}
-    body["else"] = {"properties": {"stop": {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]},
-                                   "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _stored_item()}]}}}
+    body["else"] = {"properties": {
+        "stop": {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]},
+        "chat_template_kwargs": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}}}
     # vLLM's handler refuses an empty string in a stop list (found by the same fuzzing,
     # once the rule above let stop strings through to it).
     for variant in body["properties"]["stop"].get("anyOf", []):
         if variant.get("type") == "array":
             variant.setdefault("items", {})["minLength"] = 1
-
-
-def _stored_item() -> dict[str, Any]:
-    """The input items a session takes (app/responses/items.py): messages of text in
-    these roles, function calls and their outputs (the same fresh-seed run found a
-    reasoning item schema-valid and refused)."""
-    text_parts = {"type": "array", "items": {"properties": {"type": {"enum": [*get_args(TextPartType), "refusal"]}},
-                                             "required": ["type"]}}
-    return {"properties": {"type": {"enum": ["message", "function_call", "function_call_output"]},
-                           "role": {"enum": list(get_args(MessageRole))},
-                           "content": {"anyOf": [{"type": "string"}, text_parts]}}}
 
 
 class ConversationRef(BaseModel):
@@ -202,6 +192,8 @@ _UNSUPPORTED: dict[str, str] = {
     # vLLM refuses them unless the server trusts per-request multimodal kwargs; it does not.
     "mm_processor_kwargs": "Per-request mm_processor_kwargs are not accepted by this server.",
     "media_io_kwargs": "Per-request media_io_kwargs are not accepted by this server.",
+    "chat_template_kwargs": "chat_template_kwargs are not supported on stored responses (a session renders its "
+                            "conversation with the server's chat template).",
 }
 
 

@@ -13,9 +13,11 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
   resource in the path; an id in the body or the query that names nothing is OpenAI's
   400 (``previous_response_not_found``; a list's ``after`` cursor; a ``tool_choice``
   naming a function the request's ``tools`` do not hold).
-- **Rules inside a string, or between two fields.** A structured output's regex,
-  grammar or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be
-  below ``max_tokens``: JSON Schema states neither.
+- **Rules inside a string, or between fields.** A structured output's regex, grammar
+  or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be below
+  ``max_tokens``; at most one structured-output constraint is set; a chat request does
+  not both continue its last message and add a generation prompt (which defaults to
+  true, so no ``not``/``required`` pair can state it): JSON Schema states none of them.
 - **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
   (``maximum: 9223372036854775807``); schemathesis's validator compares in doubles, where
   ``9223372036854775999`` equals that bound, and so takes as valid what the schema, read
@@ -36,7 +38,8 @@ PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
 MISSING_OBJECT_CODES = {"previous_response_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
 MISSING_TOOL = ("tool_choice", "not found")
-UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "must be less than max_tokens")
+UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "must be less than max_tokens",
+                       "only use one kind of structured outputs constraint", "Cannot set both")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 

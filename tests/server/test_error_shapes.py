@@ -108,12 +108,15 @@ async def test_errors_of_vllms_responses_handler_take_the_openai_shape(server: s
         assert error["type"] == "invalid_request_error" and error["param"] == "stop_token_ids", error
 
 
-async def test_stored_responses_refuse_per_request_multimodal_kwargs(server: str) -> None:
-    # As vLLM's own handler does (the server does not trust them): never dropped silently.
+@pytest.mark.parametrize("field", ["mm_processor_kwargs", "chat_template_kwargs"])
+async def test_stored_responses_refuse_what_a_session_cannot_honour(server: str, field: str) -> None:
+    # Multimodal kwargs as vLLM's own handler refuses them (the server does not trust
+    # them); template kwargs, since a session renders with the server's template: never
+    # dropped silently.
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         response = await http.post("/v1/responses", json={
-            "model": "embedded-tiny", "input": "hi", "max_output_tokens": 1, "mm_processor_kwargs": {"a": 1}})
-        assert assert_openai_error(response, 400, "unsupported_parameter")["param"] == "mm_processor_kwargs"
+            "model": "embedded-tiny", "input": "hi", "max_output_tokens": 1, field: {"a": 1}})
+        assert assert_openai_error(response, 400, "unsupported_parameter")["param"] == field
 
 
 async def test_metrics_answer_reads_only(server: str) -> None:
