@@ -15,7 +15,7 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
   naming a function the request's ``tools`` do not hold).
 - **Rules inside a string, or between fields.** A structured output's regex, grammar
   or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be below
-  ``max_tokens``; at most one structured-output constraint is set; a chat request does
+  ``max_tokens``; exactly one structured-output constraint is set; a chat request does
   not both continue its last message and add a generation prompt (which defaults to
   true, so no ``not``/``required`` pair can state it): JSON Schema states none of them.
 - **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
@@ -39,7 +39,7 @@ MISSING_OBJECT_CODES = {"previous_response_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
 MISSING_TOOL = ("tool_choice", "not found")
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "must be less than max_tokens",
-                       "only use one kind of structured outputs constraint", "Cannot set both")
+                       "kind of structured outputs constraint", "Cannot set both")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 
