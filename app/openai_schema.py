@@ -84,7 +84,8 @@ def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len:
     components = schema.get("components", {}).get("schemas", {})
     lists = [(name, field) for name, component in components.items()
              for field in component.get("properties", {}) if field in TOKEN_ID_LISTS]
-    lists.append(("CompletionRequest", "prompt"))
+    lists += [("CompletionRequest", "prompt"), ("GenerativeScoringRequest", "query"),
+              ("GenerativeScoringRequest", "items")]
     for name, field, largest in [*((name, field, vocab_size - 1) for name, field in lists), DETOKENIZED]:
         for variant in _variants(components, name, field):
             items = variant.get("items", {}) if variant.get("type") == "array" else {}
@@ -149,6 +150,10 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in _property_variants(properties, "chat_template_kwargs"):
             if variant.get("type") == "object":
                 variant.setdefault("properties", {})[UNTRUSTED_TEMPLATE] = {"type": "null"}
+        # vLLM's SamplingParams: above 0 (ours, 1e-6: app.sessions.protocol).
+        for variant in _property_variants(properties, "repetition_penalty"):
+            if variant.get("type") == "number" and "minimum" not in variant and "exclusiveMinimum" not in variant:
+                variant["exclusiveMinimum"] = 0
     for name, field in INTERNAL_FIELDS:
         components.get(name, {}).get("properties", {}).pop(field, None)
     for name, rule in ANTHROPIC_RULES.items():

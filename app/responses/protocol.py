@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    Tag,
+    field_validator,
+    model_validator,
+)
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from app.errors import APIError
@@ -82,6 +91,13 @@ class ResponsesCreateRequest(ResponsesRequest):
     prompt_cache_options: dict[str, Any] | None = Field(
         default=None, description="OpenAI's prompt cache options. prewarm true is generate false (a warm-up); the "
         "others do not apply here (a session keeps its own KV: no breakpoints, no expiry but its own).")
+
+    @field_validator("truncation", mode="after")
+    @classmethod
+    def _null_is_the_default(cls, value: str | None) -> str:
+        # OpenAI's default; vLLM's handler answered a null with a 400 from its own
+        # response model (fresh-seed fuzzing).
+        return "disabled" if value is None else value
 
     @model_validator(mode="after")
     def _prewarm_is_a_warm_up(self) -> ResponsesCreateRequest:

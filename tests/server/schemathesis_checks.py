@@ -39,7 +39,8 @@ MISSING_OBJECT_CODES = {"previous_response_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
 MISSING_TOOL = ("tool_choice", "not found")
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "must be less than max_tokens",
-                       "kind of structured outputs constraint", "Cannot set both")
+                       "kind of structured outputs constraint", "one kind of constraints for structured outputs",
+                       "Cannot set both")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 

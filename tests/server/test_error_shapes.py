@@ -119,6 +119,15 @@ async def test_stored_responses_refuse_what_a_session_cannot_honour(server: str,
         assert assert_openai_error(response, 400, "unsupported_parameter")["param"] == field
 
 
+async def test_a_null_truncation_is_the_default_on_every_responses_path(server: str) -> None:
+    # vLLM's handler (store: false) answered a null with a 400 from its own response model.
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        for store in (False, True):
+            response = await http.post("/v1/responses", json={
+                "model": "embedded-tiny", "input": "hi", "max_output_tokens": 1, "store": store, "truncation": None})
+            assert response.status_code == 200 and response.json()["truncation"] == "disabled", response.text
+
+
 async def test_metrics_answer_reads_only(server: str) -> None:
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=30) as http:
         assert (await http.get("/metrics")).status_code == 200

@@ -146,6 +146,7 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
                                  {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]},
             "truncate_prompt_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
             "cache_salt": copy.deepcopy(string_or_null), "stop_token_ids": copy.deepcopy(ids),
+            "repetition_penalty": {"anyOf": [{"type": "number"}, {"type": "null"}]},
             "allowed_token_ids": copy.deepcopy(ids),
             "media_io_kwargs": {"anyOf": [{"type": "object"}, {"type": "null"}]}}},
         "TokenizeChatRequest": {"properties": {"mm_processor_kwargs": {"type": "object"},
@@ -173,6 +174,7 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
     flat, nested = completion["prompt"]["anyOf"]
     assert flat["items"]["maximum"] == 731 and nested["items"]["items"]["maximum"] == 731
     assert completion["truncate_prompt_tokens"]["anyOf"][0]["maximum"] == 2048
+    assert completion["repetition_penalty"]["anyOf"][0]["exclusiveMinimum"] == 0
     assert components["AnthropicToolChoice"]["then"]["required"] == ["name"]
     assert components["AnthropicContentBlock"]["allOf"][0]["then"]["required"] == ["tool"]
     assert components["TokenizeChatRequest"]["properties"]["chat_template"]["type"] == "null"
