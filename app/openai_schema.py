@@ -150,12 +150,20 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in _property_variants(properties, "chat_template_kwargs"):
             if variant.get("type") == "object":
                 variant.setdefault("properties", {})[UNTRUSTED_TEMPLATE] = {"type": "null"}
+        # vLLM's SamplingParams: no empty bad word.
+        for variant in _property_variants(properties, "bad_words"):
+            if variant.get("type") == "array" and variant.get("items", {}).get("type") == "string":
+                variant["items"]["minLength"] = 1
         # vLLM's SamplingParams: above 0 (ours, 1e-6: app.sessions.protocol).
         for variant in _property_variants(properties, "repetition_penalty"):
             if variant.get("type") == "number" and "minimum" not in variant and "exclusiveMinimum" not in variant:
                 variant["exclusiveMinimum"] = 0
     for name, field in INTERNAL_FIELDS:
         components.get(name, {}).get("properties", {}).pop(field, None)
+    # Batch chat completions refuse beam search.
+    for variant in _variants(components, "BatchChatCompletionRequest", "use_beam_search"):
+        if variant.get("type") == "boolean":
+            variant["const"] = False
     for name, rule in ANTHROPIC_RULES.items():
         if name in components:
             components[name].update(rule)

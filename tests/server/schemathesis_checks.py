@@ -38,7 +38,7 @@ PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
 MISSING_OBJECT_CODES = {"previous_response_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
 MISSING_TOOL = ("tool_choice", "not found")
-UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "must be less than max_tokens",
+UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
                        "Cannot set both")
 MISSING_CURSOR_PARAMS = {"after"}

@@ -147,6 +147,7 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
             "truncate_prompt_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
             "cache_salt": copy.deepcopy(string_or_null), "stop_token_ids": copy.deepcopy(ids),
             "repetition_penalty": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+            "bad_words": {"type": "array", "items": {"type": "string"}},
             "allowed_token_ids": copy.deepcopy(ids),
             "media_io_kwargs": {"anyOf": [{"type": "object"}, {"type": "null"}]}}},
         "TokenizeChatRequest": {"properties": {"mm_processor_kwargs": {"type": "object"},
@@ -154,6 +155,7 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
         "StructuredOutputsParams": {"properties": {"choice": {"anyOf": [
             {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}}},
         "AnthropicContentBlock": {"properties": {"type": {"type": "string"}}},
+        "BatchChatCompletionRequest": {"properties": {"use_beam_search": {"type": "boolean"}}},
         "DetokenizeRequest": {"properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
         "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
     }}}
@@ -175,6 +177,8 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
     assert flat["items"]["maximum"] == 731 and nested["items"]["items"]["maximum"] == 731
     assert completion["truncate_prompt_tokens"]["anyOf"][0]["maximum"] == 2048
     assert completion["repetition_penalty"]["anyOf"][0]["exclusiveMinimum"] == 0
+    assert completion["bad_words"]["items"]["minLength"] == 1
+    assert components["BatchChatCompletionRequest"]["properties"]["use_beam_search"]["const"] is False
     assert components["AnthropicToolChoice"]["then"]["required"] == ["name"]
     assert components["AnthropicContentBlock"]["allOf"][0]["then"]["required"] == ["tool"]
     assert components["TokenizeChatRequest"]["properties"]["chat_template"]["type"] == "null"
