@@ -25,9 +25,11 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
+from vllm.exceptions import VLLMValidationError
 
 from app.errors import APIError
 from app.http_errors import send_http_error
+from app.sessions.protocol import MIN_REPETITION_PENALTY
 
 # SageMaker's route reads its body itself and hands it to the first of these routes
 # whose body model validates it (vLLM's get_generate_invocation_types, in its order): it
@@ -55,6 +57,19 @@ class OpenAIBodyRoute:
     strict_validator: TypeAdapter[Any] | None  # validate in strict mode (None: leave it to vLLM)
     generates: bool  # it reaches the prefix cache: salt it, charge its tokens
     stateful: bool = False  # it honours STATEFUL_FIELDS (ours replaces vLLM's: app.responses)
+
+
+# Sampling values vLLM takes but its float32 sampler holds as 0 (5e-324 divided the
+# logits by zero and killed a constrained reply in the grammar check: a 500 on
+# /v1/completions and /v1/responses). Refused on every route, and stated in the schema.
+SAMPLING_FLOORS = {"repetition_penalty": MIN_REPETITION_PENALTY}
+
+
+def check_sampling_floors(payload: dict[str, Any]) -> None:
+    for field, floor in SAMPLING_FLOORS.items():
+        value = payload.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < floor:
+            raise VLLMValidationError(f"{field} must be at least {floor}, got {value}.", parameter=field, value=value)
 
 
 def strict_errors(validator: TypeAdapter[Any], body: bytes, payload: Any) -> list[Any]:

@@ -10,6 +10,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from app.openai_routes import SAMPLING_FLOORS
+
 # Fields the openai SDK's types (and so the schema) require, which vLLM's validators
 # fill in when a Responses request's input item leaves them out: a reasoning item's
 # id; an assistant message's id and status, and its output texts' annotations.
@@ -57,6 +59,9 @@ CACHE_SALT = {"minLength": 1, "maxLength": 128, "pattern": "^[^@/\\\\\x00]*$"}
 # neither): empty or absent.
 UNTRUSTED_OBJECTS = ("mm_processor_kwargs", "media_io_kwargs")
 UNTRUSTED_TEMPLATE = "chat_template"  # any string, "" too; also as a chat_template_kwargs key
+# A JSON-schema response format carries its schema.
+RESPONSE_FORMAT_RULE = {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+                        "then": {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}}
 # Anthropic's tool_choice names its tool when its type is "tool"; a content block that
 # adds or removes a tool carries it (a removal, by reference).
 ANTHROPIC_RULES = {
@@ -154,17 +159,22 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in _property_variants(properties, "bad_words"):
             if variant.get("type") == "array" and variant.get("items", {}).get("type") == "string":
                 variant["items"]["minLength"] = 1
-        # vLLM's SamplingParams: above 0 (ours, 1e-6: app.sessions.protocol).
-        for variant in _property_variants(properties, "repetition_penalty"):
+        # Floors every route applies (app.openai_routes.SAMPLING_FLOORS); top_p in (0, 1].
+        for field, floor in SAMPLING_FLOORS.items():
+            for variant in _property_variants(properties, field):
+                if variant.get("type") == "number" and "minimum" not in variant:
+                    variant.pop("exclusiveMinimum", None)
+                    variant["minimum"] = floor
+        for variant in _property_variants(properties, "top_p"):
             if variant.get("type") == "number" and "minimum" not in variant and "exclusiveMinimum" not in variant:
-                variant["exclusiveMinimum"] = 0
+                variant.update(exclusiveMinimum=0, maximum=1)
     for name, field in INTERNAL_FIELDS:
         components.get(name, {}).get("properties", {}).pop(field, None)
     # Batch chat completions refuse beam search.
     for variant in _variants(components, "BatchChatCompletionRequest", "use_beam_search"):
         if variant.get("type") == "boolean":
             variant["const"] = False
-    for name, rule in ANTHROPIC_RULES.items():
+    for name, rule in {**ANTHROPIC_RULES, "ResponseFormat": RESPONSE_FORMAT_RULE}.items():
         if name in components:
             components[name].update(rule)
     _declare_invocation_body(schema, components)

@@ -69,6 +69,10 @@ LAX_BODIES = {
     "underflowing-penalty": ("/v1/responses", {"model": "embedded-tiny", "input": "x", "store": False,
                                                "max_output_tokens": 2, "repetition_penalty": 5e-324,
                                                "structured_outputs": {"choice": ["a"]}}, "repetition_penalty"),
+    "underflowing-penalty-completions": ("/v1/completions", {"model": "embedded-tiny", "prompt": "0", "max_tokens": 2,
+                                                             "repetition_penalty": 5e-324,
+                                                             "structured_outputs": {"choice": [""]}},
+                                         "repetition_penalty"),
     # vLLM's salt rule, which its chat batches skip: every route now applies it.
     "batch-salt": ("/v1/chat/completions/batch", {"model": "embedded-tiny", "max_tokens": 1, "cache_salt": "a/b",
                                                   "messages": [[{"role": "user", "content": "hi"}]]}, "cache_salt"),

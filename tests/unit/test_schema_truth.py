@@ -176,7 +176,7 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
     flat, nested = completion["prompt"]["anyOf"]
     assert flat["items"]["maximum"] == 731 and nested["items"]["items"]["maximum"] == 731
     assert completion["truncate_prompt_tokens"]["anyOf"][0]["maximum"] == 2048
-    assert completion["repetition_penalty"]["anyOf"][0]["exclusiveMinimum"] == 0
+    assert completion["repetition_penalty"]["anyOf"][0] == {"type": "number", "minimum": 1e-6}
     assert completion["bad_words"]["items"]["minLength"] == 1
     assert components["BatchChatCompletionRequest"]["properties"]["use_beam_search"]["const"] is False
     assert components["AnthropicToolChoice"]["then"]["required"] == ["name"]
