@@ -16,7 +16,7 @@ from app.cache_salt import CacheSalter
 from app.errors import APIError
 from app.http_errors import send_http_error, send_refusal, validation_error
 from app.limits import UNLIMITED_PATHS, KeyLimits, estimated_tokens
-from app.openai_routes import STATEFUL_FIELDS, OpenAIBodyRoute, check_sampling_floors, strict_errors
+from app.openai_routes import STATEFUL_FIELDS, OpenAIBodyRoute, check_sampling, strict_errors
 
 
 class BodySizeLimitMiddleware:
@@ -148,7 +148,7 @@ class OpenAIRequestMiddleware:
                 try:
                     # vLLM's rule for salts, which some of its routes (chat batches) skip.
                     validate_cache_salt(payload.get("cache_salt"))
-                    check_sampling_floors(payload)
+                    check_sampling(payload)
                     if errors := strict_errors(route.strict_validator, body, payload):
                         await send_http_error(send, validation_error(RequestValidationError(errors)))
                         return

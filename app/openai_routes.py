@@ -29,7 +29,7 @@ from vllm.exceptions import VLLMValidationError
 
 from app.errors import APIError
 from app.http_errors import send_http_error
-from app.sessions.protocol import MIN_REPETITION_PENALTY
+from app.sessions.protocol import MIN_REPETITION_PENALTY, MIN_TOP_P
 
 # SageMaker's route reads its body itself and hands it to the first of these routes
 # whose body model validates it (vLLM's get_generate_invocation_types, in its order): it
@@ -59,17 +59,34 @@ class OpenAIBodyRoute:
     stateful: bool = False  # it honours STATEFUL_FIELDS (ours replaces vLLM's: app.responses)
 
 
-# Sampling values vLLM takes but its float32 sampler holds as 0 (5e-324 divided the
-# logits by zero and killed a constrained reply in the grammar check: a 500 on
-# /v1/completions and /v1/responses). Refused on every route, and stated in the schema.
-SAMPLING_FLOORS = {"repetition_penalty": MIN_REPETITION_PENALTY}
+# Sampling values vLLM takes but its float32 sampler holds as 0 (a repetition_penalty of
+# 5e-324 divided the logits by zero and killed a constrained reply in the grammar check:
+# a 500 on /v1/completions and /v1/responses; a top_p as small filters out every token).
+# Refused on every route, and stated in the schema.
+SAMPLING_FLOORS = {"repetition_penalty": MIN_REPETITION_PENALTY, "top_p": MIN_TOP_P}
 
 
-def check_sampling_floors(payload: dict[str, Any]) -> None:
+GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}
+
+
+def check_sampling(payload: dict[str, Any]) -> None:
+    """Sampling values vLLM takes and then fails on (a 500): below ``SAMPLING_FLOORS``;
+    and ``allowed_token_ids`` with a grammar (a structured output, a JSON response format,
+    a required or named tool call), where the grammar may allow none of the ids and the
+    engine samples a token it rejects (fresh-seed fuzzing found both)."""
     for field, floor in SAMPLING_FLOORS.items():
         value = payload.get(field)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < floor:
             raise VLLMValidationError(f"{field} must be at least {floor}, got {value}.", parameter=field, value=value)
+    response_format = payload.get("response_format")
+    grammar = (payload.get("structured_outputs") is not None
+               or (isinstance(response_format, dict) and response_format.get("type") in GRAMMAR_FORMATS)
+               or (bool(payload.get("tools")) and (payload.get("tool_choice") == "required"
+                                                   or isinstance(payload.get("tool_choice"), dict))))
+    if payload.get("allowed_token_ids") and grammar:
+        raise VLLMValidationError("allowed_token_ids cannot be combined with a structured output, a JSON response "
+                                  "format or a forced tool call: the grammar may allow none of them.",
+                                  parameter="allowed_token_ids")
 
 
 def strict_errors(validator: TypeAdapter[Any], body: bytes, payload: Any) -> list[Any]:

@@ -159,15 +159,15 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in _property_variants(properties, "bad_words"):
             if variant.get("type") == "array" and variant.get("items", {}).get("type") == "string":
                 variant["items"]["minLength"] = 1
-        # Floors every route applies (app.openai_routes.SAMPLING_FLOORS); top_p in (0, 1].
+        # Floors every route applies (app.openai_routes.SAMPLING_FLOORS); top_p up to 1.
         for field, floor in SAMPLING_FLOORS.items():
             for variant in _property_variants(properties, field):
                 if variant.get("type") == "number" and "minimum" not in variant:
                     variant.pop("exclusiveMinimum", None)
                     variant["minimum"] = floor
         for variant in _property_variants(properties, "top_p"):
-            if variant.get("type") == "number" and "minimum" not in variant and "exclusiveMinimum" not in variant:
-                variant.update(exclusiveMinimum=0, maximum=1)
+            if variant.get("type") == "number" and "maximum" not in variant:
+                variant["maximum"] = 1
     for name, field in INTERNAL_FIELDS:
         components.get(name, {}).get("properties", {}).pop(field, None)
     # Batch chat completions refuse beam search.

@@ -26,13 +26,14 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 # Sampling bounds (OpenAI's where it states them), shared by every API that samples on a
 # session, so each refuses out-of-range values alike and its schema says so.
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+MIN_TOP_P = 1e-6  # as MIN_REPETITION_PENALTY, far above what float32 holds as 0
+TopP = Annotated[float, Field(ge=MIN_TOP_P, le=1.0)]
 TopK = Annotated[int, Field(ge=-1, le=SAFE_INTEGER_MAX)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 # Above 0 as vLLM asks, and far from its float32 underflow: 5e-324 became 0, the logits
 # were divided by it, and a constrained reply died in vLLM's grammar check (a 500).
-MIN_REPETITION_PENALTY = 1e-6  # every route's (app.openai_routes.check_sampling_floors)
+MIN_REPETITION_PENALTY = 1e-6  # every route's (app.openai_routes.check_sampling)
 RepetitionPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=2.0)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=64)]
 

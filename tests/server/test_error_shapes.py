@@ -73,6 +73,11 @@ LAX_BODIES = {
                                                              "repetition_penalty": 5e-324,
                                                              "structured_outputs": {"choice": [""]}},
                                          "repetition_penalty"),
+    # A grammar that allows none of the allowed ids: vLLM sampled a token its grammar
+    # rejected, a 500 (fresh-seed fuzzing).
+    "allowed-ids-with-a-grammar": ("/v1/completions", {"model": "embedded-tiny", "prompt": "0", "max_tokens": 2,
+                                                       "allowed_token_ids": [5], "structured_outputs": {"choice": ["a"]}},
+                                   "allowed_token_ids"),
     # vLLM's salt rule, which its chat batches skip: every route now applies it.
     "batch-salt": ("/v1/chat/completions/batch", {"model": "embedded-tiny", "max_tokens": 1, "cache_salt": "a/b",
                                                   "messages": [[{"role": "user", "content": "hi"}]]}, "cache_salt"),
