@@ -178,6 +178,17 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     return predicate()
 
 
+async def reset_device_prefix_cache(engine: Any, timeout_s: float = 10.0) -> None:
+    """Reset the device prefix cache (the CPU tier keeps its blocks). vLLM refuses while
+    any block is in use, and an aborted request (a parked session's) frees its blocks in
+    the engine core a moment after the front end has dropped it: retried until then, and
+    a failure if a block stays held (a leak, not a race)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await engine.reset_prefix_cache():
+        assert asyncio.get_running_loop().time() < deadline, f"device cache reset refused for {timeout_s} s: blocks held"
+        await asyncio.sleep(0.05)
+
+
 async def wait_until_gone(engine: Any, request_id: str, timeout_s: float = 10.0) -> bool:
     return await until(lambda: request_id not in live_request_ids(engine), timeout_s)
 

@@ -45,7 +45,7 @@ OUT = Path(__file__).resolve().parents[2] / "docs" / "results" / "seed-text-smol
 async def validate(disable_fix: bool) -> dict[str, Any]:
     from app.engine import build_engine, shutdown_engine
     from app.settings import Settings
-    from tests.helpers import run_streaming_session
+    from tests.helpers import reset_device_prefix_cache, run_streaming_session
 
     settings = Settings(_env_file=None, model_preset="smollm2-135m-instruct", dtype="float32", kv_cache_gib=0.5,
                         cpu_tier_gib=1.0, max_model_len=4096, max_num_seqs=8,
@@ -55,7 +55,7 @@ async def validate(disable_fix: bool) -> dict[str, Any]:
         tokenizer = engine.get_tokenizer()
         chunks = [list(tokenizer.encode(text, add_special_tokens=False)) for text in CHUNKS]
         context, _ = await run_streaming_session(engine, chunks, max_tokens=CHUNK_OUTPUT_TOKENS)
-        assert await engine.reset_prefix_cache(), "device prefix cache reset refused"
+        await reset_device_prefix_cache(engine)
         probes = []
         for length in PREFIX_LENGTHS:
             served = await greedy(engine, context[:length], salt=None)

@@ -17,7 +17,12 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import generate_once, random_tokens, run_streaming_session
+from tests.helpers import (
+    generate_once,
+    random_tokens,
+    reset_device_prefix_cache,
+    run_streaming_session,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -32,7 +37,7 @@ async def tier_vs_recompute(engine: Any, seed: int, prefix_len: int) -> tuple[An
     context, _ = await run_streaming_session(engine, chunks, max_tokens=CHUNK_OUTPUT_TOKENS)
     assert len(context) >= prefix_len
     # Device prefix cache only: the CPU tier keeps what the session offloaded.
-    assert await engine.reset_prefix_cache(), "device prefix cache reset refused"
+    await reset_device_prefix_cache(engine)
     served = await generate_once(engine, context[:prefix_len], PROBE_OUTPUT_TOKENS)
     recomputed = await generate_once(engine, context[:prefix_len], PROBE_OUTPUT_TOKENS, recompute=True)
     assert recomputed.num_cached_tokens == 0

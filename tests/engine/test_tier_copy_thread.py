@@ -21,7 +21,13 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import make_settings
-from tests.helpers import environment, generate_once, random_tokens, started_engine
+from tests.helpers import (
+    environment,
+    generate_once,
+    random_tokens,
+    reset_device_prefix_cache,
+    started_engine,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -48,7 +54,7 @@ async def tier_hit_with_slow_copies(engine: Any, seed: int, skip_layer_waits: bo
     computed = await generate_once(engine, prompt, OUTPUT_TOKENS)
     assert computed.num_cached_tokens == 0
     await generate_once(engine, random_tokens(random.Random(seed + 1), 8), 1)  # one more step: stores land
-    assert await engine.reset_prefix_cache(), "device prefix cache reset refused"
+    await reset_device_prefix_cache(engine)
     await engine.collective_rpc("streamsess_zero_device_kv")
     tensors_waited = await engine.collective_rpc("streamsess_slow_tier_copies", args=(COPY_DELAY_S, skip_layer_waits))
     # The tiny model's 4 layers each wait for their own tensor (0: no copy thread).
