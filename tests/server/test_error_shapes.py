@@ -135,6 +135,8 @@ async def test_a_null_truncation_is_the_default_on_every_responses_path(server: 
             response = await http.post("/v1/responses", json={
                 "model": "embedded-tiny", "input": "hi", "max_output_tokens": 1, "store": store, "truncation": None})
             assert response.status_code == 200 and response.json()["truncation"] == "disabled", response.text
+            if store:  # the response's session (named by its id): closed, as every test leaves the shared engine
+                assert (await http.delete(f"/v1/sessions/{response.json()['id']}")).status_code == 200
 
 
 async def test_metrics_answer_reads_only(server: str) -> None:
