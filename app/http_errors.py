@@ -49,10 +49,18 @@ def openai_shaped(response: Response) -> Response:
     if not isinstance(error, dict) or isinstance(error.get("code"), str):
         return response
     status = response.status_code
-    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "error"
-    code = "invalid_request" if status == 400 else phrase.lower().replace(" ", "_")
+    code = "invalid_request" if status == 400 else status_code(status)
     param = error.get("param") if isinstance(error.get("param"), str) else None
-    return error_response(APIError(status, str(error.get("message") or phrase), code=code, param=param))
+    return error_response(APIError(status, str(error.get("message") or status_phrase(status)), code=code, param=param))
+
+
+def status_phrase(status: int) -> str:
+    return HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
+
+
+def status_code(status: int) -> str:
+    """An error code named after the HTTP status (``method_not_allowed``)."""
+    return status_phrase(status).lower().replace(" ", "_") or "error"
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -92,8 +100,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
-        error = APIError(exc.status_code, str(exc.detail or phrase), code=phrase.lower().replace(" ", "_") or "error")
+        error = APIError(exc.status_code, str(exc.detail or status_phrase(exc.status_code)),
+                         code=status_code(exc.status_code))
         headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 405:
             headers["Allow"] = ", ".join(allowed_methods(request))

@@ -48,8 +48,8 @@ from app.openai_routes import (
 from app.openai_schema import (
     declare_filled_in_fields,
     declare_model_limits,
+    declare_vllm_input_rules,
     patch_openapi,
-    vllm_input_rules,
 )
 from app.openai_usage import UsageProvenanceMiddleware
 from app.responses.protocol import declare_stored_response_rules
@@ -139,8 +139,8 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.router.routes[:] = [route for route in app.router.routes if route not in vllm_routes] + vllm_routes
     install_error_handlers(app)
     patch_openapi(
-        app, declare_error_codes, declare_filled_in_fields, vllm_input_rules(bool(settings.reasoning_parser)),
-        declare_stored_response_rules,
+        app, declare_error_codes, declare_filled_in_fields, declare_stored_response_rules,
+        lambda schema: declare_vllm_input_rules(schema, reasoning=bool(settings.reasoning_parser)),
         lambda schema: app.state.session_service.declare_bounds(schema),
         lambda schema: declare_model_limits(schema, app.state.session_service.vocab_size,
                                             app.state.session_service.max_model_len),

@@ -196,8 +196,12 @@ def openai_body_routes(app: FastAPI, strict: bool, generating: bool) -> dict[str
     or a token limit to apply)."""
     routes: dict[str, OpenAIBodyRoute] = {}
     annotations: dict[str, Any] = {}
+    dispatching: list[str] = []
     for route in app.routes:
         if not isinstance(route, APIRoute) or "POST" not in route.methods or _is_ours(route):
+            continue
+        if route.path in DISPATCHING_GENERATE_PATHS:
+            dispatching.append(route.path)
             continue
         params = route.dependant.body_params
         annotation: Any = params[0].field_info.annotation if len(params) == 1 else None
@@ -209,12 +213,13 @@ def openai_body_routes(app: FastAPI, strict: bool, generating: bool) -> dict[str
         if generates or validator is not None:
             routes[route.path] = OpenAIBodyRoute(strict_validator=validator, generates=generates,
                                                  stateful=route.path in REPLACED_PATHS)
-    for path, targets in DISPATCHING_GENERATE_PATHS.items():
-        bodies = tuple(annotations[target] for target in targets if target in annotations)
-        if any(isinstance(r, APIRoute) and r.path == path for r in app.routes) and (generating or strict):
+    for path in dispatching if generating or strict else []:
+        bodies = tuple(annotations[target] for target in DISPATCHING_GENERATE_PATHS[path] if target in annotations)
+        validator = None
+        if strict and bodies:
             union: Any = typing.Union[bodies]  # noqa: UP007 (the members are known at run time only)
-            validator = TypeAdapter(union) if strict and bodies else None
-            routes[path] = OpenAIBodyRoute(strict_validator=validator, generates=generating)
+            validator = TypeAdapter(union)
+        routes[path] = OpenAIBodyRoute(strict_validator=validator, generates=generating)
     return routes
 
 

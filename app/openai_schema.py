@@ -97,10 +97,15 @@ def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len:
             for ids in (items, items.get("items", {}) if items.get("type") == "array" else {}):
                 if ids.get("type") == "integer":
                     ids.update(minimum=0, maximum=largest)
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
-        for variant in _variants(components, name, "truncate_prompt_tokens")[1:]:
-            if variant.get("type") == "integer":
-                variant["maximum"] = max_model_len
+    for variant in _truncation_variants(components):
+        variant["maximum"] = max_model_len
+
+
+def _truncation_variants(components: dict[str, Any]) -> list[dict[str, Any]]:
+    """The integer forms of ``truncate_prompt_tokens``, on the routes that take it."""
+    return [variant for name in ("ChatCompletionRequest", "CompletionRequest")
+            for variant in _variants(components, name, "truncate_prompt_tokens")[1:]
+            if variant.get("type") == "integer"]
 
 
 def _variants(components: dict[str, Any], name: str, field: str) -> list[dict[str, Any]]:
@@ -112,13 +117,9 @@ def _property_variants(properties: dict[str, Any], field: str) -> list[dict[str,
     return [] if prop is None else [prop, *prop.get("anyOf", [])]
 
 
-def vllm_input_rules(reasoning: bool) -> typing.Callable[[dict[str, Any]], None]:
-    """The schema patch for vLLM's rules; ``reasoning``: a reasoning parser is set."""
-    return lambda schema: declare_vllm_input_rules(schema, reasoning)
-
-
 def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) -> None:
-    """Rules vLLM's handlers enforce beyond their body models, in the published schema:
+    """Rules vLLM's handlers enforce beyond their body models, in the published schema
+    (``reasoning``: the server sets a reasoning parser):
     the arrays of ``NON_EMPTY_ARRAYS`` and strings of ``NON_EMPTY_STRINGS`` are absent or
     non-empty, ``POSITIVE_INTEGERS`` at least 1, a thinking budget as ``THINKING_BUDGETS``
     says, ``truncate_prompt_tokens`` is not 0; a completion needs a non-empty ``prompt``
@@ -135,11 +136,8 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in _variants(components, name, field):
             if variant.get("type") == "integer":
                 variant.update({"minimum": -1} if reasoning else {"const": -1})
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
-        # -1 keeps the model's length; 0 would truncate the prompt to nothing.
-        for variant in _variants(components, name, "truncate_prompt_tokens")[1:]:
-            if variant.get("type") == "integer":
-                variant["not"] = {"const": 0}
+    for variant in _truncation_variants(components):
+        variant["not"] = {"const": 0}  # -1 keeps the model's length; 0 would truncate the prompt to nothing
     for component in components.values():
         properties = component.get("properties", {})
         for variant in _property_variants(properties, "cache_salt"):
