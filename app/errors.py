@@ -83,6 +83,8 @@ def unauthorized(message: str = "Missing or invalid API key.") -> APIError:
     return APIError(401, message, code="invalid_api_key")
 
 
+# The part of the request FastAPI's validation errors name first.
+REQUEST_PARTS = ("body", "query", "path", "header")
 _FIELD_NAME = re.compile(r"[a-z_][A-Za-z0-9_]*|[0-9]+")
 
 
@@ -91,7 +93,7 @@ def error_param(loc: Any) -> str | None:
     ``session.max_tokens``): pydantic's union branch tags (``constrained-str``,
     ``list[int]``, ``InputAppendEvent``) and the request part (``body``) are noise."""
     parts = [str(part) for part in loc or ()]
-    if parts and parts[0] in ("body", "query", "path", "header"):
+    if parts and parts[0] in REQUEST_PARTS:
         parts = parts[1:]
     return ".".join(part for part in parts if _FIELD_NAME.fullmatch(part)) or None
 
@@ -103,8 +105,10 @@ def most_specific(errors: Sequence[Any]) -> Any:
     between errors as deep, the one in the branch with the fewest errors (a completion
     body sent to a route that takes a chat or a completion is a completion)."""
     def branch(error: Any) -> str | None:
-        loc = error.get("loc") or () if isinstance(error, dict) else ()
-        return str(loc[0]) if loc and not _FIELD_NAME.fullmatch(str(loc[0])) else None
+        loc = [str(part) for part in (error.get("loc") or () if isinstance(error, dict) else ())]
+        if loc and loc[0] in REQUEST_PARTS:
+            loc = loc[1:]
+        return loc[0] if loc and not _FIELD_NAME.fullmatch(loc[0]) else None
 
     per_branch = Counter(branch(error) for error in errors)
     return max(errors, key=lambda error: (len(error.get("loc") or ()) if isinstance(error, dict) else 0,

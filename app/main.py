@@ -48,6 +48,7 @@ from app.openai_routes import (
 from app.openai_schema import (
     declare_filled_in_fields,
     declare_model_limits,
+    declare_server_features,
     declare_vllm_input_rules,
     patch_openapi,
 )
@@ -86,6 +87,19 @@ def vllm_server_args(settings: Settings, model_path: str) -> Namespace:
     if (chat_template := settings.resolved_chat_template()) is not None:
         args += ["--chat-template", chat_template]
     return parser.parse_args(args)
+
+
+def renderer_features(renderer: Any) -> dict[str, bool]:
+    """What vLLM's online renderer was started with, as declare_server_features takes it:
+    whether it parses tool calls (a tool parser, a Mistral tokenizer or harmony, as its
+    own tool_choice check reads them), serves harmony, takes prompt embeddings."""
+    from vllm.utils.mistral import is_mistral_tokenizer
+
+    parser = getattr(renderer.parser, "tool_parser_cls", None)
+    return {"tool_parsing": (parser is not None or renderer.use_harmony
+                             or is_mistral_tokenizer(renderer.renderer.tokenizer)),
+            "harmony": bool(renderer.use_harmony),
+            "prompt_embeds": bool(renderer.model_config.enable_prompt_embeds)}
 
 
 def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
@@ -144,6 +158,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         lambda schema: app.state.session_service.declare_bounds(schema),
         lambda schema: declare_model_limits(schema, app.state.session_service.vocab_size,
                                             app.state.session_service.max_model_len),
+        lambda schema: declare_server_features(schema, **renderer_features(app.state.online_renderer)),
     )
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
     # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.

@@ -150,7 +150,10 @@ class OpenAIRequestMiddleware:
                     validate_cache_salt(payload.get("cache_salt"))
                     check_sampling(payload)
                     if errors := strict_errors(route.strict_validator, body, payload):
-                        await send_http_error(send, validation_error(RequestValidationError(errors)))
+                        # Located in the body, as FastAPI's own are (a field named
+                        # "query" is not the query string).
+                        located = [{**error, "loc": ("body", *error.get("loc", ()))} for error in errors]
+                        await send_http_error(send, validation_error(RequestValidationError(located)))
                         return
                 except VLLMValidationError as invalid:  # raised by one of vLLM's own validators
                     reason = str(invalid.args[0]) if invalid.args else "Invalid request."

@@ -75,6 +75,38 @@ ANTHROPIC_RULES = {
                                           "required": ["type"]}}}},
     ]},
 }
+# Tool changes only in system messages (AnthropicMessage's validator).
+ANTHROPIC_RULES["AnthropicMessage"] = {
+    "if": {"properties": {"role": {"enum": ["user", "assistant"]}}, "required": ["role"]},
+    "then": {"properties": {"content": {"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"properties": {"type": {"not": {"enum": ["tool_addition", "tool_removal"]}}}}},
+    ]}}},
+}
+ANTHROPIC_REQUESTS = ("AnthropicMessagesRequest", "AnthropicCountTokensRequest")
+# vLLM converts an Anthropic request to chat messages and drops what carries nothing
+# (a system message or block without text, a user message without content); a request
+# left with no message is refused ("Cannot apply chat template to an empty
+# conversation"). One of these keeps a message.
+_TEXT_BLOCK = {"properties": {"type": {"const": "text"}, "text": {"type": "string", "minLength": 1}},
+               "required": ["type", "text"]}
+_USER_CONTENT = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "contains": {"anyOf": [
+        _TEXT_BLOCK,
+        {"properties": {"type": {"enum": ["tool_use", "tool_result"]}}, "required": ["type"]},
+        {"properties": {"type": {"const": "thinking"}, "thinking": {"type": "string"}}, "required": ["type", "thinking"]},
+    ]}},
+]}
+_SYSTEM_TEXT = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "contains": _TEXT_BLOCK}]}
+ANTHROPIC_CONVERSATION = {"anyOf": [
+    {"properties": {"system": _SYSTEM_TEXT}, "required": ["system"]},
+    {"properties": {"messages": {"contains": {"anyOf": [
+        {"properties": {"role": {"const": "assistant"}}, "required": ["role"]},
+        {"properties": {"role": {"const": "user"}, "content": _USER_CONTENT}, "required": ["role", "content"]},
+        {"properties": {"role": {"const": "system"}, "content": _SYSTEM_TEXT}, "required": ["role", "content"]},
+    ]}}}, "required": ["messages"]},
+]}
 # /detokenize decodes any id its tokenizer's 32-bit ids can hold (not only the model's).
 DETOKENIZED = ("DetokenizeRequest", "tokens", 2**32 - 1)
 
@@ -153,10 +185,14 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in _property_variants(properties, "chat_template_kwargs"):
             if variant.get("type") == "object":
                 variant.setdefault("properties", {})[UNTRUSTED_TEMPLATE] = {"type": "null"}
-        # vLLM's SamplingParams: no empty bad word.
-        for variant in _property_variants(properties, "bad_words"):
-            if variant.get("type") == "array" and variant.get("items", {}).get("type") == "string":
-                variant["items"]["minLength"] = 1
+        # vLLM's SamplingParams: no empty bad word and no empty stop string (a lone
+        # string is a list of one).
+        for field in ("bad_words", "stop"):
+            for variant in _property_variants(properties, field):
+                if variant.get("type") == "array" and variant.get("items", {}).get("type") == "string":
+                    variant["items"]["minLength"] = 1
+                elif variant.get("type") == "string" and field == "stop":
+                    variant["minLength"] = 1
         # Floors every route applies (app.openai_routes.SAMPLING_FLOORS); top_p up to 1.
         for field, floor in SAMPLING_FLOORS.items():
             for variant in _property_variants(properties, field):
@@ -175,6 +211,14 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     for name, rule in {**ANTHROPIC_RULES, "ResponseFormat": RESPONSE_FORMAT_RULE}.items():
         if name in components:
             components[name].update(rule)
+    for name in ANTHROPIC_REQUESTS:
+        if name in components:
+            components[name].setdefault("allOf", []).append(ANTHROPIC_CONVERSATION)
+    # A namespace's function tool is converted to vLLM's FunctionTool, whose parameters
+    # are a JSON Schema object (the openai SDK's type takes any value).
+    for name, component in components.items():
+        if name.endswith("__ToolFunction") and "parameters" in component.get("properties", {}):
+            component["properties"]["parameters"] = {"anyOf": [{"type": "object"}, {"type": "null"}]}
     _declare_invocation_body(schema, components)
     completion = components.get("CompletionRequest")
     if completion is None or "prompt" not in completion.get("properties", {}):
@@ -214,3 +258,57 @@ def patch_openapi(app: FastAPI, *patches: typing.Callable[[dict[str, Any]], None
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+HARMONY_MESSAGE = "#/components/schemas/openai_harmony__Message"
+
+
+def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmony: bool,
+                            prompt_embeds: bool) -> None:
+    """What vLLM's routes take depends on how the server was started (vLLM's online
+    renderer): without a tool parser a chat request's ``tool_choice`` is ``none`` or
+    null, and given tools it must be set (its default is then ``auto``), as an
+    Anthropic request's is ``none``; harmony messages only on a harmony (gpt-oss)
+    model (another model's template fails on them); ``prompt_embeds`` only where the
+    server enables them."""
+    components = schema.get("components", {}).get("schemas", {})
+    if not harmony:
+        _drop_refs(components, HARMONY_MESSAGE)
+    if not prompt_embeds:
+        for component in components.values():
+            if (embeds := component.get("properties", {}).get("prompt_embeds")) is not None:
+                component["properties"]["prompt_embeds"] = {"type": "null", "title": embeds.get("title", "")}
+    if tool_parsing:
+        return
+    chat = components.get("ChatCompletionRequest", {}).get("properties", {})
+    if (choice := chat.get("tool_choice")) is not None:
+        choice["anyOf"] = [v for v in choice.get("anyOf", []) if v.get("type") == "null" or v.get("const") == "none"]
+        components["ChatCompletionRequest"].setdefault("allOf", []).append(
+            {"if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+             "then": {"required": ["tool_choice"]}})
+    if "AnthropicToolChoice" in components:
+        components["AnthropicToolChoice"]["properties"]["type"] = {"const": "none"}
+        # Tools given, or added by a system message's block: the default choice is auto.
+        addition = {"properties": {"role": {"const": "system"}, "content": {
+            "type": "array", "contains": {"properties": {"type": {"const": "tool_addition"}}, "required": ["type"]}}},
+            "required": ["role", "content"]}
+        for name in ANTHROPIC_REQUESTS:
+            if name in components:
+                components[name].setdefault("allOf", []).append({"anyOf": [
+                    {"properties": {"tool_choice": {"type": "object"}}, "required": ["tool_choice"]},
+                    {"properties": {"tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
+                                    "messages": {"not": {"contains": addition}}}},
+                ]})
+
+
+def _drop_refs(node: Any, ref: str) -> None:
+    """Take ``ref`` out of every union in ``node``."""
+    if isinstance(node, dict):
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                node[key] = [v for v in node[key] if not (isinstance(v, dict) and v.get("$ref") == ref)]
+        for value in node.values():
+            _drop_refs(value, ref)
+    elif isinstance(node, list):
+        for value in node:
+            _drop_refs(value, ref)

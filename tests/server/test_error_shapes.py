@@ -78,6 +78,9 @@ LAX_BODIES = {
     "allowed-ids-with-a-grammar": ("/v1/completions", {"model": "embedded-tiny", "prompt": "0", "max_tokens": 2,
                                                        "allowed_token_ids": [5], "structured_outputs": {"choice": ["a"]}},
                                    "allowed_token_ids"),
+    # A coercion in a field named like a request part: the param names the body's field.
+    "coerced-query": ("/generative_scoring", {"model": "embedded-tiny", "label_token_ids": [1], "items": ["a"],
+                                              "query": [176.0, "5"]}, "query.1"),
     # vLLM's salt rule, which its chat batches skip: every route now applies it.
     "batch-salt": ("/v1/chat/completions/batch", {"model": "embedded-tiny", "max_tokens": 1, "cache_salt": "a/b",
                                                   "messages": [[{"role": "user", "content": "hi"}]]}, "cache_salt"),
@@ -197,3 +200,35 @@ async def test_input_items_sent_back_as_returned_are_answered(server: str, case:
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         response = await http.post("/v1/responses", json=body)
         assert response.status_code == 200, response.text
+
+
+async def test_forms_json_schema_allows_are_taken_in_every_branch_of_a_union(server: str) -> None:
+    # JSON Schema's integers include 176.0. Strict validation refused it, and in a union
+    # (a query is text or token ids) the refusal named the other branch: "str: Input
+    # should be a valid string" (fresh-seed fuzzing, ten seeds of ten).
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        response = await http.post("/generative_scoring", json={
+            "model": "embedded-tiny", "label_token_ids": [1], "items": ["a"], "query": [176.0, 5]})
+        assert response.status_code == 200, response.text
+
+
+async def test_the_schema_states_what_this_server_was_started_with(server: str) -> None:
+    # The suite's server has no tool parser, a model that is not harmony's, and prompt
+    # embeddings off: each form the schema no longer offers is refused, and the ones it
+    # keeps are answered (fresh seeds found the schema offering all three).
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        components = (await http.get("/openapi.json")).json()["components"]["schemas"]
+        chat = components["ChatCompletionRequest"]
+        assert {v.get("const") for v in chat["properties"]["tool_choice"]["anyOf"]} == {"none", None}
+        assert "openai_harmony__Message" not in str(chat["properties"]["messages"])
+        assert components["CompletionRequest"]["properties"]["prompt_embeds"]["type"] == "null"
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        chat_body = {"model": "embedded-tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                     "tools": tools}
+        assert_openai_error(await http.post("/v1/chat/completions", json=chat_body), 400)  # defaults to auto
+        response = await http.post("/v1/chat/completions", json={**chat_body, "tool_choice": "none"})
+        assert response.status_code == 200, response.text
+        harmony = {"author": {"role": "user"}, "content": [{"type": "text", "text": "hi"}]}
+        assert_openai_error(await http.post("/tokenize", json={"model": "embedded-tiny", "messages": [harmony]}), 400)
+        assert_openai_error(await http.post("/v1/completions", json={
+            "model": "embedded-tiny", "prompt": "0", "max_tokens": 1, "prompt_embeds": "QQ=="}), 400)

@@ -148,6 +148,7 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
             "cache_salt": copy.deepcopy(string_or_null), "stop_token_ids": copy.deepcopy(ids),
             "repetition_penalty": {"anyOf": [{"type": "number"}, {"type": "null"}]},
             "bad_words": {"type": "array", "items": {"type": "string"}},
+            "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
             "allowed_token_ids": copy.deepcopy(ids),
             "media_io_kwargs": {"anyOf": [{"type": "object"}, {"type": "null"}]}}},
         "TokenizeChatRequest": {"properties": {"mm_processor_kwargs": {"type": "object"},
@@ -158,6 +159,8 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
         "BatchChatCompletionRequest": {"properties": {"use_beam_search": {"type": "boolean"}}},
         "DetokenizeRequest": {"properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
         "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
+        "openai__types__responses__namespace_tool_param__ToolFunction": {"properties": {
+            "parameters": {"anyOf": [{}, {"type": "null"}]}}},
     }}}
     declare_vllm_input_rules(schema)
     declare_model_limits(schema, 732, 2048)
@@ -178,8 +181,80 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
     assert completion["truncate_prompt_tokens"]["anyOf"][0]["maximum"] == 2048
     assert completion["repetition_penalty"]["anyOf"][0] == {"type": "number", "minimum": 1e-6}
     assert completion["bad_words"]["items"]["minLength"] == 1
+    # vLLM's SamplingParams refuses an empty stop string, alone or in a list.
+    assert [v.get("minLength", v.get("items", {}).get("minLength")) for v in completion["stop"]["anyOf"]] == [1, 1, None]
+    # A namespace's function tool becomes vLLM's FunctionTool: its parameters are an object.
+    tool = components["openai__types__responses__namespace_tool_param__ToolFunction"]["properties"]
+    assert tool["parameters"]["anyOf"][0] == {"type": "object"}
     assert components["BatchChatCompletionRequest"]["properties"]["use_beam_search"]["const"] is False
     assert components["AnthropicToolChoice"]["then"]["required"] == ["name"]
     assert components["AnthropicContentBlock"]["allOf"][0]["then"]["required"] == ["tool"]
     assert components["TokenizeChatRequest"]["properties"]["chat_template"]["type"] == "null"
     assert components["StructuredOutputsParams"]["properties"]["choice"]["anyOf"][0]["minItems"] == 1
+
+
+def test_rules_of_vllms_anthropic_conversion_are_in_the_schema() -> None:
+    """Fresh seeds found both refused: a conversation with nothing left once vLLM drops
+    what carries no text, and a tool change outside a system message. Oracle: the
+    rules, read by a JSON Schema validator, against bodies vLLM answered by hand."""
+    import jsonschema
+
+    from app.openai_schema import ANTHROPIC_CONVERSATION, ANTHROPIC_RULES
+
+    def conversation(body: dict[str, Any]) -> bool:
+        return jsonschema.Draft202012Validator(ANTHROPIC_CONVERSATION).is_valid(body)
+
+    assert not conversation({"messages": [{"role": "system", "content": ""}]})  # vLLM: empty conversation
+    assert not conversation({"messages": [{"role": "system", "content": [{"type": "text", "text": ""}]}]})
+    assert not conversation({"messages": [{"role": "user", "content": []}]})
+    assert conversation({"messages": [{"role": "system", "content": "x"}]})  # answered 200
+    assert conversation({"messages": [{"role": "system", "content": ""}], "system": "y"})  # answered 200
+    assert conversation({"messages": [{"role": "user", "content": ""}]})
+    assert conversation({"messages": [{"role": "assistant", "content": []}]})
+    message = jsonschema.Draft202012Validator(ANTHROPIC_RULES["AnthropicMessage"])
+    addition = [{"type": "tool_addition", "tool": {"name": "f", "input_schema": {}}}]
+    assert message.is_valid({"role": "system", "content": addition})
+    assert not message.is_valid({"role": "user", "content": addition})
+
+
+def _tool_schema() -> dict[str, Any]:
+    harmony = {"$ref": "#/components/schemas/openai_harmony__Message"}
+    return {"components": {"schemas": {
+        "ChatCompletionRequest": {"properties": {
+            "messages": {"type": "array", "items": {"anyOf": [{"$ref": "#/components/schemas/User"}, harmony]}},
+            "tool_choice": {"anyOf": [{"type": "string", "const": "none"}, {"type": "string", "const": "auto"},
+                                      {"type": "string", "const": "required"}, {"$ref": "#/x"}, {"type": "null"}]},
+            "tools": {"anyOf": [{"type": "array", "minItems": 1}, {"type": "null"}]}}},
+        "CompletionRequest": {"properties": {"prompt_embeds": {"anyOf": [{"type": "string"}, {"type": "null"}]}}},
+        "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
+        "AnthropicMessagesRequest": {"properties": {}},
+    }}}
+
+
+def test_what_the_server_was_started_with_is_in_the_schema() -> None:
+    """Without a tool parser vLLM refuses any tool_choice but none (and tools without
+    one default to auto); harmony messages fail another model's template; prompt
+    embeddings are off unless enabled: fresh seeds found each refused."""
+    import jsonschema
+
+    from app.openai_schema import declare_server_features
+
+    plain = _tool_schema()
+    declare_server_features(plain, tool_parsing=False, harmony=False, prompt_embeds=False)
+    components = plain["components"]["schemas"]
+    chat = components["ChatCompletionRequest"]
+    assert chat["properties"]["tool_choice"]["anyOf"] == [{"type": "string", "const": "none"}, {"type": "null"}]
+    assert chat["properties"]["messages"]["items"]["anyOf"] == [{"$ref": "#/components/schemas/User"}]
+    assert components["CompletionRequest"]["properties"]["prompt_embeds"]["type"] == "null"
+    assert components["AnthropicToolChoice"]["properties"]["type"] == {"const": "none"}
+    rules = jsonschema.Draft202012Validator({"allOf": chat["allOf"]})
+    assert not rules.is_valid({"tools": [{}]}) and rules.is_valid({"tools": [{}], "tool_choice": None})
+    assert rules.is_valid({}) and rules.is_valid({"tools": None})
+    anthropic = jsonschema.Draft202012Validator({"allOf": components["AnthropicMessagesRequest"]["allOf"]})
+    added = {"role": "system", "content": [{"type": "tool_addition"}]}
+    assert not anthropic.is_valid({"tools": [{}]}) and not anthropic.is_valid({"messages": [added]})
+    assert anthropic.is_valid({"tools": [{}], "tool_choice": {"type": "none"}}) and anthropic.is_valid({})
+    # A server with a parser, on a harmony model, with embeddings on: the schema as vLLM's.
+    full = _tool_schema()
+    declare_server_features(full, tool_parsing=True, harmony=True, prompt_embeds=True)
+    assert full == _tool_schema()
