@@ -5,6 +5,7 @@ as a schema-valid body refused, or a schema-invalid one accepted)."""
 
 from __future__ import annotations
 
+import copy
 import typing
 from typing import Any
 
@@ -82,8 +83,9 @@ ANTHROPIC_RULES["AnthropicMessage"] = {
         {"type": "string"},
         {"type": "array", "items": {"properties": {"type": {"not": {"enum": ["tool_addition", "tool_removal"]}}}}},
     ]}}},
-}
+}  # the top-level system blocks too (NO_TOOL_CHANGE)
 ANTHROPIC_REQUESTS = ("AnthropicMessagesRequest", "AnthropicCountTokensRequest")
+NO_TOOL_CHANGE = {"properties": {"type": {"not": {"enum": ["tool_addition", "tool_removal"]}}}}
 # vLLM converts an Anthropic request to chat messages and drops what carries nothing
 # (a system message or block without text, a user message without content); a request
 # left with no message is refused ("Cannot apply chat template to an empty
@@ -107,6 +109,37 @@ ANTHROPIC_CONVERSATION = {"anyOf": [
         {"properties": {"role": {"const": "system"}, "content": _SYSTEM_TEXT}, "required": ["role", "content"]},
     ]}}}, "required": ["messages"]},
 ]}
+# vLLM's Responses request takes a stop of "" as none (chat and completions refuse it).
+EMPTY_STOP_IS_NONE = {"ResponsesCreateRequest"}
+
+
+def _when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    field = next(iter(condition))
+    return {"if": {"properties": condition, "required": [field]}, "then": then}
+
+
+_LOGPROB_IDS = {"logprob_token_ids": {"type": "array", "minItems": 1}}
+_STREAM_OPTIONS = _when({"stream_options": {"type": "object", "minProperties": 1}},
+                        {"properties": {"stream": {"const": True}}, "required": ["stream"]})
+# Rules between fields, from vLLM's request validators and renderer: stream options only
+# on a streamed request; logprob_token_ids (and a chat's top_logprobs) with logprobs
+# (chat: true; completions: a count); a completion's suffix without echo or prompt truncation.
+_CHAT_LOGPROBS = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
+_CHAT_LOGPROB_RULES = [_when(_LOGPROB_IDS, _CHAT_LOGPROBS),
+                       _when({"top_logprobs": {"type": "integer", "not": {"const": 0}}}, _CHAT_LOGPROBS)]
+CROSS_FIELD_RULES = {
+    "ChatCompletionRequest": [_STREAM_OPTIONS, *_CHAT_LOGPROB_RULES],
+    "BatchChatCompletionRequest": _CHAT_LOGPROB_RULES,
+    "CompletionRequest": [_STREAM_OPTIONS, _when(_LOGPROB_IDS, {
+        "properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
+        _when({"suffix": {"type": "string"}}, {"properties": {
+            "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}})],
+}
+# Content parts without a type, told apart by their one key (vLLM's parser looks for it).
+SIMPLE_PARTS = {"CustomChatCompletionContentSimpleImageParam": "image_url",
+                "CustomChatCompletionContentSimpleAudioParam": "audio_url",
+                "CustomChatCompletionContentSimpleVideoParam": "video_url",
+                "CustomChatCompletionContentToolReferenceParam": "type"}
 # /detokenize decodes any id its tokenizer's 32-bit ids can hold (not only the model's).
 DETOKENIZED = ("DetokenizeRequest", "tokens", 2**32 - 1)
 
@@ -122,7 +155,7 @@ def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len:
     lists = [(name, field) for name, component in components.items()
              for field in component.get("properties", {}) if field in TOKEN_ID_LISTS]
     lists += [("CompletionRequest", "prompt"), ("GenerativeScoringRequest", "query"),
-              ("GenerativeScoringRequest", "items")]
+              ("GenerativeScoringRequest", "items"), ("GenerativeScoringRequest", "label_token_ids")]
     for name, field, largest in [*((name, field, vocab_size - 1) for name, field in lists), DETOKENIZED]:
         for variant in _variants(components, name, field):
             items = variant.get("items", {}) if variant.get("type") == "array" else {}
@@ -170,7 +203,7 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
                 variant.update({"minimum": -1} if reasoning else {"const": -1})
     for variant in _truncation_variants(components):
         variant["not"] = {"const": 0}  # -1 keeps the model's length; 0 would truncate the prompt to nothing
-    for component in components.values():
+    for name, component in components.items():
         properties = component.get("properties", {})
         for variant in _property_variants(properties, "cache_salt"):
             if variant.get("type") == "string":
@@ -191,7 +224,7 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
             for variant in _property_variants(properties, field):
                 if variant.get("type") == "array" and variant.get("items", {}).get("type") == "string":
                     variant["items"]["minLength"] = 1
-                elif variant.get("type") == "string" and field == "stop":
+                elif variant.get("type") == "string" and field == "stop" and name not in EMPTY_STOP_IS_NONE:
                     variant["minLength"] = 1
         # Floors every route applies (app.openai_routes.SAMPLING_FLOORS); top_p up to 1.
         for field, floor in SAMPLING_FLOORS.items():
@@ -211,9 +244,24 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     for name, rule in {**ANTHROPIC_RULES, "ResponseFormat": RESPONSE_FORMAT_RULE}.items():
         if name in components:
             components[name].update(rule)
-    for name in ANTHROPIC_REQUESTS:
+    for name, rules in {**CROSS_FIELD_RULES, **{name: [ANTHROPIC_CONVERSATION] for name in ANTHROPIC_REQUESTS}}.items():
         if name in components:
-            components[name].setdefault("allOf", []).append(ANTHROPIC_CONVERSATION)
+            components[name].setdefault("allOf", []).extend(rules)
+    for name in ANTHROPIC_REQUESTS:
+        for variant in _variants(components, name, "system"):
+            if variant.get("type") == "array":
+                variant["items"] = {"allOf": [variant.get("items", {}), NO_TOOL_CHANGE]}
+    # vLLM's Responses request takes free-form custom tools only.
+    for name in ("CustomTool", "CustomToolParam"):
+        _drop_refs(components.get(name, {}), "#/components/schemas/Grammar")
+    for name, key in SIMPLE_PARTS.items():
+        if name in components:
+            components[name]["required"] = [key]
+    # A batch's response format becomes a chat request's, per conversation.
+    chat_format = components.get("ChatCompletionRequest", {}).get("properties", {}).get("response_format")
+    batch = components.get("BatchChatCompletionRequest", {}).get("properties", {})
+    if chat_format is not None and "response_format" in batch:
+        batch["response_format"] = copy.deepcopy(chat_format)
     # A namespace's function tool is converted to vLLM's FunctionTool, whose parameters
     # are a JSON Schema object (the openai SDK's type takes any value).
     for name, component in components.items():

@@ -15,8 +15,8 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
   naming a function the request's ``tools`` do not hold).
 - **Rules inside a string, or between fields.** A structured output's regex, grammar
   or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be below
-  ``max_tokens``; exactly one structured-output constraint is set; ``logprob_token_ids``
-  only with ``logprobs``; ``allowed_token_ids`` without a grammar; a chat request does
+  ``max_tokens``; exactly one structured-output constraint is set; ``allowed_token_ids``
+  without a grammar; a chat request does
   not both continue its last message and add a generation prompt (which defaults to
   true, so no ``not``/``required`` pair can state it): JSON Schema states none of them.
 - **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
@@ -41,7 +41,7 @@ MISSING_OBJECT_CODES = {"previous_response_not_found"}
 MISSING_TOOL = ("tool_choice", "not found")
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
-                       "Cannot set both", "`logprobs` must be set to true", "allowed_token_ids cannot be combined")
+                       "Cannot set both", "allowed_token_ids cannot be combined")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 

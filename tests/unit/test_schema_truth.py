@@ -258,3 +258,54 @@ def test_what_the_server_was_started_with_is_in_the_schema() -> None:
     full = _tool_schema()
     declare_server_features(full, tool_parsing=True, harmony=True, prompt_embeds=True)
     assert full == _tool_schema()
+
+
+def test_rules_between_fields_found_by_the_eleventh_round_are_in_the_schema() -> None:
+    """Each was a schema-valid body refused by vLLM in ten fresh seeds of ten. Oracle:
+    the patched schema, read by a JSON Schema validator, against the refused bodies and
+    their accepted neighbours (vLLM's validators, read in its source, say which)."""
+    import jsonschema
+
+    from app.openai_schema import declare_model_limits
+
+    text_or_list = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
+    schema: dict[str, Any] = {"components": {"schemas": {
+        "ChatCompletionRequest": {"properties": {"response_format": {"anyOf": [{"$ref": "#/R"}, {"type": "null"}]}}},
+        "BatchChatCompletionRequest": {"properties": {"response_format": {"anyOf": [{}, {"type": "null"}]}}},
+        "CompletionRequest": {"properties": {}},
+        "ResponsesCreateRequest": {"properties": {"stop": copy.deepcopy(text_or_list)}},
+        "CustomChatCompletionContentSimpleAudioParam": {"properties": {"audio_url": {"type": "string"}}},
+        "CustomToolParam": {"properties": {"format": {"anyOf": [{"$ref": "#/T"}, {"$ref": "#/components/schemas/Grammar"}]}}},
+        "AnthropicMessagesRequest": {"properties": {"system": {"anyOf": [
+            {"type": "string"}, {"type": "array", "items": {"$ref": "#/B"}}]}}},
+        "GenerativeScoringRequest": {"properties": {"label_token_ids": {"type": "array", "items": {"type": "integer"}}}},
+    }}}
+    declare_vllm_input_rules(schema)
+    declare_model_limits(schema, 732, 2048)
+    components = schema["components"]["schemas"]
+
+    def valid(name: str, body: dict[str, Any]) -> bool:
+        return jsonschema.Draft202012Validator({"allOf": components[name]["allOf"]}).is_valid(body)
+
+    assert not valid("ChatCompletionRequest", {"stream_options": {"include_usage": True}})
+    assert valid("ChatCompletionRequest", {"stream_options": {"include_usage": True}, "stream": True})
+    assert valid("ChatCompletionRequest", {"stream_options": {}})  # vLLM reads {} as unset
+    assert not valid("ChatCompletionRequest", {"logprob_token_ids": [1]})
+    assert not valid("ChatCompletionRequest", {"top_logprobs": 2, "logprobs": False})
+    assert valid("ChatCompletionRequest", {"top_logprobs": 0}) and valid("ChatCompletionRequest", {"logprob_token_ids": []})
+    assert not valid("BatchChatCompletionRequest", {"logprob_token_ids": [1], "logprobs": False})
+    assert not valid("CompletionRequest", {"logprob_token_ids": [1]})
+    assert valid("CompletionRequest", {"logprob_token_ids": [1], "logprobs": 0})
+    assert not valid("CompletionRequest", {"suffix": "x", "truncate_prompt_tokens": 5})
+    assert not valid("CompletionRequest", {"suffix": "x", "echo": True})
+    assert valid("CompletionRequest", {"suffix": "x", "echo": False}) and valid("CompletionRequest", {"suffix": None, "echo": True})
+    # A batch's response format is a chat request's; a part without a type carries its key.
+    assert components["BatchChatCompletionRequest"]["properties"]["response_format"]["anyOf"][0] == {"$ref": "#/R"}
+    assert components["CustomChatCompletionContentSimpleAudioParam"]["required"] == ["audio_url"]
+    assert components["CustomToolParam"]["properties"]["format"]["anyOf"] == [{"$ref": "#/T"}]
+    system_blocks = components["AnthropicMessagesRequest"]["properties"]["system"]["anyOf"][1]["items"]
+    assert not jsonschema.Draft202012Validator(system_blocks["allOf"][1]).is_valid({"type": "tool_addition"})
+    # Responses take a stop of "" as none; an empty string in a list is refused everywhere.
+    stop = components["ResponsesCreateRequest"]["properties"]["stop"]["anyOf"]
+    assert "minLength" not in stop[0] and stop[1]["items"]["minLength"] == 1
+    assert components["GenerativeScoringRequest"]["properties"]["label_token_ids"]["items"]["maximum"] == 731
