@@ -244,9 +244,29 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     for name, rule in {**ANTHROPIC_RULES, "ResponseFormat": RESPONSE_FORMAT_RULE}.items():
         if name in components:
             components[name].update(rule)
-    for name, rules in {**CROSS_FIELD_RULES, **{name: [ANTHROPIC_CONVERSATION] for name in ANTHROPIC_REQUESTS}}.items():
+    _declare_rules_of_handlers(components)
+    _declare_invocation_body(schema, components)
+    completion = components.get("CompletionRequest")
+    if completion is None or "prompt" not in completion.get("properties", {}):
+        return
+    prompt = completion["properties"]["prompt"]
+    prompt["anyOf"] = [variant for variant in prompt.get("anyOf", []) if variant.get("type") != "null"]
+    for variant in prompt["anyOf"]:
+        variant["minLength" if variant.get("type") == "string" else "minItems"] = 1
+        if variant.get("items", {}).get("type") == "array":
+            variant["items"]["minItems"] = 1
+    prompt.pop("default", None)
+    if "prompt" not in (required := completion.setdefault("required", [])):
+        required.append("prompt")
+
+
+def _declare_rules_of_handlers(components: dict[str, Any]) -> None:
+    """Rules of vLLM's validators and handlers over more than one field, or over a
+    part: ``CROSS_FIELD_RULES``, Anthropic's conversation and system blocks, parts told
+    apart by their key, a batch's response format, custom and namespace tools."""
+    for name, extra in {**CROSS_FIELD_RULES, **{name: [ANTHROPIC_CONVERSATION] for name in ANTHROPIC_REQUESTS}}.items():
         if name in components:
-            components[name].setdefault("allOf", []).extend(rules)
+            components[name].setdefault("allOf", []).extend(extra)
     for name in ANTHROPIC_REQUESTS:
         for variant in _variants(components, name, "system"):
             if variant.get("type") == "array":
@@ -267,19 +287,6 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     for name, component in components.items():
         if name.endswith("__ToolFunction") and "parameters" in component.get("properties", {}):
             component["properties"]["parameters"] = {"anyOf": [{"type": "object"}, {"type": "null"}]}
-    _declare_invocation_body(schema, components)
-    completion = components.get("CompletionRequest")
-    if completion is None or "prompt" not in completion.get("properties", {}):
-        return
-    prompt = completion["properties"]["prompt"]
-    prompt["anyOf"] = [variant for variant in prompt.get("anyOf", []) if variant.get("type") != "null"]
-    for variant in prompt["anyOf"]:
-        variant["minLength" if variant.get("type") == "string" else "minItems"] = 1
-        if variant.get("items", {}).get("type") == "array":
-            variant["items"]["minItems"] = 1
-    prompt.pop("default", None)
-    if "prompt" not in (required := completion.setdefault("required", [])):
-        required.append("prompt")
 
 
 def _declare_invocation_body(schema: dict[str, Any], components: dict[str, Any]) -> None:
