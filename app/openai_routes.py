@@ -17,12 +17,12 @@ from __future__ import annotations
 import types
 import typing
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, create_model
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm.exceptions import VLLMValidationError
@@ -225,10 +225,31 @@ def openai_body_routes(app: FastAPI, strict: bool, generating: bool) -> dict[str
         bodies = tuple(annotations[target] for target in DISPATCHING_GENERATE_PATHS[path] if target in annotations)
         validator = None
         if strict and bodies:
+            # The first body model that validates it, in vLLM's order (a smart union
+            # would also run the others' validators, which raise on a chat body).
             union: Any = typing.Union[bodies]  # noqa: UP007 (the members are known at run time only)
-            validator = TypeAdapter(union)
+            validator = TypeAdapter(typing.Annotated[union, Field(union_mode="left_to_right")])
         routes[path] = OpenAIBodyRoute(strict_validator=validator, generates=generating)
+    if strict:
+        _validate_as_vllm_does_later(routes, annotations)
     return routes
+
+
+# Fields a body model takes as any value, which vLLM validates later as another model's
+# (a batch's response format becomes each conversation's chat request's, in lax mode):
+# validated strictly as that model's.
+VALIDATED_LATER_AS = {("BatchChatCompletionRequest", "response_format"): ("ChatCompletionRequest", "response_format")}
+
+
+def _validate_as_vllm_does_later(routes: dict[str, OpenAIBodyRoute], annotations: dict[str, Any]) -> None:
+    models = {model.__name__: (path, model) for path, annotation in annotations.items()
+              for model in body_models(annotation)}
+    for (name, field), (source, source_field) in VALIDATED_LATER_AS.items():
+        if name in models and source in models and routes[models[name][0]].strict_validator is not None:
+            path, model = models[name]
+            typed = models[source][1].model_fields[source_field]
+            derived = create_model(name, __base__=model, **{field: (typed.annotation, None)})  # type: ignore[call-overload]
+            routes[path] = replace(routes[path], strict_validator=TypeAdapter(derived))
 
 
 def metrics_read_only(app: FastAPI) -> None:

@@ -15,9 +15,11 @@ from app.openai_routes import SAMPLING_FLOORS
 
 # Fields the openai SDK's types (and so the schema) require, which vLLM's validators
 # fill in when a Responses request's input item leaves them out: a reasoning item's
-# id; an assistant message's id and status, and its output texts' annotations.
+# id; an assistant message's id and status, and its output texts' annotations; a chat
+# thinking part's text (read as empty).
 FILLED_IN_BY_VLLM = {"ResponseReasoningItemParam": ("id",), "ResponseReasoningItem": ("id",),
-                     "ResponseOutputMessageParam": ("id", "status"), "ResponseOutputTextParam": ("annotations",)}
+                     "ResponseOutputMessageParam": ("id", "status"), "ResponseOutputTextParam": ("annotations",),
+                     "CustomThinkCompletionContentParam": ("thinking",)}
 
 
 def declare_filled_in_fields(schema: dict[str, Any]) -> None:
@@ -122,19 +124,31 @@ _LOGPROB_IDS = {"logprob_token_ids": {"type": "array", "minItems": 1}}
 _STREAM_OPTIONS = _when({"stream_options": {"type": "object", "minProperties": 1}},
                         {"properties": {"stream": {"const": True}}, "required": ["stream"]})
 # Rules between fields, from vLLM's request validators and renderer: stream options only
-# on a streamed request; logprob_token_ids (and a chat's top_logprobs) with logprobs
-# (chat: true; completions: a count); a completion's suffix without echo or prompt truncation.
+# on a streamed request, and no prompt logprobs on it; logprob_token_ids (and a chat's
+# top_logprobs) with logprobs (chat: true; completions: a count); a required tool with
+# tools (Responses); a completion's suffix without echo or prompt truncation.
 _CHAT_LOGPROBS = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
 _CHAT_LOGPROB_RULES = [_when(_LOGPROB_IDS, _CHAT_LOGPROBS),
                        _when({"top_logprobs": {"type": "integer", "not": {"const": 0}}}, _CHAT_LOGPROBS)]
+_NO_STREAMED_PROMPT_LOGPROBS = _when({"stream": {"const": True}}, {"properties": {
+    "prompt_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]}}})
 CROSS_FIELD_RULES = {
-    "ChatCompletionRequest": [_STREAM_OPTIONS, *_CHAT_LOGPROB_RULES],
+    "ChatCompletionRequest": [_STREAM_OPTIONS, _NO_STREAMED_PROMPT_LOGPROBS, *_CHAT_LOGPROB_RULES],
     "BatchChatCompletionRequest": _CHAT_LOGPROB_RULES,
-    "CompletionRequest": [_STREAM_OPTIONS, _when(_LOGPROB_IDS, {
+    "ResponsesCreateRequest": [_when({"tool_choice": {"const": "required"}}, {
+        "properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})],
+    "CompletionRequest": [_STREAM_OPTIONS, _NO_STREAMED_PROMPT_LOGPROBS, _when(_LOGPROB_IDS, {
         "properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
         _when({"suffix": {"type": "string"}}, {"properties": {
             "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}})],
 }
+# Counts of logprobs: -1 (all) or at least 0.
+LOGPROB_COUNTS = [("CompletionRequest", "logprobs"), ("CompletionRequest", "prompt_logprobs"),
+                  ("ChatCompletionRequest", "prompt_logprobs"), ("ChatCompletionRequest", "top_logprobs"),
+                  ("BatchChatCompletionRequest", "top_logprobs")]
+# Parts and tool calls vLLM's chat parser does not take: a file part, an assistant's
+# custom tool call.
+UNPARSED = ("#/components/schemas/File", "#/components/schemas/ChatCompletionMessageCustomToolCallParam")
 # Content parts without a type, told apart by their one key (vLLM's parser looks for it).
 SIMPLE_PARTS = {"CustomChatCompletionContentSimpleImageParam": "image_url",
                 "CustomChatCompletionContentSimpleAudioParam": "audio_url",
@@ -277,6 +291,12 @@ def _declare_rules_of_handlers(components: dict[str, Any]) -> None:
     for name, key in SIMPLE_PARTS.items():
         if name in components:
             components[name]["required"] = [key]
+    for ref in UNPARSED:
+        _drop_refs(components, ref)
+    for name, field in LOGPROB_COUNTS:
+        for variant in _variants(components, name, field):
+            if variant.get("type") == "integer":
+                variant["minimum"] = -1
     # A batch's response format becomes a chat request's, per conversation.
     chat_format = components.get("ChatCompletionRequest", {}).get("properties", {}).get("response_format")
     batch = components.get("BatchChatCompletionRequest", {}).get("properties", {})

@@ -12,7 +12,8 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
 - **A name of an object that does not exist.** schemathesis accepts a 404 for a missing
   resource in the path; an id in the body or the query that names nothing is OpenAI's
   400 (``previous_response_not_found``; a list's ``after`` cursor; a ``tool_choice``
-  naming a function the request's ``tools`` do not hold).
+  naming a function the request's ``tools`` do not hold; an Anthropic ``tool_removal``
+  naming a tool the request does not declare).
 - **Rules inside a string, or between fields.** A structured output's regex, grammar
   or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be below
   ``max_tokens``; exactly one structured-output constraint is set; ``allowed_token_ids``
@@ -39,6 +40,7 @@ PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
 MISSING_OBJECT_CODES = {"previous_response_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
 MISSING_TOOL = ("tool_choice", "not found")
+MISSING_TOOL_MESSAGES = ("which is not declared in tools",)
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
                        "Cannot set both", "allowed_token_ids cannot be combined")
@@ -70,7 +72,7 @@ def refusal_no_schema_can_prevent(error: dict[str, Any], body: Any) -> bool:
     return (code in TOKEN_LIMIT_CODES or code in MISSING_OBJECT_CODES or param in PROMPT_BOUND_PARAMS
             or (param in MISSING_CURSOR_PARAMS and code == "invalid_value")
             or (param == MISSING_TOOL[0] and MISSING_TOOL[1] in str(error.get("message", "")))
-            or any(text in str(error.get("message", "")) for text in UNSTATABLE_MESSAGES)
+            or any(text in str(error.get("message", "")) for text in (*UNSTATABLE_MESSAGES, *MISSING_TOOL_MESSAGES))
             or beyond_stated_bound(str(error.get("message", "")), param, body))
 
 

@@ -81,6 +81,11 @@ LAX_BODIES = {
     # A coercion in a field named like a request part: the param names the body's field.
     "coerced-query": ("/generative_scoring", {"model": "embedded-tiny", "label_token_ids": [1], "items": ["a"],
                                               "query": [176.0, "5"]}, "query.1"),
+    # A batch's response format, which vLLM validates later, in lax mode, per conversation.
+    "batch-response-format": ("/v1/chat/completions/batch", {
+        "model": "embedded-tiny", "max_tokens": 1, "messages": [[{"role": "user", "content": "hi"}]],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "1"}}},
+        "response_format.json_schema.strict"),
     # vLLM's salt rule, which its chat batches skip: every route now applies it.
     "batch-salt": ("/v1/chat/completions/batch", {"model": "embedded-tiny", "max_tokens": 1, "cache_salt": "a/b",
                                                   "messages": [[{"role": "user", "content": "hi"}]]}, "cache_salt"),
@@ -232,3 +237,14 @@ async def test_the_schema_states_what_this_server_was_started_with(server: str) 
         assert_openai_error(await http.post("/tokenize", json={"model": "embedded-tiny", "messages": [harmony]}), 400)
         assert_openai_error(await http.post("/v1/completions", json={
             "model": "embedded-tiny", "prompt": "0", "max_tokens": 1, "prompt_embeds": "QQ=="}), 400)
+
+
+async def test_a_chat_body_to_invocations_is_a_chat(server: str) -> None:
+    # The strict pass tried both body models at once, and the completion model's own
+    # validator refused the chat ("Either prompt or prompt_embeds must be provided"):
+    # fresh-seed fuzzing, seven seeds of ten. vLLM takes the first that validates.
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        response = await http.post("/invocations", json={
+            "messages": [{"content": "", "role": "developer"}], "max_tokens": 1})
+        assert response.status_code == 200, response.text
+        assert response.json()["object"] == "chat.completion"

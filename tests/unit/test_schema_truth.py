@@ -309,3 +309,39 @@ def test_rules_between_fields_found_by_the_eleventh_round_are_in_the_schema() ->
     stop = components["ResponsesCreateRequest"]["properties"]["stop"]["anyOf"]
     assert "minLength" not in stop[0] and stop[1]["items"]["minLength"] == 1
     assert components["GenerativeScoringRequest"]["properties"]["label_token_ids"]["items"]["maximum"] == 731
+
+
+def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
+    """Refused in seven fresh seeds of ten: negative logprob counts, prompt logprobs on a
+    stream, a required Responses tool without tools, a file part and an assistant's
+    custom tool call (vLLM's chat parser takes neither). Accepted while the schema
+    refused it: a thinking part without its text (vLLM reads it as empty)."""
+    import jsonschema
+
+    from app.openai_schema import declare_filled_in_fields
+
+    file_part, custom_call = ({"$ref": "#/components/schemas/File"},
+                              {"$ref": "#/components/schemas/ChatCompletionMessageCustomToolCallParam"})
+    schema: dict[str, Any] = {"components": {"schemas": {
+        "CompletionRequest": {"properties": {"logprobs": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+        "ChatCompletionRequest": {"properties": {"top_logprobs": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+        "ChatCompletionUserMessageParam": {"properties": {"content": {"items": {"anyOf": [{"$ref": "#/T"}, file_part]}}}},
+        "ChatCompletionAssistantMessageParam": {"properties": {"tool_calls": {"items": {"anyOf": [
+            {"$ref": "#/F"}, custom_call]}}}},
+        "ResponsesCreateRequest": {"properties": {}},
+        "CustomThinkCompletionContentParam": {"required": ["thinking", "type"]},
+    }}}
+    declare_vllm_input_rules(schema)
+    declare_filled_in_fields(schema)
+    components = schema["components"]["schemas"]
+    assert components["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0]["minimum"] == -1
+    assert components["ChatCompletionRequest"]["properties"]["top_logprobs"]["anyOf"][0]["minimum"] == -1
+    assert components["ChatCompletionUserMessageParam"]["properties"]["content"]["items"]["anyOf"] == [{"$ref": "#/T"}]
+    assert components["ChatCompletionAssistantMessageParam"]["properties"]["tool_calls"]["items"]["anyOf"] == [
+        {"$ref": "#/F"}]
+    assert components["CustomThinkCompletionContentParam"]["required"] == ["type"]
+    chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
+    assert not chat.is_valid({"stream": True, "prompt_logprobs": 2}) and chat.is_valid({"stream": True, "prompt_logprobs": 0})
+    responses = jsonschema.Draft202012Validator({"allOf": components["ResponsesCreateRequest"]["allOf"]})
+    assert not responses.is_valid({"tool_choice": "required", "tools": []})
+    assert responses.is_valid({"tool_choice": "required", "tools": [{}]}) and responses.is_valid({"tool_choice": "auto"})

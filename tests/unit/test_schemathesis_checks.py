@@ -30,6 +30,9 @@ def test_token_limits_missing_objects_and_prompt_bounds_are_accepted() -> None:
     assert refusal_no_schema_can_prevent(error("not found", "previous_response_id", "previous_response_not_found"), {})
     assert refusal_no_schema_can_prevent(error("No item with id '0' in this list.", "after", "invalid_value"), None)
     assert refusal_no_schema_can_prevent(error("must be within the prompt", "routed_experts_prompt_start", "400"), {})
+    # Anthropic's error shape: no param, no code.
+    removal = {"type": "BadRequestError", "message": "tool_removal references tool 'f', which is not declared in tools"}
+    assert refusal_no_schema_can_prevent(removal, {})
 
 
 def test_rules_inside_strings_or_between_fields_are_accepted() -> None:
@@ -42,3 +45,6 @@ def test_every_other_refusal_still_fails_the_check() -> None:
     assert not refusal_no_schema_can_prevent(error("max_tokens: Input should be a valid integer", "max_tokens"), {})
     assert not refusal_no_schema_can_prevent(error("bad", "after", "invalid_request"), None)
     assert not refusal_no_schema_can_prevent(error("Model is required", "model"), {"model": ""})
+    # A rule the schema now states is no exception (it was, until the eleventh round).
+    assert not refusal_no_schema_can_prevent(
+        error("when using `logprob_token_ids`, `logprobs` must be set to true.", "logprob_token_ids"), {})
