@@ -45,8 +45,15 @@ INTERNAL_FIELDS = [("StructuredOutputsParams", "_backend"), ("StructuredOutputsP
 # Strings vLLM refuses empty: the Anthropic API's model ("Model is required").
 NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountTokensRequest", "model"),
                      ("GenerativeScoringRequest", "query")]
-# Integers vLLM refuses below 1 ("max_tokens must be positive").
-POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens")]
+# Integers vLLM refuses below 1 ("max_tokens must be at least 1"; a completion may ask
+# for 0 with echo: CROSS_FIELD_RULES).
+POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens"), *(
+    (name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
+    for field in ("max_tokens", "max_completion_tokens", "n")), ("CompletionRequest", "n")]
+# Output token counts: at most the model's length ("cannot be greater than max_model_len").
+OUTPUT_TOKEN_FIELDS = [*((name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
+                         for field in ("max_tokens", "max_completion_tokens")),
+                       ("CompletionRequest", "max_tokens"), ("AnthropicMessagesRequest", "max_tokens")]
 # A thinking budget: -1 (unlimited) or a count, the count only with a reasoning parser
 # (vLLM's engine refuses it otherwise).
 THINKING_BUDGETS = [("ChatCompletionRequest", "thinking_token_budget"), ("CompletionRequest", "thinking_token_budget")]
@@ -126,21 +133,28 @@ _STREAM_OPTIONS = _when({"stream_options": {"type": "object", "minProperties": 1
 # Rules between fields, from vLLM's request validators and renderer: stream options only
 # on a streamed request, and no prompt logprobs on it; logprob_token_ids (and a chat's
 # top_logprobs) with logprobs (chat: true; completions: a count); a required tool with
-# tools (Responses); a completion's suffix without echo or prompt truncation.
+# tools (Responses); a completion's suffix without echo or prompt truncation, and no
+# output (max_tokens 0) only with echo; continuing the final message without a
+# generation prompt.
 _CHAT_LOGPROBS = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
 _CHAT_LOGPROB_RULES = [_when(_LOGPROB_IDS, _CHAT_LOGPROBS),
                        _when({"top_logprobs": {"type": "integer", "not": {"const": 0}}}, _CHAT_LOGPROBS)]
 _NO_STREAMED_PROMPT_LOGPROBS = _when({"stream": {"const": True}}, {"properties": {
     "prompt_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]}}})
+# add_generation_prompt defaults to true, so continuing the final message asks for false.
+_CONTINUE = _when({"continue_final_message": {"const": True}}, {
+    "properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]})
 CROSS_FIELD_RULES = {
-    "ChatCompletionRequest": [_STREAM_OPTIONS, _NO_STREAMED_PROMPT_LOGPROBS, *_CHAT_LOGPROB_RULES],
-    "BatchChatCompletionRequest": _CHAT_LOGPROB_RULES,
+    "ChatCompletionRequest": [_STREAM_OPTIONS, _NO_STREAMED_PROMPT_LOGPROBS, _CONTINUE, *_CHAT_LOGPROB_RULES],
+    "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES],
+    "TokenizeChatRequest": [_CONTINUE],
     "ResponsesCreateRequest": [_when({"tool_choice": {"const": "required"}}, {
         "properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})],
     "CompletionRequest": [_STREAM_OPTIONS, _NO_STREAMED_PROMPT_LOGPROBS, _when(_LOGPROB_IDS, {
         "properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
         _when({"suffix": {"type": "string"}}, {"properties": {
-            "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}})],
+            "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}}),
+        _when({"max_tokens": {"const": 0}}, {"properties": {"echo": {"const": True}}, "required": ["echo"]})],
 }
 # Counts of logprobs: -1 (all) or at least 0.
 LOGPROB_COUNTS = [("CompletionRequest", "logprobs"), ("CompletionRequest", "prompt_logprobs"),
@@ -178,6 +192,10 @@ def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len:
                     ids.update(minimum=0, maximum=largest)
     for variant in _truncation_variants(components):
         variant["maximum"] = max_model_len
+    for name, field in OUTPUT_TOKEN_FIELDS:
+        for variant in _variants(components, name, field):
+            if variant.get("type") == "integer":
+                variant["maximum"] = max_model_len
 
 
 def _truncation_variants(components: dict[str, Any]) -> list[dict[str, Any]]:
@@ -251,10 +269,16 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
                 variant["maximum"] = 1
     for name, field in INTERNAL_FIELDS:
         components.get(name, {}).get("properties", {}).pop(field, None)
-    # Batch chat completions refuse beam search.
+    # Batch chat completions refuse beam search and more than one choice.
     for variant in _variants(components, "BatchChatCompletionRequest", "use_beam_search"):
         if variant.get("type") == "boolean":
             variant["const"] = False
+    for variant in _variants(components, "BatchChatCompletionRequest", "n"):
+        if variant.get("type") == "integer":
+            variant["maximum"] = 1
+    for variant in _variants(components, "CompletionRequest", "max_tokens"):
+        if variant.get("type") == "integer":
+            variant["minimum"] = 0
     for name, rule in {**ANTHROPIC_RULES, "ResponseFormat": RESPONSE_FORMAT_RULE}.items():
         if name in components:
             components[name].update(rule)
@@ -338,18 +362,32 @@ def patch_openapi(app: FastAPI, *patches: typing.Callable[[dict[str, Any]], None
 HARMONY_MESSAGE = "#/components/schemas/openai_harmony__Message"
 
 
+# Content parts only a multimodal model takes ("... is not a multimodal model").
+MULTIMODAL_PARTS = [f"ChatCompletionContentPart{kind}Param" for kind in (
+    "Image", "InputAudio", "Audio", "Video", "ImageEmbeds", "AudioEmbeds", "VideoEmbeds")] + [
+    f"CustomChatCompletionContentSimple{kind}Param" for kind in ("Image", "Audio", "Video")]
+
+
 def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmony: bool,
-                            prompt_embeds: bool) -> None:
+                            prompt_embeds: bool, multimodal: bool) -> None:
     """What vLLM's routes take depends on how the server was started (vLLM's online
     renderer): without a tool parser a chat request's ``tool_choice`` is ``none`` or
     null, and given tools it must be set (its default is then ``auto``), as an
     Anthropic request's is ``none``; harmony messages only on a harmony (gpt-oss)
-    model (another model's template fails on them); ``prompt_embeds`` only where the
-    server enables them."""
+    model (another model's template fails on them); ``prompt_embeds`` (and prompt
+    embedding parts) only where the server enables them; images, audio and video only
+    on a multimodal model."""
     components = schema.get("components", {}).get("schemas", {})
     if not harmony:
         _drop_refs(components, HARMONY_MESSAGE)
+    if not multimodal:
+        for part in MULTIMODAL_PARTS:
+            _drop_refs(components, f"#/components/schemas/{part}")
+        block_type = components.get("AnthropicContentBlock", {}).get("properties", {}).get("type", {})
+        if "image" in block_type.get("enum", []):
+            block_type["enum"] = [kind for kind in block_type["enum"] if kind != "image"]
     if not prompt_embeds:
+        _drop_refs(components, "#/components/schemas/ChatCompletionContentPartPromptEmbedsParam")
         for component in components.values():
             if (embeds := component.get("properties", {}).get("prompt_embeds")) is not None:
                 component["properties"]["prompt_embeds"] = {"type": "null", "title": embeds.get("title", "")}

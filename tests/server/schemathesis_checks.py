@@ -17,9 +17,9 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
 - **Rules inside a string, or between fields.** A structured output's regex, grammar
   or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be below
   ``max_tokens``; exactly one structured-output constraint is set; ``allowed_token_ids``
-  without a grammar; a chat request does
-  not both continue its last message and add a generation prompt (which defaults to
-  true, so no ``not``/``required`` pair can state it): JSON Schema states none of them.
+  without a grammar: JSON Schema states none of them (a chat request's
+  continuing its last message without a generation prompt, once listed here, it does:
+  the schema now requires ``add_generation_prompt: false`` with it).
 - **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
   (``maximum: 9223372036854775807``); schemathesis's validator compares in doubles, where
   ``9223372036854775999`` equals that bound, and so takes as valid what the schema, read
@@ -43,7 +43,7 @@ MISSING_TOOL = ("tool_choice", "not found")
 MISSING_TOOL_MESSAGES = ("which is not declared in tools",)
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
-                       "Cannot set both", "allowed_token_ids cannot be combined")
+                       "allowed_token_ids cannot be combined")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 

@@ -237,6 +237,11 @@ async def test_the_schema_states_what_this_server_was_started_with(server: str) 
         assert_openai_error(await http.post("/tokenize", json={"model": "embedded-tiny", "messages": [harmony]}), 400)
         assert_openai_error(await http.post("/v1/completions", json={
             "model": "embedded-tiny", "prompt": "0", "max_tokens": 1, "prompt_embeds": "QQ=="}), 400)
+        # A text-only model: no image parts offered, and one sent is refused.
+        assert "ChatCompletionContentPartImageParam" not in str(components["ChatCompletionUserMessageParam"])
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        assert_openai_error(await http.post("/v1/chat/completions", json={
+            "model": "embedded-tiny", "max_tokens": 1, "messages": [{"role": "user", "content": [image]}]}), 400)
 
 
 async def test_a_chat_body_to_invocations_is_a_chat(server: str) -> None:

@@ -219,15 +219,19 @@ def test_rules_of_vllms_anthropic_conversion_are_in_the_schema() -> None:
 
 def _tool_schema() -> dict[str, Any]:
     harmony = {"$ref": "#/components/schemas/openai_harmony__Message"}
+    image = {"$ref": "#/components/schemas/ChatCompletionContentPartImageParam"}
+    embeds = {"$ref": "#/components/schemas/ChatCompletionContentPartPromptEmbedsParam"}
     return {"components": {"schemas": {
         "ChatCompletionRequest": {"properties": {
             "messages": {"type": "array", "items": {"anyOf": [{"$ref": "#/components/schemas/User"}, harmony]}},
+            "content": {"items": {"anyOf": [{"$ref": "#/T"}, image, embeds]}},
             "tool_choice": {"anyOf": [{"type": "string", "const": "none"}, {"type": "string", "const": "auto"},
                                       {"type": "string", "const": "required"}, {"$ref": "#/x"}, {"type": "null"}]},
             "tools": {"anyOf": [{"type": "array", "minItems": 1}, {"type": "null"}]}}},
         "CompletionRequest": {"properties": {"prompt_embeds": {"anyOf": [{"type": "string"}, {"type": "null"}]}}},
         "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
         "AnthropicMessagesRequest": {"properties": {}},
+        "AnthropicContentBlock": {"properties": {"type": {"enum": ["text", "image"]}}},
     }}}
 
 
@@ -240,13 +244,16 @@ def test_what_the_server_was_started_with_is_in_the_schema() -> None:
     from app.openai_schema import declare_server_features
 
     plain = _tool_schema()
-    declare_server_features(plain, tool_parsing=False, harmony=False, prompt_embeds=False)
+    declare_server_features(plain, tool_parsing=False, harmony=False, prompt_embeds=False, multimodal=False)
     components = plain["components"]["schemas"]
     chat = components["ChatCompletionRequest"]
     assert chat["properties"]["tool_choice"]["anyOf"] == [{"type": "string", "const": "none"}, {"type": "null"}]
     assert chat["properties"]["messages"]["items"]["anyOf"] == [{"$ref": "#/components/schemas/User"}]
     assert components["CompletionRequest"]["properties"]["prompt_embeds"]["type"] == "null"
     assert components["AnthropicToolChoice"]["properties"]["type"] == {"const": "none"}
+    # A text-only model: no image part, no image block; no embedding part unless enabled.
+    assert chat["properties"]["content"]["items"]["anyOf"] == [{"$ref": "#/T"}]
+    assert components["AnthropicContentBlock"]["properties"]["type"]["enum"] == ["text"]
     rules = jsonschema.Draft202012Validator({"allOf": chat["allOf"]})
     assert not rules.is_valid({"tools": [{}]}) and rules.is_valid({"tools": [{}], "tool_choice": None})
     assert rules.is_valid({}) and rules.is_valid({"tools": None})
@@ -256,7 +263,7 @@ def test_what_the_server_was_started_with_is_in_the_schema() -> None:
     assert anthropic.is_valid({"tools": [{}], "tool_choice": {"type": "none"}}) and anthropic.is_valid({})
     # A server with a parser, on a harmony model, with embeddings on: the schema as vLLM's.
     full = _tool_schema()
-    declare_server_features(full, tool_parsing=True, harmony=True, prompt_embeds=True)
+    declare_server_features(full, tool_parsing=True, harmony=True, prompt_embeds=True, multimodal=True)
     assert full == _tool_schema()
 
 
@@ -345,3 +352,35 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
     responses = jsonschema.Draft202012Validator({"allOf": components["ResponsesCreateRequest"]["allOf"]})
     assert not responses.is_valid({"tool_choice": "required", "tools": []})
     assert responses.is_valid({"tool_choice": "required", "tools": [{}]}) and responses.is_valid({"tool_choice": "auto"})
+
+
+def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
+    """Refused in fresh seeds: output token counts below 1 or beyond the model's length
+    (a completion may ask for 0 with echo), more than one choice in a batch, and a
+    chat continuing its last message while add_generation_prompt kept its default."""
+    import jsonschema
+
+    from app.openai_schema import declare_model_limits
+
+    integer = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    schema: dict[str, Any] = {"components": {"schemas": {
+        "ChatCompletionRequest": {"properties": {"max_completion_tokens": copy.deepcopy(integer)}},
+        "BatchChatCompletionRequest": {"properties": {"n": copy.deepcopy(integer)}},
+        "CompletionRequest": {"properties": {"max_tokens": copy.deepcopy(integer)}},
+        "TokenizeChatRequest": {"properties": {}},
+    }}}
+    declare_vllm_input_rules(schema)
+    declare_model_limits(schema, 732, 2048)
+    components = schema["components"]["schemas"]
+    assert components["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0] == {
+        "type": "integer", "minimum": 1, "maximum": 2048}
+    assert components["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0] == {
+        "type": "integer", "minimum": 0, "maximum": 2048}
+    assert components["BatchChatCompletionRequest"]["properties"]["n"]["anyOf"][0] == {
+        "type": "integer", "minimum": 1, "maximum": 1}
+    completion = jsonschema.Draft202012Validator({"allOf": components["CompletionRequest"]["allOf"]})
+    assert not completion.is_valid({"max_tokens": 0}) and completion.is_valid({"max_tokens": 0, "echo": True})
+    for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
+        rules = jsonschema.Draft202012Validator({"allOf": components[name]["allOf"]})
+        assert not rules.is_valid({"continue_final_message": True})  # the default generation prompt is true
+        assert rules.is_valid({"continue_final_message": True, "add_generation_prompt": False})
