@@ -154,11 +154,13 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.router.routes[:] = [route for route in app.router.routes if route not in vllm_routes] + vllm_routes
     install_error_handlers(app)
     patch_openapi(
-        app, declare_error_codes, declare_filled_in_fields, declare_stored_response_rules,
+        app, declare_error_codes, declare_filled_in_fields,
+        lambda schema: declare_stored_response_rules(schema, settings.resolved_tool_call_parser() is not None),
         lambda schema: declare_vllm_input_rules(schema, reasoning=bool(settings.reasoning_parser)),
         lambda schema: app.state.session_service.declare_bounds(schema),
         lambda schema: declare_model_limits(schema, app.state.session_service.vocab_size,
-                                            app.state.session_service.max_model_len),
+                                            app.state.session_service.max_model_len,
+                                            app.state.online_renderer.model_config.max_logprobs),
         lambda schema: declare_server_features(schema, **renderer_features(app.state.online_renderer)),
     )
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from

@@ -10,6 +10,7 @@ import typing
 from typing import Any
 
 from fastapi import FastAPI
+from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
 
 from app.openai_routes import SAMPLING_FLOORS
 
@@ -50,10 +51,10 @@ NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountToke
 POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens"), *(
     (name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
     for field in ("max_tokens", "max_completion_tokens", "n")), ("CompletionRequest", "n")]
-# Output token counts: at most the model's length ("cannot be greater than max_model_len").
-OUTPUT_TOKEN_FIELDS = [*((name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
-                         for field in ("max_tokens", "max_completion_tokens")),
-                       ("CompletionRequest", "max_tokens"), ("AnthropicMessagesRequest", "max_tokens")]
+# Output token counts vLLM bounds by the model's length ("max_completion_tokens=... cannot
+# be greater than max_model_len"; a chat's deprecated max_tokens it clamps instead).
+OUTPUT_TOKEN_FIELDS = [("ChatCompletionRequest", "max_completion_tokens"),
+                       ("BatchChatCompletionRequest", "max_completion_tokens"), ("AnthropicMessagesRequest", "max_tokens")]
 # A thinking budget: -1 (unlimited) or a count, the count only with a reasoning parser
 # (vLLM's engine refuses it otherwise).
 THINKING_BUDGETS = [("ChatCompletionRequest", "thinking_token_budget"), ("CompletionRequest", "thinking_token_budget")]
@@ -119,7 +120,7 @@ ANTHROPIC_CONVERSATION = {"anyOf": [
     ]}}}, "required": ["messages"]},
 ]}
 # vLLM's Responses request takes a stop of "" as none (chat and completions refuse it).
-EMPTY_STOP_IS_NONE = {"ResponsesCreateRequest"}
+EMPTY_STOP_IS_NONE = {"ResponsesCreateRequest", "StatelessResponsesCreateRequest"}
 
 
 def _when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
@@ -144,12 +145,13 @@ _NO_STREAMED_PROMPT_LOGPROBS = _when({"stream": {"const": True}}, {"properties":
 # add_generation_prompt defaults to true, so continuing the final message asks for false.
 _CONTINUE = _when({"continue_final_message": {"const": True}}, {
     "properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]})
+_REQUIRED_TOOL = _when({"tool_choice": {"const": "required"}},
+                       {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})
 CROSS_FIELD_RULES = {
     "ChatCompletionRequest": [_STREAM_OPTIONS, _NO_STREAMED_PROMPT_LOGPROBS, _CONTINUE, *_CHAT_LOGPROB_RULES],
     "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES],
     "TokenizeChatRequest": [_CONTINUE],
-    "ResponsesCreateRequest": [_when({"tool_choice": {"const": "required"}}, {
-        "properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})],
+    **{name: [_REQUIRED_TOOL] for name in ("ResponsesCreateRequest", "StatelessResponsesCreateRequest")},
     "CompletionRequest": [_STREAM_OPTIONS, _NO_STREAMED_PROMPT_LOGPROBS, _when(_LOGPROB_IDS, {
         "properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
         _when({"suffix": {"type": "string"}}, {"properties": {
@@ -175,10 +177,11 @@ DETOKENIZED = ("DetokenizeRequest", "tokens", 2**32 - 1)
 TOKEN_ID_LISTS = {"stop_token_ids", "allowed_token_ids", "logprob_token_ids", "trace_decode_token_ids"}
 
 
-def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len: int) -> None:
+def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len: int, max_logprobs: int = -1) -> None:
     """The model's limits, as vLLM checks them: token ids below the vocabulary (in the
-    lists above and a completion's prompt), and a prompt truncated to at most the
-    model's length."""
+    lists above and a completion's prompt), a prompt truncated to at most the model's
+    length, output counts up to it, logprob counts up to the engine's ``max_logprobs``
+    (-1: the vocabulary; -1 asked for is the vocabulary, refused where that is more)."""
     components = schema.get("components", {}).get("schemas", {})
     lists = [(name, field) for name, component in components.items()
              for field in component.get("properties", {}) if field in TOKEN_ID_LISTS]
@@ -196,6 +199,11 @@ def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len:
         for variant in _variants(components, name, field):
             if variant.get("type") == "integer":
                 variant["maximum"] = max_model_len
+    most_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
+    for name, field in LOGPROB_COUNTS:
+        for variant in _variants(components, name, field):
+            if variant.get("type") == "integer":
+                variant.update(maximum=most_logprobs, minimum=-1 if vocab_size <= most_logprobs else 0)
 
 
 def _truncation_variants(components: dict[str, Any]) -> list[dict[str, Any]]:
@@ -258,6 +266,9 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
                     variant["items"]["minLength"] = 1
                 elif variant.get("type") == "string" and field == "stop" and name not in EMPTY_STOP_IS_NONE:
                     variant["minLength"] = 1
+        for variant in _property_variants(properties, "logprob_token_ids"):
+            if variant.get("type") == "array":
+                variant["maxItems"] = MAX_LOGPROB_TOKEN_IDS
         # Floors every route applies (app.openai_routes.SAMPLING_FLOORS); top_p up to 1.
         for field, floor in SAMPLING_FLOORS.items():
             for variant in _property_variants(properties, field):

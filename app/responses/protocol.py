@@ -7,6 +7,7 @@ plus what vLLM drops: ``conversation``. Output objects are vLLM's ``ResponsesRes
 
 from __future__ import annotations
 
+import copy
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -38,27 +39,65 @@ from app.sessions.protocol import (
 MAX_ITEMS_PER_REQUEST = 20
 
 
-def declare_stored_response_rules(schema: dict[str, Any]) -> None:
-    """What a stored response (the default; or one that continues a chain or a
-    conversation) refuses, in the published schema: stop strings, which a streaming
-    session cannot honour (``stop_token_ids`` it can), and chat template kwargs (the
-    session renders with the server's template as it is). Only a request with
-    ``store: false`` and neither ``previous_response_id`` nor ``conversation`` goes to
-    vLLM's own handler, which takes them. (A fresh-seed schemathesis run over every
-    route found ``stop`` schema-valid and refused.)"""
-    body = schema.get("components", {}).get("schemas", {}).get("ResponsesCreateRequest")
-    if body is None or "stop" not in body.get("properties", {}):
+def _refs(*names: str) -> list[dict[str, str]]:
+    return [{"$ref": f"#/components/schemas/{name}"} for name in names]
+
+
+_NOTHING = {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}
+# What a stored response takes where it differs from vLLM's handler (check_supported,
+# app/responses/items.py, app/tools/parsing.function_tools): falsy values of what it
+# refuses, its input items, function tools.
+STORED_PROPERTIES: dict[str, Any] = {
+    "background": {"anyOf": [{"type": "null"}, {"const": False}]},
+    "prompt": {"type": "null"},
+    "structured_outputs": {"type": "null"},
+    "logit_bias": _NOTHING,
+    "stop": {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]},
+    "chat_template_kwargs": _NOTHING,
+    "top_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]},
+    "text": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"format": {"anyOf": [
+        {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}]},
+    "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": _refs(
+        "MessageItem", "FunctionCallItem", "FunctionCallOutputItem")}}]},
+}
+# Who answers: vLLM's handler a request with store false, no previous response or
+# conversation and generate left on (app/responses/api_router.py); a session any other.
+STATELESS = {"required": ["store"], "properties": {
+    "store": {"const": False}, "previous_response_id": {"type": "null"}, "conversation": {"type": "null"},
+    "generate": {"const": True}}}
+STORED = {"anyOf": [
+    {"properties": {"store": {"not": {"const": False}}}},
+    {"properties": {"previous_response_id": {"type": "string"}}, "required": ["previous_response_id"]},
+    {"properties": {"conversation": {"not": {"type": "null"}}}, "required": ["conversation"]},
+    {"properties": {"generate": {"const": False}}, "required": ["generate"]},
+]}
+STATELESS_BODY = "StatelessResponsesCreateRequest"
+
+
+def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = True) -> None:
+    """The create body as two: a stored response (the default; or one that continues a
+    chain or a conversation, or a warm-up), answered on a session, and a stateless one,
+    answered by vLLM's own handler, each with what its handler takes (a stored response
+    refuses stop strings, which a streaming session cannot honour, chat template kwargs,
+    input items but text messages, function calls and their outputs, tools but function
+    tools, and those without a tool parser). One component with if/else on ``store``
+    was too complex for schemathesis to generate from; a body that is one of two is not.
+    (Fresh-seed schemathesis runs over every route found each of these refused.)"""
+    components = schema.get("components", {}).get("schemas", {})
+    body = components.get("ResponsesCreateRequest")
+    operation = schema.get("paths", {}).get("/v1/responses", {}).get("post")
+    if body is None or operation is None or "stop" not in body.get("properties", {}):
         return
-    body["if"] = {"required": ["store"], "properties": {
-        "store": {"const": False}, "previous_response_id": {"type": "null"}, "conversation": {"type": "null"}}}
-    body["else"] = {"properties": {
-        "stop": {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]},
-        "chat_template_kwargs": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}}}
-    # vLLM's handler refuses an empty string in a stop list (found by the same fuzzing,
-    # once the rule above let stop strings through to it).
-    for variant in body["properties"]["stop"].get("anyOf", []):
+    components[STATELESS_BODY] = {**copy.deepcopy(body), "title": STATELESS_BODY, "allOf": [STATELESS]}
+    tools = {"type": "array", "items": _refs("FunctionTool")[0]} if tool_parsing else {"type": "array", "maxItems": 0}
+    body["properties"].update(copy.deepcopy({**STORED_PROPERTIES, "tools": {"anyOf": [{"type": "null"}, tools]}}))
+    body["allOf"] = [STORED]
+    # vLLM's handler refuses an empty string in a stop list (found by the same fuzzing).
+    for variant in components[STATELESS_BODY]["properties"]["stop"].get("anyOf", []):
         if variant.get("type") == "array":
             variant.setdefault("items", {})["minLength"] = 1
+    operation["requestBody"]["content"]["application/json"]["schema"] = {"anyOf": _refs(
+        "ResponsesCreateRequest", STATELESS_BODY)}
 
 
 class ConversationRef(BaseModel):

@@ -17,7 +17,8 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
 - **Rules inside a string, or between fields.** A structured output's regex, grammar
   or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be below
   ``max_tokens``; exactly one structured-output constraint is set; ``allowed_token_ids``
-  without a grammar: JSON Schema states none of them (a chat request's
+  without a grammar; ``logprobs`` equal to the length of ``logprob_token_ids``: JSON
+  Schema states none of them (a chat request's
   continuing its last message without a generation prompt, once listed here, it does:
   the schema now requires ``add_generation_prompt: false`` with it).
 - **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
@@ -43,7 +44,8 @@ MISSING_TOOL = ("tool_choice", "not found")
 MISSING_TOOL_MESSAGES = ("which is not declared in tools",)
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
-                       "allowed_token_ids cannot be combined")
+                       "allowed_token_ids cannot be combined",
+                       "logprobs must equal len(logprob_token_ids)")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 

@@ -343,6 +343,12 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
     components = schema["components"]["schemas"]
     assert components["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0]["minimum"] == -1
     assert components["ChatCompletionRequest"]["properties"]["top_logprobs"]["anyOf"][0]["minimum"] == -1
+    # Up to the engine's max_logprobs; -1 (the vocabulary) only where that is no more.
+    from app.openai_schema import declare_model_limits
+
+    declare_model_limits(schema, 732, 2048, max_logprobs=20)
+    assert components["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0] == {
+        "type": "integer", "minimum": 0, "maximum": 20}
     assert components["ChatCompletionUserMessageParam"]["properties"]["content"]["items"]["anyOf"] == [{"$ref": "#/T"}]
     assert components["ChatCompletionAssistantMessageParam"]["properties"]["tool_calls"]["items"]["anyOf"] == [
         {"$ref": "#/F"}]
@@ -374,8 +380,7 @@ def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
     components = schema["components"]["schemas"]
     assert components["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0] == {
         "type": "integer", "minimum": 1, "maximum": 2048}
-    assert components["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0] == {
-        "type": "integer", "minimum": 0, "maximum": 2048}
+    assert components["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0}
     assert components["BatchChatCompletionRequest"]["properties"]["n"]["anyOf"][0] == {
         "type": "integer", "minimum": 1, "maximum": 1}
     completion = jsonschema.Draft202012Validator({"allOf": components["CompletionRequest"]["allOf"]})
@@ -384,3 +389,53 @@ def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
         rules = jsonschema.Draft202012Validator({"allOf": components[name]["allOf"]})
         assert not rules.is_valid({"continue_final_message": True})  # the default generation prompt is true
         assert rules.is_valid({"continue_final_message": True, "add_generation_prompt": False})
+
+
+def _responses_schema(tool_parsing: bool) -> dict[str, Any]:
+    from app.responses.protocol import declare_stored_response_rules
+
+    string_or_list = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
+    anything = {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]}
+    schema: dict[str, Any] = {
+        "paths": {"/v1/responses": {"post": {"requestBody": {"content": {"application/json": {"schema": {}}}}}}},
+        "components": {"schemas": {
+            "ResponsesCreateRequest": {"type": "object", "properties": {
+                "stop": string_or_list, "input": anything, "tools": copy.deepcopy(anything),
+                "store": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}},
+            "MessageItem": {"type": "object", "required": ["role", "content"]},
+            "FunctionCallItem": {"type": "object", "properties": {"type": {"const": "function_call"}}, "required": ["type"]},
+            "FunctionCallOutputItem": {"type": "object", "properties": {"type": {"const": "function_call_output"}},
+                                       "required": ["type"]},
+            "FunctionTool": {"type": "object", "properties": {"type": {"const": "function"}}, "required": ["type"]},
+        }},
+    }
+    declare_stored_response_rules(schema, tool_parsing=tool_parsing)
+    return schema
+
+
+def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_takes() -> None:
+    """A stored response (a session) refuses what vLLM's handler takes (stop strings,
+    input items but text messages and function calls, tools but function tools): the
+    body is one of two, told apart as app/responses/api_router.py tells them. Oracle:
+    the published body, read by a JSON Schema validator, on each side of the split."""
+    import jsonschema
+
+    from app.responses.protocol import STATELESS_BODY
+
+    def validator(schema: dict[str, Any]) -> Any:
+        body = schema["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        return jsonschema.Draft202012Validator({**body, "components": schema["components"]})
+
+    schema = _responses_schema(tool_parsing=True)
+    assert STATELESS_BODY in schema["components"]["schemas"]
+    valid = validator(schema).is_valid
+    web_search = [{"type": "web_search"}]
+    assert not valid({"stop": ["x"]}) and valid({"stop": ["x"], "store": False})  # vLLM's handler takes stop strings
+    assert not valid({"stop": ["x"], "store": False, "previous_response_id": "resp_1"})  # a chain is a session's
+    assert not valid({"stop": ["x"], "store": False, "generate": False})  # so is a warm-up
+    assert not valid({"tools": web_search}) and valid({"tools": web_search, "store": False})
+    assert valid({"tools": [{"type": "function"}]}) and valid({"input": [{"role": "user", "content": "hi"}]})
+    assert not valid({"input": [{"type": "reasoning"}]}) and valid({"input": [{"type": "reasoning"}], "store": False})
+    # Without a tool-call parser a session takes no tools at all.
+    without_parser = validator(_responses_schema(tool_parsing=False)).is_valid
+    assert not without_parser({"tools": [{"type": "function"}]}) and without_parser({"tools": []})
