@@ -1,11 +1,12 @@
 """What the published schema says of vLLM's routes beyond their body models: what vLLM
 fills in, and the rules its handlers enforce, so that the schema states what the
 server accepts, no more, no less (fresh-seed schemathesis runs found each rule below
-as a schema-valid body refused, or a schema-invalid one accepted)."""
+as a schema-valid body refused, or a schema-invalid one accepted). Rules between fields
+and over parts are in app.openai_schema_rules; what depends on this server (its model's
+limits, what it was started with) is declared here too, once the engine is up."""
 
 from __future__ import annotations
 
-import copy
 import typing
 from typing import Any
 
@@ -13,6 +14,15 @@ from fastapi import FastAPI
 from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
 
 from app.openai_routes import SAMPLING_FLOORS
+from app.openai_schema_rules import (
+    ANTHROPIC_REQUESTS,
+    ANTHROPIC_RULES,
+    LOGPROB_COUNTS,
+    declare_rules_of_handlers,
+    drop_refs,
+    property_variants,
+    variants,
+)
 
 # Fields the openai SDK's types (and so the schema) require, which vLLM's validators
 # fill in when a Responses request's input item leaves them out: a reasoning item's
@@ -50,7 +60,9 @@ NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountToke
 # for 0 with echo: CROSS_FIELD_RULES).
 POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens"), *(
     (name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
-    for field in ("max_tokens", "max_completion_tokens", "n")), ("CompletionRequest", "n")]
+    for field in ("max_completion_tokens", "n")), ("CompletionRequest", "n")]
+# Integers vLLM refuses below 0 (Anthropic's top_k: "0 (disable), or at least 1").
+NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k")]
 # Output token counts vLLM bounds by the model's length ("max_completion_tokens=... cannot
 # be greater than max_model_len"; a chat's deprecated max_tokens it clamps instead).
 OUTPUT_TOKEN_FIELDS = [("ChatCompletionRequest", "max_completion_tokens"),
@@ -73,103 +85,10 @@ UNTRUSTED_TEMPLATE = "chat_template"  # any string, "" too; also as a chat_templ
 # A JSON-schema response format carries its schema.
 RESPONSE_FORMAT_RULE = {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
                         "then": {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}}
-# Anthropic's tool_choice names its tool when its type is "tool"; a content block that
-# adds or removes a tool carries it (a removal, by reference).
-ANTHROPIC_RULES = {
-    "AnthropicToolChoice": {"if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
-                            "then": {"properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]}},
-    "AnthropicContentBlock": {"allOf": [
-        {"if": {"properties": {"type": {"enum": ["tool_addition", "tool_removal"]}}, "required": ["type"]},
-         "then": {"properties": {"tool": {"type": "object"}}, "required": ["tool"]}},
-        {"if": {"properties": {"type": {"const": "tool_removal"}}, "required": ["type"]},
-         "then": {"properties": {"tool": {"properties": {"type": {"const": "tool_reference"}},
-                                          "required": ["type"]}}}},
-    ]},
-}
-# Tool changes only in system messages (AnthropicMessage's validator).
-ANTHROPIC_RULES["AnthropicMessage"] = {
-    "if": {"properties": {"role": {"enum": ["user", "assistant"]}}, "required": ["role"]},
-    "then": {"properties": {"content": {"anyOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"properties": {"type": {"not": {"enum": ["tool_addition", "tool_removal"]}}}}},
-    ]}}},
-}  # the top-level system blocks too (NO_TOOL_CHANGE)
-ANTHROPIC_REQUESTS = ("AnthropicMessagesRequest", "AnthropicCountTokensRequest")
-NO_TOOL_CHANGE = {"properties": {"type": {"not": {"enum": ["tool_addition", "tool_removal"]}}}}
-# vLLM converts an Anthropic request to chat messages and drops what carries nothing
-# (a system message or block without text, a user message without content); a request
-# left with no message is refused ("Cannot apply chat template to an empty
-# conversation"). One of these keeps a message.
-_TEXT_BLOCK = {"properties": {"type": {"const": "text"}, "text": {"type": "string", "minLength": 1}},
-               "required": ["type", "text"]}
-_USER_CONTENT = {"anyOf": [
-    {"type": "string"},
-    {"type": "array", "contains": {"anyOf": [
-        _TEXT_BLOCK,
-        {"properties": {"type": {"enum": ["tool_use", "tool_result"]}}, "required": ["type"]},
-        {"properties": {"type": {"const": "thinking"}, "thinking": {"type": "string"}}, "required": ["type", "thinking"]},
-    ]}},
-]}
-_SYSTEM_TEXT = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "contains": _TEXT_BLOCK}]}
-ANTHROPIC_CONVERSATION = {"anyOf": [
-    {"properties": {"system": _SYSTEM_TEXT}, "required": ["system"]},
-    {"properties": {"messages": {"contains": {"anyOf": [
-        {"properties": {"role": {"const": "assistant"}}, "required": ["role"]},
-        {"properties": {"role": {"const": "user"}, "content": _USER_CONTENT}, "required": ["role", "content"]},
-        {"properties": {"role": {"const": "system"}, "content": _SYSTEM_TEXT}, "required": ["role", "content"]},
-    ]}}}, "required": ["messages"]},
-]}
 # vLLM's Responses request takes a stop of "" as none (chat and completions refuse it).
 EMPTY_STOP_IS_NONE = {"ResponsesCreateRequest", "StatelessResponsesCreateRequest"}
 
 
-def _when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
-    field = next(iter(condition))
-    return {"if": {"properties": condition, "required": [field]}, "then": then}
-
-
-_LOGPROB_IDS = {"logprob_token_ids": {"type": "array", "minItems": 1}}
-_STREAM_OPTIONS = _when({"stream_options": {"type": "object", "minProperties": 1}},
-                        {"properties": {"stream": {"const": True}}, "required": ["stream"]})
-# Rules between fields, from vLLM's request validators and renderer: stream options only
-# on a streamed request, and no prompt logprobs on it; logprob_token_ids (and a chat's
-# top_logprobs) with logprobs (chat: true; completions: a count); a required tool with
-# tools (Responses); a completion's suffix without echo or prompt truncation, and no
-# output (max_tokens 0) only with echo; continuing the final message without a
-# generation prompt.
-_CHAT_LOGPROBS = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
-_CHAT_LOGPROB_RULES = [_when(_LOGPROB_IDS, _CHAT_LOGPROBS),
-                       _when({"top_logprobs": {"type": "integer", "not": {"const": 0}}}, _CHAT_LOGPROBS)]
-_NO_STREAMED_PROMPT_LOGPROBS = _when({"stream": {"const": True}}, {"properties": {
-    "prompt_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]}}})
-# add_generation_prompt defaults to true, so continuing the final message asks for false.
-_CONTINUE = _when({"continue_final_message": {"const": True}}, {
-    "properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]})
-_REQUIRED_TOOL = _when({"tool_choice": {"const": "required"}},
-                       {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})
-CROSS_FIELD_RULES = {
-    "ChatCompletionRequest": [_STREAM_OPTIONS, _NO_STREAMED_PROMPT_LOGPROBS, _CONTINUE, *_CHAT_LOGPROB_RULES],
-    "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES],
-    "TokenizeChatRequest": [_CONTINUE],
-    **{name: [_REQUIRED_TOOL] for name in ("ResponsesCreateRequest", "StatelessResponsesCreateRequest")},
-    "CompletionRequest": [_STREAM_OPTIONS, _NO_STREAMED_PROMPT_LOGPROBS, _when(_LOGPROB_IDS, {
-        "properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
-        _when({"suffix": {"type": "string"}}, {"properties": {
-            "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}}),
-        _when({"max_tokens": {"const": 0}}, {"properties": {"echo": {"const": True}}, "required": ["echo"]})],
-}
-# Counts of logprobs: -1 (all) or at least 0.
-LOGPROB_COUNTS = [("CompletionRequest", "logprobs"), ("CompletionRequest", "prompt_logprobs"),
-                  ("ChatCompletionRequest", "prompt_logprobs"), ("ChatCompletionRequest", "top_logprobs"),
-                  ("BatchChatCompletionRequest", "top_logprobs")]
-# Parts and tool calls vLLM's chat parser does not take: a file part, an assistant's
-# custom tool call.
-UNPARSED = ("#/components/schemas/File", "#/components/schemas/ChatCompletionMessageCustomToolCallParam")
-# Content parts without a type, told apart by their one key (vLLM's parser looks for it).
-SIMPLE_PARTS = {"CustomChatCompletionContentSimpleImageParam": "image_url",
-                "CustomChatCompletionContentSimpleAudioParam": "audio_url",
-                "CustomChatCompletionContentSimpleVideoParam": "video_url",
-                "CustomChatCompletionContentToolReferenceParam": "type"}
 # /detokenize decodes any id its tokenizer's 32-bit ids can hold (not only the model's).
 DETOKENIZED = ("DetokenizeRequest", "tokens", 2**32 - 1)
 
@@ -188,7 +107,7 @@ def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len:
     lists += [("CompletionRequest", "prompt"), ("GenerativeScoringRequest", "query"),
               ("GenerativeScoringRequest", "items"), ("GenerativeScoringRequest", "label_token_ids")]
     for name, field, largest in [*((name, field, vocab_size - 1) for name, field in lists), DETOKENIZED]:
-        for variant in _variants(components, name, field):
+        for variant in variants(components, name, field):
             items = variant.get("items", {}) if variant.get("type") == "array" else {}
             for ids in (items, items.get("items", {}) if items.get("type") == "array" else {}):
                 if ids.get("type") == "integer":
@@ -196,30 +115,40 @@ def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len:
     for variant in _truncation_variants(components):
         variant["maximum"] = max_model_len
     for name, field in OUTPUT_TOKEN_FIELDS:
-        for variant in _variants(components, name, field):
+        for variant in variants(components, name, field):
             if variant.get("type") == "integer":
                 variant["maximum"] = max_model_len
+    # logit_bias: keys are token ids (vLLM's int() of each), below the vocabulary.
+    for component in components.values():
+        for variant in property_variants(component.get("properties", {}), "logit_bias"):
+            if variant.get("type") == "object":
+                variant["propertyNames"] = {"pattern": decimal_below(vocab_size)}
     most_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
     for name, field in LOGPROB_COUNTS:
-        for variant in _variants(components, name, field):
+        for variant in variants(components, name, field):
             if variant.get("type") == "integer":
                 variant.update(maximum=most_logprobs, minimum=-1 if vocab_size <= most_logprobs else 0)
+
+
+def decimal_below(limit: int) -> str:
+    """A pattern for the decimal integers 0 to ``limit - 1``, without leading zeros (a
+    JSON object's keys are strings, so a bound on the ids they name is a pattern)."""
+    top = str(limit - 1)
+    shorter = ["[0-9]"] + [f"[1-9][0-9]{{{length - 1}}}" for length in range(2, len(top))] if len(top) > 1 else []
+    same = [top]
+    for index, digit in enumerate(top):
+        low = 1 if index == 0 and len(top) > 1 else 0
+        if int(digit) > low:
+            rest = len(top) - index - 1
+            same.append(f"{top[:index]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return "^(" + "|".join(shorter + same) + ")$"
 
 
 def _truncation_variants(components: dict[str, Any]) -> list[dict[str, Any]]:
     """The integer forms of ``truncate_prompt_tokens``, on the routes that take it."""
     return [variant for name in ("ChatCompletionRequest", "CompletionRequest")
-            for variant in _variants(components, name, "truncate_prompt_tokens")[1:]
+            for variant in variants(components, name, "truncate_prompt_tokens")[1:]
             if variant.get("type") == "integer"]
-
-
-def _variants(components: dict[str, Any], name: str, field: str) -> list[dict[str, Any]]:
-    return _property_variants(components.get(name, {}).get("properties", {}), field)
-
-
-def _property_variants(properties: dict[str, Any], field: str) -> list[dict[str, Any]]:
-    prop = properties.get(field)
-    return [] if prop is None else [prop, *prop.get("anyOf", [])]
 
 
 def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) -> None:
@@ -231,69 +160,71 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     (``prompt_embeds`` is off unless the server enables it, and a null prompt is
     refused either way); ``/invocations`` takes a chat or a completion request."""
     components = schema.get("components", {}).get("schemas", {})
-    for rules, kind, bound in ((NON_EMPTY_ARRAYS, "array", "minItems"), (NON_EMPTY_STRINGS, "string", "minLength"),
-                               (POSITIVE_INTEGERS, "integer", "minimum")):
+    for rules, kind, bound, value in ((NON_EMPTY_ARRAYS, "array", "minItems", 1),
+                                      (NON_EMPTY_STRINGS, "string", "minLength", 1),
+                                      (POSITIVE_INTEGERS, "integer", "minimum", 1),
+                                      (NON_NEGATIVE_INTEGERS, "integer", "minimum", 0)):
         for name, field in rules:
-            for variant in _variants(components, name, field):
+            for variant in variants(components, name, field):
                 if variant.get("type") == kind:
-                    variant[bound] = 1
+                    variant[bound] = value
     for name, field in THINKING_BUDGETS:
-        for variant in _variants(components, name, field):
+        for variant in variants(components, name, field):
             if variant.get("type") == "integer":
                 variant.update({"minimum": -1} if reasoning else {"const": -1})
     for variant in _truncation_variants(components):
         variant["not"] = {"const": 0}  # -1 keeps the model's length; 0 would truncate the prompt to nothing
     for name, component in components.items():
         properties = component.get("properties", {})
-        for variant in _property_variants(properties, "cache_salt"):
+        for variant in property_variants(properties, "cache_salt"):
             if variant.get("type") == "string":
                 variant.update(CACHE_SALT)
         for field in UNTRUSTED_OBJECTS:
-            for variant in _property_variants(properties, field):
+            for variant in property_variants(properties, field):
                 if variant.get("type") == "object":
                     variant["maxProperties"] = 0
         if (template := properties.get(UNTRUSTED_TEMPLATE)) is not None:
             properties[UNTRUSTED_TEMPLATE] = {"type": "null", **{k: v for k, v in template.items()
                                                                   if k in ("title", "description")}}
-        for variant in _property_variants(properties, "chat_template_kwargs"):
+        for variant in property_variants(properties, "chat_template_kwargs"):
             if variant.get("type") == "object":
                 variant.setdefault("properties", {})[UNTRUSTED_TEMPLATE] = {"type": "null"}
         # vLLM's SamplingParams: no empty bad word and no empty stop string (a lone
         # string is a list of one).
         for field in ("bad_words", "stop"):
-            for variant in _property_variants(properties, field):
+            for variant in property_variants(properties, field):
                 if variant.get("type") == "array" and variant.get("items", {}).get("type") == "string":
                     variant["items"]["minLength"] = 1
                 elif variant.get("type") == "string" and field == "stop" and name not in EMPTY_STOP_IS_NONE:
                     variant["minLength"] = 1
-        for variant in _property_variants(properties, "logprob_token_ids"):
+        for variant in property_variants(properties, "logprob_token_ids"):
             if variant.get("type") == "array":
                 variant["maxItems"] = MAX_LOGPROB_TOKEN_IDS
         # Floors every route applies (app.openai_routes.SAMPLING_FLOORS); top_p up to 1.
         for field, floor in SAMPLING_FLOORS.items():
-            for variant in _property_variants(properties, field):
+            for variant in property_variants(properties, field):
                 if variant.get("type") == "number" and "minimum" not in variant:
                     variant.pop("exclusiveMinimum", None)
                     variant["minimum"] = floor
-        for variant in _property_variants(properties, "top_p"):
+        for variant in property_variants(properties, "top_p"):
             if variant.get("type") == "number" and "maximum" not in variant:
                 variant["maximum"] = 1
     for name, field in INTERNAL_FIELDS:
         components.get(name, {}).get("properties", {}).pop(field, None)
     # Batch chat completions refuse beam search and more than one choice.
-    for variant in _variants(components, "BatchChatCompletionRequest", "use_beam_search"):
+    for variant in variants(components, "BatchChatCompletionRequest", "use_beam_search"):
         if variant.get("type") == "boolean":
             variant["const"] = False
-    for variant in _variants(components, "BatchChatCompletionRequest", "n"):
+    for variant in variants(components, "BatchChatCompletionRequest", "n"):
         if variant.get("type") == "integer":
             variant["maximum"] = 1
-    for variant in _variants(components, "CompletionRequest", "max_tokens"):
+    for variant in variants(components, "CompletionRequest", "max_tokens"):
         if variant.get("type") == "integer":
             variant["minimum"] = 0
     for name, rule in {**ANTHROPIC_RULES, "ResponseFormat": RESPONSE_FORMAT_RULE}.items():
         if name in components:
             components[name].update(rule)
-    _declare_rules_of_handlers(components)
+    declare_rules_of_handlers(components)
     _declare_invocation_body(schema, components)
     completion = components.get("CompletionRequest")
     if completion is None or "prompt" not in completion.get("properties", {}):
@@ -307,41 +238,6 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     prompt.pop("default", None)
     if "prompt" not in (required := completion.setdefault("required", [])):
         required.append("prompt")
-
-
-def _declare_rules_of_handlers(components: dict[str, Any]) -> None:
-    """Rules of vLLM's validators and handlers over more than one field, or over a
-    part: ``CROSS_FIELD_RULES``, Anthropic's conversation and system blocks, parts told
-    apart by their key, a batch's response format, custom and namespace tools."""
-    for name, extra in {**CROSS_FIELD_RULES, **{name: [ANTHROPIC_CONVERSATION] for name in ANTHROPIC_REQUESTS}}.items():
-        if name in components:
-            components[name].setdefault("allOf", []).extend(extra)
-    for name in ANTHROPIC_REQUESTS:
-        for variant in _variants(components, name, "system"):
-            if variant.get("type") == "array":
-                variant["items"] = {"allOf": [variant.get("items", {}), NO_TOOL_CHANGE]}
-    # vLLM's Responses request takes free-form custom tools only.
-    for name in ("CustomTool", "CustomToolParam"):
-        _drop_refs(components.get(name, {}), "#/components/schemas/Grammar")
-    for name, key in SIMPLE_PARTS.items():
-        if name in components:
-            components[name]["required"] = [key]
-    for ref in UNPARSED:
-        _drop_refs(components, ref)
-    for name, field in LOGPROB_COUNTS:
-        for variant in _variants(components, name, field):
-            if variant.get("type") == "integer":
-                variant["minimum"] = -1
-    # A batch's response format becomes a chat request's, per conversation.
-    chat_format = components.get("ChatCompletionRequest", {}).get("properties", {}).get("response_format")
-    batch = components.get("BatchChatCompletionRequest", {}).get("properties", {})
-    if chat_format is not None and "response_format" in batch:
-        batch["response_format"] = copy.deepcopy(chat_format)
-    # A namespace's function tool is converted to vLLM's FunctionTool, whose parameters
-    # are a JSON Schema object (the openai SDK's type takes any value).
-    for name, component in components.items():
-        if name.endswith("__ToolFunction") and "parameters" in component.get("properties", {}):
-            component["properties"]["parameters"] = {"anyOf": [{"type": "object"}, {"type": "null"}]}
 
 
 def _declare_invocation_body(schema: dict[str, Any], components: dict[str, Any]) -> None:
@@ -390,15 +286,15 @@ def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmo
     on a multimodal model."""
     components = schema.get("components", {}).get("schemas", {})
     if not harmony:
-        _drop_refs(components, HARMONY_MESSAGE)
+        drop_refs(components, HARMONY_MESSAGE)
     if not multimodal:
         for part in MULTIMODAL_PARTS:
-            _drop_refs(components, f"#/components/schemas/{part}")
+            drop_refs(components, f"#/components/schemas/{part}")
         block_type = components.get("AnthropicContentBlock", {}).get("properties", {}).get("type", {})
         if "image" in block_type.get("enum", []):
             block_type["enum"] = [kind for kind in block_type["enum"] if kind != "image"]
     if not prompt_embeds:
-        _drop_refs(components, "#/components/schemas/ChatCompletionContentPartPromptEmbedsParam")
+        drop_refs(components, "#/components/schemas/ChatCompletionContentPartPromptEmbedsParam")
         for component in components.values():
             if (embeds := component.get("properties", {}).get("prompt_embeds")) is not None:
                 component["properties"]["prompt_embeds"] = {"type": "null", "title": embeds.get("title", "")}
@@ -423,16 +319,3 @@ def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmo
                     {"properties": {"tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
                                     "messages": {"not": {"contains": addition}}}},
                 ]})
-
-
-def _drop_refs(node: Any, ref: str) -> None:
-    """Take ``ref`` out of every union in ``node``."""
-    if isinstance(node, dict):
-        for key in ("anyOf", "oneOf"):
-            if isinstance(node.get(key), list):
-                node[key] = [v for v in node[key] if not (isinstance(v, dict) and v.get("$ref") == ref)]
-        for value in node.values():
-            _drop_refs(value, ref)
-    elif isinstance(node, list):
-        for value in node:
-            _drop_refs(value, ref)

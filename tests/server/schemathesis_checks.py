@@ -6,7 +6,8 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
   each message's text may cost any number of tokens, so a schema-valid chunk can exceed
   ``max_chunk_tokens`` (a fresh seed found 17 messages of multi-byte text: 359 tokens
   against 256): 400 ``chunk_too_large``; and a chunk the session has no room left for
-  (400 ``context_length_exceeded``: the run's own chunks filled it).
+  (400 ``context_length_exceeded``: the run's own chunks filled it); on vLLM's routes, a
+  prompt longer than the model's context.
 - **Bounds set by the prompt.** vLLM's ``routed_experts_prompt_start`` must lie within
   the prompt's length, which the schema cannot know.
 - **A name of an object that does not exist.** schemathesis accepts a 404 for a missing
@@ -17,8 +18,8 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
 - **Rules inside a string, or between fields.** A structured output's regex, grammar
   or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be below
   ``max_tokens``; exactly one structured-output constraint is set; ``allowed_token_ids``
-  without a grammar; ``logprobs`` equal to the length of ``logprob_token_ids``: JSON
-  Schema states none of them (a chat request's
+  without a grammar; ``logprobs`` equal to the length of ``logprob_token_ids``, ``min_tokens``
+  at most ``max_tokens``: JSON Schema states none of them (a chat request's
   continuing its last message without a generation prompt, once listed here, it does:
   the schema now requires ``add_generation_prompt: false`` with it).
 - **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
@@ -37,6 +38,8 @@ import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 TOKEN_LIMIT_CODES = {"chunk_too_large", "context_length_exceeded"}
+# The same, in an error shape without a code (vLLM's Anthropic routes).
+TOKEN_LIMIT_MESSAGES = ("This model's maximum context length is",)
 PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
 MISSING_OBJECT_CODES = {"previous_response_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
@@ -45,7 +48,7 @@ MISSING_TOOL_MESSAGES = ("which is not declared in tools",)
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
                        "allowed_token_ids cannot be combined",
-                       "logprobs must equal len(logprob_token_ids)")
+                       "logprobs must equal len(logprob_token_ids)", "min_tokens must be less than or equal to max_tokens")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 
@@ -74,7 +77,8 @@ def refusal_no_schema_can_prevent(error: dict[str, Any], body: Any) -> bool:
     return (code in TOKEN_LIMIT_CODES or code in MISSING_OBJECT_CODES or param in PROMPT_BOUND_PARAMS
             or (param in MISSING_CURSOR_PARAMS and code == "invalid_value")
             or (param == MISSING_TOOL[0] and MISSING_TOOL[1] in str(error.get("message", "")))
-            or any(text in str(error.get("message", "")) for text in (*UNSTATABLE_MESSAGES, *MISSING_TOOL_MESSAGES))
+            or any(text in str(error.get("message", ""))
+                   for text in (*UNSTATABLE_MESSAGES, *MISSING_TOOL_MESSAGES, *TOKEN_LIMIT_MESSAGES))
             or beyond_stated_bound(str(error.get("message", "")), param, body))
 
 

@@ -159,6 +159,8 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
         "BatchChatCompletionRequest": {"properties": {"use_beam_search": {"type": "boolean"}}},
         "DetokenizeRequest": {"properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
         "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
+        "openai__types__responses__namespace_tool__ToolFunction": {"properties": {
+            "parameters": {"anyOf": [{}, {"type": "null"}]}}},
         "openai__types__responses__namespace_tool_param__ToolFunction": {"properties": {
             "parameters": {"anyOf": [{}, {"type": "null"}]}}},
     }}}
@@ -184,8 +186,11 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
     # vLLM's SamplingParams refuses an empty stop string, alone or in a list.
     assert [v.get("minLength", v.get("items", {}).get("minLength")) for v in completion["stop"]["anyOf"]] == [1, 1, None]
     # A namespace's function tool becomes vLLM's FunctionTool: its parameters are an object.
-    tool = components["openai__types__responses__namespace_tool_param__ToolFunction"]["properties"]
+    tool = components["openai__types__responses__namespace_tool__ToolFunction"]["properties"]
     assert tool["parameters"]["anyOf"][0] == {"type": "object"}
+    # In an input item (additional_tools) vLLM converts nothing: any value, as the SDK's type.
+    item_tool = components["openai__types__responses__namespace_tool_param__ToolFunction"]["properties"]
+    assert item_tool["parameters"]["anyOf"][0] == {}
     assert components["BatchChatCompletionRequest"]["properties"]["use_beam_search"]["const"] is False
     assert components["AnthropicToolChoice"]["then"]["required"] == ["name"]
     assert components["AnthropicContentBlock"]["allOf"][0]["then"]["required"] == ["tool"]
@@ -199,7 +204,7 @@ def test_rules_of_vllms_anthropic_conversion_are_in_the_schema() -> None:
     rules, read by a JSON Schema validator, against bodies vLLM answered by hand."""
     import jsonschema
 
-    from app.openai_schema import ANTHROPIC_CONVERSATION, ANTHROPIC_RULES
+    from app.openai_schema_rules import ANTHROPIC_CONVERSATION, ANTHROPIC_RULES
 
     def conversation(body: dict[str, Any]) -> bool:
         return jsonschema.Draft202012Validator(ANTHROPIC_CONVERSATION).is_valid(body)
@@ -316,6 +321,23 @@ def test_rules_between_fields_found_by_the_eleventh_round_are_in_the_schema() ->
     stop = components["ResponsesCreateRequest"]["properties"]["stop"]["anyOf"]
     assert "minLength" not in stop[0] and stop[1]["items"]["minLength"] == 1
     assert components["GenerativeScoringRequest"]["properties"]["label_token_ids"]["items"]["maximum"] == 731
+
+
+def test_logit_bias_names_token_ids_below_the_vocabulary() -> None:
+    """vLLM takes int() of each key and refuses ids out of the vocabulary (a batch with
+    a key that is no number was refused in a fresh seed). Oracle: every integer around
+    the bound, against the pattern."""
+    from app.openai_schema import decimal_below, declare_model_limits
+
+    for vocab in (1, 10, 732, 49152):
+        pattern = re.compile(decimal_below(vocab))
+        assert [i for i in range(vocab * 2 + 20) if pattern.match(str(i))] == list(range(vocab))
+        assert not pattern.match("x") and not pattern.match("-1") and not pattern.match("")
+    schema: dict[str, Any] = {"components": {"schemas": {"BatchChatCompletionRequest": {"properties": {
+        "logit_bias": {"anyOf": [{"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}]}}}}}}
+    declare_model_limits(schema, 732, 2048)
+    bias = schema["components"]["schemas"]["BatchChatCompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]
+    assert bias["propertyNames"] == {"pattern": decimal_below(732)}
 
 
 def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:

@@ -33,6 +33,8 @@ def test_token_limits_missing_objects_and_prompt_bounds_are_accepted() -> None:
     # Anthropic's error shape: no param, no code.
     removal = {"type": "BadRequestError", "message": "tool_removal references tool 'f', which is not declared in tools"}
     assert refusal_no_schema_can_prevent(removal, {})
+    too_long = {"type": "BadRequestError", "message": "This model's maximum context length is 2048 tokens. However,"}
+    assert refusal_no_schema_can_prevent(too_long, {})
 
 
 def test_rules_inside_strings_or_between_fields_are_accepted() -> None:
