@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError, create_model
+from pydantic import BaseModel, TypeAdapter, ValidationError, create_model
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm.exceptions import VLLMValidationError
@@ -54,7 +54,9 @@ MODEL_DEPENDENT_PATHS = {"/v1/systemone": "serving_structured_decisions"}
 class OpenAIBodyRoute:
     """What the server does with a vLLM route's JSON body before vLLM reads it."""
 
-    strict_validator: TypeAdapter[Any] | None  # validate in strict mode (None: leave it to vLLM)
+    # Validate in strict mode, as the first of these body models (by name) that takes it,
+    # in vLLM's order (None: leave it to vLLM).
+    strict_validator: tuple[tuple[str, TypeAdapter[Any]], ...] | None
     generates: bool  # it reaches the prefix cache: salt it, charge its tokens
     stateful: bool = False  # it honours STATEFUL_FIELDS (ours replaces vLLM's: app.responses)
 
@@ -89,10 +91,31 @@ def check_sampling(payload: dict[str, Any]) -> None:
                                   parameter="allowed_token_ids")
 
 
-def strict_errors(validator: TypeAdapter[Any], body: bytes, payload: Any) -> list[Any]:
-    """The body's validation errors in pydantic's strict mode, including what strict
-    validation alone misses (``missed_errors``; ``payload`` is the body parsed).
-    Errors of vLLM's own validators propagate (they are not pydantic's)."""
+def strict_errors(validators: tuple[tuple[str, TypeAdapter[Any]], ...], body: bytes, payload: Any) -> list[Any]:
+    """The body's validation errors in pydantic's strict mode as the first of
+    ``validators`` that takes it (none: the errors of each, under its name, as a union's
+    are). Errors of vLLM's own validators propagate (they are not pydantic's), where no
+    model takes the body: SageMaker's route raised the completion model's on a chat body
+    whose strict pass had failed on an integral float, one the chat model then took."""
+    errors: list[Any] = []
+    raised: VLLMValidationError | None = None
+    for name, validator in validators:
+        try:
+            found = _strict_errors(validator, body, payload)
+        except VLLMValidationError as refusal:
+            raised = raised or refusal
+            continue
+        if not found:
+            return []
+        errors += found if len(validators) == 1 else [{**error, "loc": (name, *error["loc"])} for error in found]
+    if raised is not None:
+        raise raised
+    return errors
+
+
+def _strict_errors(validator: TypeAdapter[Any], body: bytes, payload: Any) -> list[Any]:
+    """The errors of one body model, including what strict validation alone misses
+    (``missed_errors``; ``payload`` is the body parsed)."""
     try:
         validated = validator.validate_json(body, strict=True)
     except ValidationError as invalid:
@@ -217,19 +240,16 @@ def openai_body_routes(app: FastAPI, strict: bool, generating: bool) -> dict[str
             continue
         annotations[route.path] = annotation
         generates = generating and any("cache_salt" in model.model_fields for model in models)
-        validator = TypeAdapter(annotation) if strict else None
+        validator = ((route.path, TypeAdapter(annotation)),) if strict else None
         if generates or validator is not None:
             routes[route.path] = OpenAIBodyRoute(strict_validator=validator, generates=generates,
                                                  stateful=route.path in REPLACED_PATHS)
     for path in dispatching if generating or strict else []:
-        bodies = tuple(annotations[target] for target in DISPATCHING_GENERATE_PATHS[path] if target in annotations)
-        validator = None
-        if strict and bodies:
-            # The first body model that validates it, in vLLM's order (a smart union
-            # would also run the others' validators, which raise on a chat body).
-            union: Any = typing.Union[bodies]  # noqa: UP007 (the members are known at run time only)
-            validator = TypeAdapter(typing.Annotated[union, Field(union_mode="left_to_right")])
-        routes[path] = OpenAIBodyRoute(strict_validator=validator, generates=generating)
+        # The first body model that takes it, in vLLM's order (a union would also run the
+        # others' validators, which raise on a chat body).
+        bodies = tuple((getattr(annotations[target], "__name__", target), TypeAdapter(annotations[target]))
+                       for target in DISPATCHING_GENERATE_PATHS[path] if target in annotations)
+        routes[path] = OpenAIBodyRoute(strict_validator=bodies if strict and bodies else None, generates=generating)
     if strict:
         _validate_as_vllm_does_later(routes, annotations)
     return routes
@@ -249,7 +269,7 @@ def _validate_as_vllm_does_later(routes: dict[str, OpenAIBodyRoute], annotations
             path, model = models[name]
             typed = models[source][1].model_fields[source_field]
             derived = create_model(name, __base__=model, **{field: (typed.annotation, None)})  # type: ignore[call-overload]
-            routes[path] = replace(routes[path], strict_validator=TypeAdapter(derived))
+            routes[path] = replace(routes[path], strict_validator=((name, TypeAdapter(derived)),))
 
 
 def metrics_read_only(app: FastAPI) -> None:

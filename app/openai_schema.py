@@ -209,6 +209,10 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in property_variants(properties, "top_p"):
             if variant.get("type") == "number" and "maximum" not in variant:
                 variant["maximum"] = 1
+        # vLLM's SamplingParams: min_p in [0, 1].
+        for variant in property_variants(properties, "min_p"):
+            if variant.get("type") == "number" and "maximum" not in variant:
+                variant.update(minimum=0, maximum=1)
     for name, field in INTERNAL_FIELDS:
         components.get(name, {}).get("properties", {}).pop(field, None)
     # Batch chat completions refuse beam search and more than one choice.
@@ -233,8 +237,9 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     prompt["anyOf"] = [variant for variant in prompt.get("anyOf", []) if variant.get("type") != "null"]
     for variant in prompt["anyOf"]:
         variant["minLength" if variant.get("type") == "string" else "minItems"] = 1
-        if variant.get("items", {}).get("type") == "array":
-            variant["items"]["minItems"] = 1
+        items = variant.get("items", {})
+        if items.get("type") in ("array", "string"):  # a prompt of no tokens: "cannot be empty"
+            items["minItems" if items["type"] == "array" else "minLength"] = 1
     prompt.pop("default", None)
     if "prompt" not in (required := completion.setdefault("required", [])):
         required.append("prompt")

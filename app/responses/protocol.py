@@ -49,7 +49,6 @@ _NOTHING = {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}
 # refuses, its input items, function tools.
 STORED_PROPERTIES: dict[str, Any] = {
     "background": {"anyOf": [{"type": "null"}, {"const": False}]},
-    "prompt": {"type": "null"},
     "structured_outputs": {"type": "null"},
     "logit_bias": _NOTHING,
     "stop": {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]},
@@ -88,6 +87,7 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
     operation = schema.get("paths", {}).get("/v1/responses", {}).get("post")
     if body is None or operation is None or "stop" not in body.get("properties", {}):
         return
+    body["properties"]["prompt"] = {"type": "null"}  # prompt templates: neither handler takes them
     components[STATELESS_BODY] = {**copy.deepcopy(body), "title": STATELESS_BODY, "allOf": [STATELESS]}
     tools = {"type": "array", "items": _refs("FunctionTool")[0]} if tool_parsing else {"type": "array", "maxItems": 0}
     body["properties"].update(copy.deepcopy({**STORED_PROPERTIES, "tools": {"anyOf": [{"type": "null"}, tools]}}))

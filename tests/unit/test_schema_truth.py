@@ -392,9 +392,11 @@ def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
 
     integer = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
     schema: dict[str, Any] = {"components": {"schemas": {
-        "ChatCompletionRequest": {"properties": {"max_completion_tokens": copy.deepcopy(integer)}},
+        "ChatCompletionRequest": {"properties": {"max_completion_tokens": copy.deepcopy(integer),
+                                                 "min_p": {"anyOf": [{"type": "number"}, {"type": "null"}]}}},
         "BatchChatCompletionRequest": {"properties": {"n": copy.deepcopy(integer)}},
-        "CompletionRequest": {"properties": {"max_tokens": copy.deepcopy(integer)}},
+        "CompletionRequest": {"properties": {"max_tokens": copy.deepcopy(integer), "prompt": {"anyOf": [
+            {"type": "array", "items": {"type": "string"}}, {"type": "string"}]}}},
         "TokenizeChatRequest": {"properties": {}},
     }}}
     declare_vllm_input_rules(schema)
@@ -405,6 +407,11 @@ def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
     assert components["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0}
     assert components["BatchChatCompletionRequest"]["properties"]["n"]["anyOf"][0] == {
         "type": "integer", "minimum": 1, "maximum": 1}
+    # Round 16: min_p in [0, 1]; a prompt of strings holds no empty one (no tokens).
+    assert components["ChatCompletionRequest"]["properties"]["min_p"]["anyOf"][0] == {
+        "type": "number", "minimum": 0, "maximum": 1}
+    strings = components["CompletionRequest"]["properties"]["prompt"]["anyOf"][0]
+    assert strings["items"] == {"type": "string", "minLength": 1}
     completion = jsonschema.Draft202012Validator({"allOf": components["CompletionRequest"]["allOf"]})
     assert not completion.is_valid({"max_tokens": 0}) and completion.is_valid({"max_tokens": 0, "echo": True})
     for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
@@ -458,6 +465,7 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert not valid({"tools": web_search}) and valid({"tools": web_search, "store": False})
     assert valid({"tools": [{"type": "function"}]}) and valid({"input": [{"role": "user", "content": "hi"}]})
     assert not valid({"input": [{"type": "reasoning"}]}) and valid({"input": [{"type": "reasoning"}], "store": False})
+    assert not valid({"prompt": {"id": "pmpt_1"}, "store": False})  # neither handler takes prompt templates
     # Without a tool-call parser a session takes no tools at all.
     without_parser = validator(_responses_schema(tool_parsing=False)).is_valid
     assert not without_parser({"tools": [{"type": "function"}]}) and without_parser({"tools": []})
