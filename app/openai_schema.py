@@ -33,12 +33,20 @@ FILLED_IN_BY_VLLM = {"ResponseReasoningItemParam": ("id",), "ResponseReasoningIt
                      "CustomThinkCompletionContentParam": ("thinking",)}
 
 
+# Fields vLLM never reads, which its validation (a union of parts, some taking any
+# object) lets through with any value: a thinking part's ``closed``.
+IGNORED_BY_VLLM = [("CustomThinkCompletionContentParam", "closed")]
+
+
 def declare_filled_in_fields(schema: dict[str, Any]) -> None:
-    """The published schema does not require what vLLM fills in."""
+    """The published schema does not require what vLLM fills in, nor type what it ignores."""
     components = schema.get("components", {}).get("schemas", {})
     for name, fields in FILLED_IN_BY_VLLM.items():
         required = components.get(name, {}).get("required", [])
         required[:] = [field for field in required if field not in fields]
+    for name, field in IGNORED_BY_VLLM:
+        if field in (properties := components.get(name, {}).get("properties", {})):
+            properties[field] = {"description": "Ignored by this server (any value)."}
 
 
 # Arrays vLLM refuses empty (no template renders an empty conversation).

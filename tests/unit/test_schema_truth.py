@@ -358,7 +358,8 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
         "ChatCompletionAssistantMessageParam": {"properties": {"tool_calls": {"items": {"anyOf": [
             {"$ref": "#/F"}, custom_call]}}}},
         "ResponsesCreateRequest": {"properties": {}},
-        "CustomThinkCompletionContentParam": {"required": ["thinking", "type"]},
+        "CustomThinkCompletionContentParam": {"required": ["thinking", "type"],
+                                              "properties": {"closed": {"type": "boolean"}}},
     }}}
     declare_vllm_input_rules(schema)
     declare_filled_in_fields(schema)
@@ -375,6 +376,8 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
     assert components["ChatCompletionAssistantMessageParam"]["properties"]["tool_calls"]["items"]["anyOf"] == [
         {"$ref": "#/F"}]
     assert components["CustomThinkCompletionContentParam"]["required"] == ["type"]
+    # vLLM never reads closed, and takes any value for it (round 16: ten seeds of ten).
+    assert "type" not in components["CustomThinkCompletionContentParam"]["properties"]["closed"]
     chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
     assert not chat.is_valid({"stream": True, "prompt_logprobs": 2}) and chat.is_valid({"stream": True, "prompt_logprobs": 0})
     responses = jsonschema.Draft202012Validator({"allOf": components["ResponsesCreateRequest"]["allOf"]})
