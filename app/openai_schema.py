@@ -321,14 +321,14 @@ def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmo
              "then": {"required": ["tool_choice"]}})
     if "AnthropicToolChoice" in components:
         components["AnthropicToolChoice"]["properties"]["type"] = {"const": "none"}
-        # Tools given, or added by a system message's block: the default choice is auto.
-        addition = {"properties": {"role": {"const": "system"}, "content": {
-            "type": "array", "contains": {"properties": {"type": {"const": "tool_addition"}}, "required": ["type"]}}},
+        # A tool list (given, even empty, or made by a system message's tool change): the
+        # default choice is auto.
+        change = {"properties": {"role": {"const": "system"}, "content": {"type": "array", "contains": {
+            "properties": {"type": {"enum": ["tool_addition", "tool_removal"]}}, "required": ["type"]}}},
             "required": ["role", "content"]}
         for name in ANTHROPIC_REQUESTS:
             if name in components:
                 components[name].setdefault("allOf", []).append({"anyOf": [
                     {"properties": {"tool_choice": {"type": "object"}}, "required": ["tool_choice"]},
-                    {"properties": {"tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
-                                    "messages": {"not": {"contains": addition}}}},
+                    {"properties": {"tools": {"type": "null"}, "messages": {"not": {"contains": change}}}},
                 ]})

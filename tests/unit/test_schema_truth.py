@@ -266,6 +266,7 @@ def test_what_the_server_was_started_with_is_in_the_schema() -> None:
     added = {"role": "system", "content": [{"type": "tool_addition"}]}
     assert not anthropic.is_valid({"tools": [{}]}) and not anthropic.is_valid({"messages": [added]})
     assert anthropic.is_valid({"tools": [{}], "tool_choice": {"type": "none"}}) and anthropic.is_valid({})
+    assert not anthropic.is_valid({"tools": []})  # an empty list is a list: vLLM's default is then auto
     # A server with a parser, on a harmony model, with embeddings on: the schema as vLLM's.
     full = _tool_schema()
     declare_server_features(full, tool_parsing=True, harmony=True, prompt_embeds=True, multimodal=True)
