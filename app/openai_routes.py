@@ -14,6 +14,7 @@ patches below make the published schema say what the server enforces, no more, n
 
 from __future__ import annotations
 
+import functools
 import types
 import typing
 from collections.abc import Iterator
@@ -129,7 +130,55 @@ def _strict_errors(validator: TypeAdapter[Any], body: bytes, payload: Any) -> li
             validated = validator.validate_json(body)
         except ValidationError as lax:
             return lax.errors()
-    return missed_errors(validated, payload, ())
+    errors = missed_errors(validated, payload, ())
+    if type(validated).__name__ in CHAT_BODIES:
+        errors += typed_part_errors(payload)
+    return errors
+
+
+# Chat bodies whose message content parts vLLM's parser reads by their type.
+CHAT_BODIES = frozenset({"ChatCompletionRequest", "BatchChatCompletionRequest", "TokenizeChatRequest"})
+
+
+@functools.cache
+def _typed_parts() -> dict[str, TypeAdapter[Any]]:
+    """vLLM's chat content part models by the ``type`` each declares."""
+    from vllm.renderers.chat_utils import ChatCompletionContentPartParam
+
+    parts: dict[str, TypeAdapter[Any]] = {}
+    for member in typing.get_args(ChatCompletionContentPartParam):
+        declared = typing.get_type_hints(member).get("type") if isinstance(member, type) else None
+        for kind in typing.get_args(declared) if declared is not None else ():
+            parts[kind] = TypeAdapter(member)
+    return parts
+
+
+def typed_part_errors(payload: Any) -> list[Any]:
+    """A content part that names its type must be that part: vLLM's union of parts also
+    holds models that take any object (a part told apart by its key, such as
+    ``{"image_url": ...}``), so pydantic let ``{"type": "thinking", "thinking": 5}``
+    through, and vLLM's parser rendered it (fresh-seed fuzzing, ten seeds of ten)."""
+    messages = payload.get("messages") if isinstance(payload, dict) else None
+    if not isinstance(messages, list):
+        return []
+    batched = bool(messages) and all(isinstance(conversation, list) for conversation in messages)
+    located: list[tuple[tuple[int, ...], list[Any]]] = (
+        [((number,), conversation) for number, conversation in enumerate(messages)] if batched else [((), messages)])
+    errors: list[Any] = []
+    parts = _typed_parts()
+    for prefix, conversation in located:
+        for index, message in enumerate(conversation):
+            content = message.get("content") if isinstance(message, dict) else None
+            for position, part in enumerate(content if isinstance(content, list) else []):
+                adapter = parts.get(str(part.get("type"))) if isinstance(part, dict) else None
+                if adapter is None:
+                    continue
+                try:
+                    adapter.validate_python(part, strict=True)
+                except ValidationError as invalid:
+                    loc = ("messages", *prefix, index, "content", position)
+                    errors += [{**error, "loc": (*loc, *error["loc"])} for error in invalid.errors()]
+    return errors
 
 
 def _json_schema_form(error: Any) -> bool:

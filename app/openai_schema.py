@@ -26,27 +26,17 @@ from app.openai_schema_rules import (
 
 # Fields the openai SDK's types (and so the schema) require, which vLLM's validators
 # fill in when a Responses request's input item leaves them out: a reasoning item's
-# id; an assistant message's id and status, and its output texts' annotations; a chat
-# thinking part's text (read as empty).
+# id; an assistant message's id and status, and its output texts' annotations.
 FILLED_IN_BY_VLLM = {"ResponseReasoningItemParam": ("id",), "ResponseReasoningItem": ("id",),
-                     "ResponseOutputMessageParam": ("id", "status"), "ResponseOutputTextParam": ("annotations",),
-                     "CustomThinkCompletionContentParam": ("thinking",)}
-
-
-# Fields vLLM never reads, which its validation (a union of parts, some taking any
-# object) lets through with any value: a thinking part's ``closed``.
-IGNORED_BY_VLLM = [("CustomThinkCompletionContentParam", "closed")]
+                     "ResponseOutputMessageParam": ("id", "status"), "ResponseOutputTextParam": ("annotations",)}
 
 
 def declare_filled_in_fields(schema: dict[str, Any]) -> None:
-    """The published schema does not require what vLLM fills in, nor type what it ignores."""
+    """The published schema does not require what vLLM fills in."""
     components = schema.get("components", {}).get("schemas", {})
     for name, fields in FILLED_IN_BY_VLLM.items():
         required = components.get(name, {}).get("required", [])
         required[:] = [field for field in required if field not in fields]
-    for name, field in IGNORED_BY_VLLM:
-        if field in (properties := components.get(name, {}).get("properties", {})):
-            properties[field] = {"description": "Ignored by this server (any value)."}
 
 
 # Arrays vLLM refuses empty (no template renders an empty conversation).

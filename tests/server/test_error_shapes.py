@@ -86,6 +86,14 @@ LAX_BODIES = {
         "model": "embedded-tiny", "max_tokens": 1, "messages": [[{"role": "user", "content": "hi"}]],
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "1"}}},
         "response_format.json_schema.strict"),
+    # A part that names its type is that part (in a message of a role of its own, vLLM's
+    # union of parts also takes any object, and its parser rendered this one): fresh
+    # seeds, ten of ten.
+    "typed-part": ("/v1/chat/completions", {"model": "embedded-tiny", "max_tokens": 1, "messages": [
+        {"role": "narrator", "content": [{"type": "thinking", "thinking": 5}]}]}, "messages.0.content.0.thinking"),
+    "typed-part-in-a-batch": ("/v1/chat/completions/batch", {"model": "embedded-tiny", "max_tokens": 1, "messages": [[
+        {"role": "narrator", "content": [{"type": "thinking", "closed": "x", "thinking": "t"}]}]]},
+        "messages.0.0.content.0.closed"),
     # vLLM's salt rule, which its chat batches skip: every route now applies it.
     "batch-salt": ("/v1/chat/completions/batch", {"model": "embedded-tiny", "max_tokens": 1, "cache_salt": "a/b",
                                                   "messages": [[{"role": "user", "content": "hi"}]]}, "cache_salt"),

@@ -345,7 +345,7 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
     """Refused in seven fresh seeds of ten: negative logprob counts, prompt logprobs on a
     stream, a required Responses tool without tools, a file part and an assistant's
     custom tool call (vLLM's chat parser takes neither). Accepted while the schema
-    refused it: a thinking part without its text (vLLM reads it as empty)."""
+    refused it: a thinking part without its text, which the strict pass now refuses."""
     import jsonschema
 
     from app.openai_schema import declare_filled_in_fields
@@ -376,9 +376,10 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
     assert components["ChatCompletionUserMessageParam"]["properties"]["content"]["items"]["anyOf"] == [{"$ref": "#/T"}]
     assert components["ChatCompletionAssistantMessageParam"]["properties"]["tool_calls"]["items"]["anyOf"] == [
         {"$ref": "#/F"}]
-    assert components["CustomThinkCompletionContentParam"]["required"] == ["type"]
-    # vLLM never reads closed, and takes any value for it (round 16: ten seeds of ten).
-    assert "type" not in components["CustomThinkCompletionContentParam"]["properties"]["closed"]
+    # A thinking part is as its model says: the strict pass now refuses one that is not
+    # (app.openai_routes.typed_part_errors), where vLLM's union of parts took any object.
+    assert components["CustomThinkCompletionContentParam"]["required"] == ["thinking", "type"]
+    assert components["CustomThinkCompletionContentParam"]["properties"]["closed"] == {"type": "boolean"}
     chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
     assert not chat.is_valid({"stream": True, "prompt_logprobs": 2}) and chat.is_valid({"stream": True, "prompt_logprobs": 0})
     responses = jsonschema.Draft202012Validator({"allOf": components["ResponsesCreateRequest"]["allOf"]})

@@ -50,3 +50,20 @@ def test_every_other_refusal_still_fails_the_check() -> None:
     # A rule the schema now states is no exception (it was, until the eleventh round).
     assert not refusal_no_schema_can_prevent(
         error("when using `logprob_token_ids`, `logprobs` must be set to true.", "logprob_token_ids"), {})
+
+
+def test_a_negative_case_whose_body_fits_the_schema_is_judged_as_sent() -> None:
+    # schemathesis's shrinker can leave a "negative" body the schema takes (its issue
+    # #4332): a fresh seed reported such a conversation as accepted schema-violating data.
+    from types import SimpleNamespace
+
+    from tests.server.schemathesis_checks import body_fits_schema
+
+    raw = {"components": {"schemas": {"Part": {"type": "object", "properties": {"type": {"enum": ["text"]}},
+                                               "required": ["type"]}}}}
+    definition = {"requestBody": {"content": {"application/json": {"schema": {
+        "type": "array", "items": {"$ref": "#/components/schemas/Part"}}}}}}
+    operation = SimpleNamespace(definition=SimpleNamespace(raw=definition), schema=SimpleNamespace(raw_schema=raw))
+    assert body_fits_schema(SimpleNamespace(operation=operation, body=[{"type": "text"}]))
+    assert not body_fits_schema(SimpleNamespace(operation=operation, body=[{"type": "image"}]))
+    assert not body_fits_schema(SimpleNamespace(operation=operation, body=object()))  # nothing sent as JSON
