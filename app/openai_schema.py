@@ -64,7 +64,10 @@ NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k")]
 # Output token counts vLLM bounds by the model's length ("max_completion_tokens=... cannot
 # be greater than max_model_len"; a chat's deprecated max_tokens it clamps instead).
 OUTPUT_TOKEN_FIELDS = [("ChatCompletionRequest", "max_completion_tokens"),
-                       ("BatchChatCompletionRequest", "max_completion_tokens"), ("AnthropicMessagesRequest", "max_tokens")]
+                       ("BatchChatCompletionRequest", "max_completion_tokens"), ("AnthropicMessagesRequest", "max_tokens"),
+                       ("StatelessResponsesCreateRequest", "max_output_tokens")]
+# vLLM's SamplingParams: penalties in [-2, 2].
+PENALTIES = ("frequency_penalty", "presence_penalty")
 # A thinking budget: -1 (unlimited) or a count, the count only with a reasoning parser
 # (vLLM's engine refuses it otherwise).
 THINKING_BUDGETS = [("ChatCompletionRequest", "thinking_token_budget"), ("CompletionRequest", "thinking_token_budget")]
@@ -207,10 +210,11 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in property_variants(properties, "top_p"):
             if variant.get("type") == "number" and "maximum" not in variant:
                 variant["maximum"] = 1
-        # vLLM's SamplingParams: min_p in [0, 1].
-        for variant in property_variants(properties, "min_p"):
-            if variant.get("type") == "number" and "maximum" not in variant:
-                variant.update(minimum=0, maximum=1)
+        # vLLM's SamplingParams: min_p in [0, 1], penalties in [-2, 2].
+        for field, low, high in (("min_p", 0, 1), *((penalty, -2, 2) for penalty in PENALTIES)):
+            for variant in property_variants(properties, field):
+                if variant.get("type") == "number" and "maximum" not in variant:
+                    variant.update(minimum=low, maximum=high)
     for name, field in INTERNAL_FIELDS:
         components.get(name, {}).get("properties", {}).pop(field, None)
     # Batch chat completions refuse beam search and more than one choice.

@@ -137,6 +137,14 @@ def declare_rules_of_handlers(components: dict[str, Any]) -> None:
     for name, key in SIMPLE_PARTS.items():
         if name in components:
             components[name]["required"] = [key]
+    # Repetition detection: sizes from 0, and a pattern (a size above 0) counted at least twice.
+    detection = components.get("RepetitionDetectionParams", {})
+    for field in ("max_pattern_size", "min_pattern_size"):
+        if detection.get("properties", {}).get(field, {}).get("type") == "integer":
+            detection["properties"][field]["minimum"] = 0
+    if "max_pattern_size" in detection.get("properties", {}):
+        detection["if"] = {"properties": {"max_pattern_size": {"minimum": 1}}, "required": ["max_pattern_size"]}
+        detection["then"] = {"properties": {"min_count": {"minimum": 2}}, "required": ["min_count"]}
     for ref in UNPARSED:
         drop_refs(components, ref)
     for name, field in LOGPROB_COUNTS:

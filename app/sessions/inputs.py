@@ -173,11 +173,12 @@ def declare_bounds(schema: dict[str, Any], vocab_size: int, max_output_tokens: i
     what the checks above accept: token ids below the vocabulary, at most
     ``max_chunk_tokens`` of them (stop token ids too), at most ``max_messages`` chat
     messages (as many as a turn of ``max_chunk_tokens`` holds), and ``max_tokens`` up to
-    the per-chunk cap."""
+    the per-chunk cap (a stored response's ``max_output_tokens`` too)."""
     components = schema.get("components", {}).get("schemas", {})
-    for name in ("ChunkRequest", "SessionDefaults"):
+    for name, field in (("ChunkRequest", "max_tokens"), ("SessionDefaults", "max_tokens"),
+                        ("ResponsesCreateRequest", "max_output_tokens")):
         properties = components.get(name, {}).get("properties", {})
-        for variant in properties.get("max_tokens", {}).get("anyOf", []):
+        for variant in properties.get(field, {}).get("anyOf", []):
             if variant.get("type") == "integer":
                 variant["maximum"] = max_output_tokens
         for field in ("input", "stop_token_ids"):

@@ -19,7 +19,8 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
   or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be below
   ``max_tokens``; exactly one structured-output constraint is set; ``allowed_token_ids``
   without a grammar; ``logprobs`` equal to the length of ``logprob_token_ids``, ``min_tokens``
-  at most ``max_tokens``: JSON Schema states none of them (a chat request's
+  at most ``max_tokens``, a repetition pattern's least size at most its largest: JSON
+  Schema states none of them (a chat request's
   continuing its last message without a generation prompt, once listed here, it does:
   the schema now requires ``add_generation_prompt: false`` with it).
 - **Integers beyond a stated bound.** The schema states vLLM's 64-bit bounds exactly
@@ -49,7 +50,8 @@ MISSING_TOOL_MESSAGES = ("which is not declared in tools",)
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
                        "allowed_token_ids cannot be combined",
-                       "logprobs must equal len(logprob_token_ids)", "min_tokens must be less than or equal to max_tokens")
+                       "logprobs must equal len(logprob_token_ids)", "min_tokens must be less than or equal to max_tokens",
+                       "with min_pattern_size <= max_pattern_size")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 

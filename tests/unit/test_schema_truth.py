@@ -474,3 +474,35 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     # Without a tool-call parser a session takes no tools at all.
     without_parser = validator(_responses_schema(tool_parsing=False)).is_valid
     assert not without_parser({"tools": [{"type": "function"}]}) and without_parser({"tools": []})
+
+
+def test_the_seventeenth_rounds_findings_are_in_the_schema() -> None:
+    """Refused in fresh seeds: penalties beyond [-2, 2], repetition detection with a
+    negative size or a pattern counted fewer than twice, a stateless response asking for
+    more than the model's length, a stored one more than a chunk's cap."""
+    import jsonschema
+
+    from app.openai_schema import declare_model_limits
+    from app.sessions.inputs import declare_bounds
+
+    number = {"anyOf": [{"type": "number"}, {"type": "null"}]}
+    output = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
+    schema: dict[str, Any] = {"components": {"schemas": {
+        "ChatCompletionRequest": {"properties": {"frequency_penalty": copy.deepcopy(number)}},
+        "RepetitionDetectionParams": {"properties": {"max_pattern_size": {"type": "integer"},
+                                                     "min_pattern_size": {"type": "integer"},
+                                                     "min_count": {"type": "integer"}}},
+        "ResponsesCreateRequest": {"properties": {"max_output_tokens": copy.deepcopy(output)}},
+        "StatelessResponsesCreateRequest": {"properties": {"max_output_tokens": copy.deepcopy(output)}},
+    }}}
+    declare_vllm_input_rules(schema)
+    declare_model_limits(schema, 732, 2048)
+    declare_bounds(schema, vocab_size=732, max_output_tokens=16, max_chunk_tokens=256)
+    components = schema["components"]["schemas"]
+    assert components["ChatCompletionRequest"]["properties"]["frequency_penalty"]["anyOf"][0] == {
+        "type": "number", "minimum": -2, "maximum": 2}
+    detection = jsonschema.Draft202012Validator(components["RepetitionDetectionParams"])
+    assert not detection.is_valid({"max_pattern_size": -1}) and not detection.is_valid({"max_pattern_size": 3})
+    assert detection.is_valid({"max_pattern_size": 3, "min_count": 2}) and detection.is_valid({})
+    assert components["ResponsesCreateRequest"]["properties"]["max_output_tokens"]["anyOf"][0]["maximum"] == 16
+    assert components["StatelessResponsesCreateRequest"]["properties"]["max_output_tokens"]["anyOf"][0]["maximum"] == 2048
