@@ -279,7 +279,8 @@ HARMONY_MESSAGE = "#/components/schemas/openai_harmony__Message"
 # Content parts only a multimodal model takes ("... is not a multimodal model").
 MULTIMODAL_PARTS = [f"ChatCompletionContentPart{kind}Param" for kind in (
     "Image", "InputAudio", "Audio", "Video", "ImageEmbeds", "AudioEmbeds", "VideoEmbeds")] + [
-    f"CustomChatCompletionContentSimple{kind}Param" for kind in ("Image", "Audio", "Video")]
+    f"CustomChatCompletionContentSimple{kind}Param" for kind in ("Image", "Audio", "Video")] + [
+    "ResponseInputImageParam"]
 
 
 def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmony: bool,
