@@ -59,8 +59,10 @@ NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountToke
 POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens"), *(
     (name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
     for field in ("max_completion_tokens", "n")), ("CompletionRequest", "n")]
-# Integers vLLM refuses below 0 (Anthropic's top_k: "0 (disable), or at least 1").
-NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k")]
+# Integers vLLM refuses below 0 (Anthropic's top_k: "0 (disable), or at least 1";
+# SamplingParams' min_tokens).
+NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k"), *(
+    (name, "min_tokens") for name in ("ChatCompletionRequest", "CompletionRequest", "BatchChatCompletionRequest"))]
 # Output token counts vLLM bounds by the model's length ("max_completion_tokens=... cannot
 # be greater than max_model_len"; a chat's deprecated max_tokens it clamps instead).
 OUTPUT_TOKEN_FIELDS = [("ChatCompletionRequest", "max_completion_tokens"),
@@ -280,7 +282,7 @@ HARMONY_MESSAGE = "#/components/schemas/openai_harmony__Message"
 MULTIMODAL_PARTS = [f"ChatCompletionContentPart{kind}Param" for kind in (
     "Image", "InputAudio", "Audio", "Video", "ImageEmbeds", "AudioEmbeds", "VideoEmbeds")] + [
     f"CustomChatCompletionContentSimple{kind}Param" for kind in ("Image", "Audio", "Video")] + [
-    "ResponseInputImageParam"]
+    "ResponseInputImageParam", "ResponseInputImageContentParam"]
 
 
 def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmony: bool,

@@ -519,9 +519,12 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     from app.openai_schema import declare_model_limits
 
     file_part = {"$ref": "#/components/schemas/ResponseInputFileParam"}
+    output_file = {"$ref": "#/components/schemas/ResponseInputFileContentParam"}
     schema: dict[str, Any] = {"components": {"schemas": {
-        "ChatCompletionRequest": {"properties": {}},
+        "ChatCompletionRequest": {"properties": {"min_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
         "EasyInputMessageParam": {"properties": {"content": {"items": {"anyOf": [{"$ref": "#/T"}, file_part]}}}},
+        "ResponseCustomToolCallOutputParam": {"properties": {"output": {"anyOf": [
+            {"type": "string"}, {"type": "array", "items": {"anyOf": [{"$ref": "#/T"}, output_file]}}]}}},
     }}}
     declare_vllm_input_rules(schema)
     declare_model_limits(schema, 732, 2048)
@@ -529,3 +532,7 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
     assert chat.is_valid({"logprob_token_ids": [1], "logprobs": True})
     assert components["EasyInputMessageParam"]["properties"]["content"]["items"]["anyOf"] == [{"$ref": "#/T"}]
+    # Round 19: a tool output's file part, and min_tokens below 0.
+    output = components["ResponseCustomToolCallOutputParam"]["properties"]["output"]["anyOf"][1]
+    assert output["items"]["anyOf"] == [{"$ref": "#/T"}]
+    assert components["ChatCompletionRequest"]["properties"]["min_tokens"]["anyOf"][0]["minimum"] == 0
