@@ -22,6 +22,7 @@ from app.openai_schema_rules import (
     drop_refs,
     property_variants,
     variants,
+    when,
 )
 
 # Fields the openai SDK's types (and so the schema) require, which vLLM's validators
@@ -60,8 +61,8 @@ POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens"), *(
     (name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
     for field in ("max_completion_tokens", "n")), ("CompletionRequest", "n")]
 # Integers vLLM refuses below 0 (Anthropic's top_k: "0 (disable), or at least 1";
-# SamplingParams' min_tokens).
-NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k"), *(
+# SamplingParams' min_tokens; a completion's max_tokens, 0 only with echo).
+NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k"), ("CompletionRequest", "max_tokens"), *(
     (name, "min_tokens") for name in ("ChatCompletionRequest", "CompletionRequest", "BatchChatCompletionRequest"))]
 # Output token counts vLLM bounds by the model's length ("max_completion_tokens=... cannot
 # be greater than max_model_len"; a chat's deprecated max_tokens it clamps instead).
@@ -226,9 +227,6 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     for variant in variants(components, "BatchChatCompletionRequest", "n"):
         if variant.get("type") == "integer":
             variant["maximum"] = 1
-    for variant in variants(components, "CompletionRequest", "max_tokens"):
-        if variant.get("type") == "integer":
-            variant["minimum"] = 0
     for name, rule in {**ANTHROPIC_RULES, "ResponseFormat": RESPONSE_FORMAT_RULE}.items():
         if name in components:
             components[name].update(rule)
@@ -295,16 +293,15 @@ def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmo
     embedding parts) only where the server enables them; images, audio and video only
     on a multimodal model."""
     components = schema.get("components", {}).get("schemas", {})
-    if not harmony:
-        drop_refs(components, HARMONY_MESSAGE)
+    unoffered = [*([] if harmony else [HARMONY_MESSAGE]),
+                 *([] if multimodal else [f"#/components/schemas/{part}" for part in MULTIMODAL_PARTS]),
+                 *([] if prompt_embeds else ["#/components/schemas/ChatCompletionContentPartPromptEmbedsParam"])]
+    drop_refs(components, *unoffered)
     if not multimodal:
-        for part in MULTIMODAL_PARTS:
-            drop_refs(components, f"#/components/schemas/{part}")
         block_type = components.get("AnthropicContentBlock", {}).get("properties", {}).get("type", {})
         if "image" in block_type.get("enum", []):
             block_type["enum"] = [kind for kind in block_type["enum"] if kind != "image"]
     if not prompt_embeds:
-        drop_refs(components, "#/components/schemas/ChatCompletionContentPartPromptEmbedsParam")
         for component in components.values():
             if (embeds := component.get("properties", {}).get("prompt_embeds")) is not None:
                 component["properties"]["prompt_embeds"] = {"type": "null", "title": embeds.get("title", "")}
@@ -314,8 +311,7 @@ def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmo
     if (choice := chat.get("tool_choice")) is not None:
         choice["anyOf"] = [v for v in choice.get("anyOf", []) if v.get("type") == "null" or v.get("const") == "none"]
         components["ChatCompletionRequest"].setdefault("allOf", []).append(
-            {"if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
-             "then": {"required": ["tool_choice"]}})
+            when({"tools": {"type": "array", "minItems": 1}}, {"required": ["tool_choice"]}))
     if "AnthropicToolChoice" in components:
         components["AnthropicToolChoice"]["properties"]["type"] = {"const": "none"}
         # A tool list (given, even empty, or made by a system message's tool change): the

@@ -56,7 +56,7 @@ ANTHROPIC_CONVERSATION = {"anyOf": [
 ]}
 
 
-def _when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+def when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
     field = next(iter(condition))
     return {"if": {"properties": condition, "required": [field]}, "then": then}
 
@@ -78,23 +78,23 @@ _STREAMING = {"anyOf": [
 # output (max_tokens 0) only with echo; continuing the final message without a
 # generation prompt.
 _CHAT_LOGPROBS = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
-_CHAT_LOGPROB_RULES = [_when(_LOGPROB_IDS, _CHAT_LOGPROBS),
-                       _when({"top_logprobs": {"type": "integer", "not": {"const": 0}}}, _CHAT_LOGPROBS)]
+_CHAT_LOGPROB_RULES = [when(_LOGPROB_IDS, _CHAT_LOGPROBS),
+                       when({"top_logprobs": {"type": "integer", "not": {"const": 0}}}, _CHAT_LOGPROBS)]
 # add_generation_prompt defaults to true, so continuing the final message asks for false.
-_CONTINUE = _when({"continue_final_message": {"const": True}}, {
+_CONTINUE = when({"continue_final_message": {"const": True}}, {
     "properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]})
-_REQUIRED_TOOL = _when({"tool_choice": {"const": "required"}},
+_REQUIRED_TOOL = when({"tool_choice": {"const": "required"}},
                        {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})
 CROSS_FIELD_RULES = {
     "ChatCompletionRequest": [_STREAMING, _CONTINUE, *_CHAT_LOGPROB_RULES],
     "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES],
     "TokenizeChatRequest": [_CONTINUE],
     **{name: [_REQUIRED_TOOL] for name in ("ResponsesCreateRequest", "StatelessResponsesCreateRequest")},
-    "CompletionRequest": [_STREAMING, _when(_LOGPROB_IDS, {
+    "CompletionRequest": [_STREAMING, when(_LOGPROB_IDS, {
         "properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
-        _when({"suffix": {"type": "string"}}, {"properties": {
+        when({"suffix": {"type": "string"}}, {"properties": {
             "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}}),
-        _when({"max_tokens": {"const": 0}}, {"properties": {"echo": {"const": True}}, "required": ["echo"]})],
+        when({"max_tokens": {"const": 0}}, {"properties": {"echo": {"const": True}}, "required": ["echo"]})],
 }
 # Counts of logprobs: -1 (all) or at least 0.
 LOGPROB_COUNTS = [("CompletionRequest", "logprobs"), ("CompletionRequest", "prompt_logprobs"),
@@ -146,8 +146,7 @@ def declare_rules_of_handlers(components: dict[str, Any]) -> None:
     if "max_pattern_size" in detection.get("properties", {}):
         detection["if"] = {"properties": {"max_pattern_size": {"minimum": 1}}, "required": ["max_pattern_size"]}
         detection["then"] = {"properties": {"min_count": {"minimum": 2}}, "required": ["min_count"]}
-    for ref in UNPARSED:
-        drop_refs(components, ref)
+    drop_refs(components, *UNPARSED)
     for name, field in LOGPROB_COUNTS:
         for variant in variants(components, name, field):
             if variant.get("type") == "integer":
@@ -165,14 +164,14 @@ def declare_rules_of_handlers(components: dict[str, Any]) -> None:
             components[name]["properties"]["parameters"] = {"anyOf": [{"type": "object"}, {"type": "null"}]}
 
 
-def drop_refs(node: Any, ref: str) -> None:
-    """Take ``ref`` out of every union in ``node``."""
+def drop_refs(node: Any, *refs: str) -> None:
+    """Take each of ``refs`` out of every union in ``node``, in one walk."""
     if isinstance(node, dict):
         for key in ("anyOf", "oneOf"):
             if isinstance(node.get(key), list):
-                node[key] = [v for v in node[key] if not (isinstance(v, dict) and v.get("$ref") == ref)]
+                node[key] = [v for v in node[key] if not (isinstance(v, dict) and v.get("$ref") in refs)]
         for value in node.values():
-            drop_refs(value, ref)
+            drop_refs(value, *refs)
     elif isinstance(node, list):
         for value in node:
-            drop_refs(value, ref)
+            drop_refs(value, *refs)

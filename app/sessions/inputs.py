@@ -181,13 +181,13 @@ def declare_bounds(schema: dict[str, Any], vocab_size: int, max_output_tokens: i
         for variant in properties.get(field, {}).get("anyOf", []):
             if variant.get("type") == "integer":
                 variant["maximum"] = max_output_tokens
-        for field in ("input", "stop_token_ids"):
-            for variant in properties.get(field, {}).get("anyOf", []):
+        for listed in ("input", "stop_token_ids"):
+            for variant in properties.get(listed, {}).get("anyOf", []):
                 if variant.get("type") != "array":
                     continue
                 if variant["items"].get("type") == "integer":  # token ids
                     variant["items"]["maximum"] = vocab_size - 1
-                    if field == "input":
+                    if listed == "input":
                         variant["maxItems"] = max_chunk_tokens
                 elif max_messages is not None:  # chat messages
                     variant["maxItems"] = max_messages
