@@ -85,9 +85,13 @@ _CONTINUE = when({"continue_final_message": {"const": True}}, {
     "properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]})
 _REQUIRED_TOOL = when({"tool_choice": {"const": "required"}},
                        {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})
+# A batch's deprecated max_tokens is its output count unless max_completion_tokens is
+# set, and SamplingParams takes at least 1 (a chat request's is clamped instead).
+_BATCH_MAX_TOKENS = when({"max_tokens": {"type": "integer", "maximum": 0}}, {
+    "properties": {"max_completion_tokens": {"type": "integer"}}, "required": ["max_completion_tokens"]})
 CROSS_FIELD_RULES = {
     "ChatCompletionRequest": [_STREAMING, _CONTINUE, *_CHAT_LOGPROB_RULES],
-    "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES],
+    "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES, _BATCH_MAX_TOKENS],
     "TokenizeChatRequest": [_CONTINUE],
     **{name: [_REQUIRED_TOOL] for name in ("ResponsesCreateRequest", "StatelessResponsesCreateRequest")},
     "CompletionRequest": [_STREAMING, when(_LOGPROB_IDS, {
@@ -96,6 +100,17 @@ CROSS_FIELD_RULES = {
             "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}}),
         when({"max_tokens": {"const": 0}}, {"properties": {"echo": {"const": True}}, "required": ["echo"]})],
 }
+# Without a tool parser, tools need a tool_choice (its default is then auto, refused).
+NO_PARSER_TOOLS = when({"tools": {"type": "array", "minItems": 1}}, {"required": ["tool_choice"]})
+
+
+# Beam search (vLLM's extension) takes no logprob_token_ids. (It also asks the engine for
+# 2n logprobs a step, so n is at most half of max_logprobs with it: a rule on n costs the
+# generator what it cannot spare, docs/reliability.md.)
+BEAM_SEARCH = when({"use_beam_search": {"const": True}}, {"properties": {
+    "logprob_token_ids": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}})
+
+
 # Counts of logprobs: -1 (all) or at least 0.
 LOGPROB_COUNTS = [("CompletionRequest", "logprobs"), ("CompletionRequest", "prompt_logprobs"),
                   ("ChatCompletionRequest", "prompt_logprobs"), ("ChatCompletionRequest", "top_logprobs"),

@@ -1,4 +1,5 @@
-"""Fixes for faults in vLLM's own OpenAI handlers that answer valid requests with 500.
+"""Fixes for faults in vLLM's own OpenAI handlers that refuse valid requests (a 500, or
+a 400 of an error that is vLLM's own).
 
 Each is found by fuzzing this server's schema (docs/reliability.md), is guarded so it
 does nothing where vLLM's code differs, and has a test that fails without it.
@@ -6,12 +7,35 @@ does nothing where vLLM's code differs, and has a test that fails without it.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
 
 def apply() -> None:
     _model_items_vllm_cannot_convert_go_as_dicts()
+    _batch_conversations_are_rendered_from_a_copy()
+
+
+def _batch_conversations_are_rendered_from_a_copy() -> None:
+    """vLLM 0.32's batch chat completions render each conversation from the batch's own
+    message dicts (rendering turns a tool call's ``arguments`` into a dict, in place)
+    and, with a tool parser, build the conversation's request again from the same dicts
+    to parse the reply: which then fails (400 "function.arguments Input should be a
+    valid string") on any conversation with a tool call. Rendering gets a copy."""
+    from vllm.entrypoints.openai.chat_completion.batch_serving import OpenAIServingChatBatch
+
+    render = OpenAIServingChatBatch.render_batch_chat_request
+    if getattr(render, "_streamsess_fixed", False):
+        return
+
+    @functools.wraps(render)
+    async def render_a_copy(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        request = request.model_copy(update={"messages": copy.deepcopy(request.messages)})
+        return await render(self, request, *args, **kwargs)
+
+    render_a_copy._streamsess_fixed = True  # type: ignore[attr-defined]
+    OpenAIServingChatBatch.render_batch_chat_request = render_a_copy  # type: ignore[method-assign]
 
 
 def _model_items_vllm_cannot_convert_go_as_dicts() -> None:

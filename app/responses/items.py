@@ -86,6 +86,8 @@ def input_items(raw: Any, param: str = "input") -> list[dict[str, Any]]:
     for index, entry in enumerate(raw or []):
         item = entry.model_dump(exclude_none=True) if isinstance(entry, BaseModel) else dict(entry)
         where = f"{param}[{index}]"
+        if not isinstance(item.get("id"), str | None):  # vLLM's model keeps any id on a message
+            raise APIError(400, f"{where}: an item's id is a string.", code="invalid_value", param=f"{where}.id")
         kind = item.get("type", "message")
         if kind == "function_call":
             items.append(_function_call(item, where))

@@ -44,6 +44,40 @@ def _refs(*names: str) -> list[dict[str, str]]:
 
 
 _NOTHING = {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}
+# A stored response's input items: vLLM's own input item types (what its request model
+# takes, the openai SDK's) that app/responses/items.py converts, narrowed to what it
+# takes: text parts, a tool output's call_id, and a string id (vLLM's model keeps any id
+# on a message). A conversation's items (below) take more: they skip vLLM's model.
+# (Fresh-seed fuzzing found a "text" part in a tool output valid by the schema, refused.)
+STORED_ITEM_COPIES = {"EasyInputMessageParam": "StoredInputMessage",
+                      "openai__types__responses__response_input_item_param__Message": "StoredMessage",
+                      "FunctionCallOutput": "StoredFunctionCallOutput"}
+STORED_ITEM_TYPES = ("ResponseOutputMessageParam", "ResponseFunctionToolCallParam")
+_TEXT_PARTS = ("#/components/schemas/ResponseInputTextParam", "#/components/schemas/ResponseInputTextContentParam")
+
+
+def _declare_stored_items(components: dict[str, Any]) -> dict[str, Any]:
+    """The stored input's item list, its narrowed copies added to ``components``."""
+    present = [name for name in (*STORED_ITEM_COPIES, *STORED_ITEM_TYPES) if name in components]
+    for name, copy_name in STORED_ITEM_COPIES.items():
+        if name not in present:
+            continue
+        item = copy.deepcopy(components[name])
+        properties = item["properties"]
+        properties["id"] = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+        if "call_id" in properties:
+            properties["call_id"] = {"type": "string"}
+            item["required"] = [*item.get("required", []), "call_id"]
+        for field in ("content", "output"):
+            for variant in [properties.get(field, {}), *properties.get(field, {}).get("anyOf", [])]:
+                if variant.get("type") == "array":
+                    variant["items"] = {"anyOf": [ref for ref in variant["items"].get("anyOf", [])
+                                                  if ref.get("$ref") in _TEXT_PARTS]}
+        components[copy_name] = {**item, "title": copy_name}
+    return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": _refs(
+        *(STORED_ITEM_COPIES.get(name, name) for name in present))}}]}
+
+
 # What a stored response takes where it differs from vLLM's handler (check_supported,
 # app/responses/items.py, app/tools/parsing.function_tools): falsy values of what it
 # refuses, its input items, function tools.
@@ -56,8 +90,6 @@ STORED_PROPERTIES: dict[str, Any] = {
     "top_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]},
     "text": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"format": {"anyOf": [
         {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}]},
-    "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": _refs(
-        "MessageItem", "FunctionCallItem", "FunctionCallOutputItem")}}]},
 }
 # Who answers: vLLM's handler a request with store false, no previous response or
 # conversation and generate left on (app/responses/api_router.py); a session any other.
@@ -91,6 +123,7 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
     components[STATELESS_BODY] = {**copy.deepcopy(body), "title": STATELESS_BODY, "allOf": [STATELESS]}
     tools = {"type": "array", "items": _refs("FunctionTool")[0]} if tool_parsing else {"type": "array", "maxItems": 0}
     body["properties"].update(copy.deepcopy({**STORED_PROPERTIES, "tools": {"anyOf": [{"type": "null"}, tools]}}))
+    body["properties"]["input"] = _declare_stored_items(components)
     body["allOf"] = [STORED]
     # vLLM's handler refuses an empty string in a stop list (found by the same fuzzing).
     for variant in components[STATELESS_BODY]["properties"]["stop"].get("anyOf", []):

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import auth, make_settings
 from tests.helpers import running_app
 from tests.server.test_errors import assert_openai_error
+from tests.server.test_realtime import close_sessions
 
 pytestmark = pytest.mark.server
 
@@ -213,6 +214,21 @@ async def test_input_items_sent_back_as_returned_are_answered(server: str, case:
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         response = await http.post("/v1/responses", json=body)
         assert response.status_code == 200, response.text
+
+
+async def test_a_stored_input_items_id_is_a_string(server: str) -> None:
+    # vLLM's request model keeps any id on a message, and a stored response took `{}` as
+    # its id (fresh-seed fuzzing: schema-invalid, answered 200): refused, naming the item.
+    body = {"model": "embedded-tiny", "max_output_tokens": 1,
+            "input": [{"type": "message", "role": "user", "content": "hi", "id": {}}]}
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        response = await http.post("/v1/responses", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "input[0].id"
+        body["input"][0]["id"] = "msg_1"
+        answered = await http.post("/v1/responses", json=body)
+        assert answered.status_code == 200, answered.text
+        await close_sessions(server, answered.json()["id"])
 
 
 async def test_forms_json_schema_allows_are_taken_in_every_branch_of_a_union(server: str) -> None:

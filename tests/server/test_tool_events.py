@@ -181,3 +181,18 @@ async def test_chat_completions_and_conversations_carry_tool_calls(tool_server: 
     kinds = [item.type for item in (await client.conversations.items.list(conversation.id, order="asc")).data]
     assert kinds == ["message", "function_call", "function_call_output", "message"], kinds
     await close_sessions(tool_server, conversation.id)
+
+
+async def test_a_batch_conversation_with_a_tool_call_is_answered(tool_server: str) -> None:
+    """vLLM's batch route renders a conversation (which turns its tool calls' arguments
+    into dicts, in place) and, with a parser, builds its request again from the same
+    messages: every conversation with a tool call was refused (400; fresh-seed fuzzing
+    with a parser). app/vllm_fixes.py renders from a copy. Oracle: one answer each."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    conversation = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}]
+    async with httpx.AsyncClient(base_url=tool_server, headers=auth(), timeout=60) as http:
+        response = await http.post("/v1/chat/completions/batch", json={
+            "model": MODEL, "messages": [conversation, conversation[:1]], "max_completion_tokens": 2})
+        assert response.status_code == 200, response.text
+        assert [choice["index"] for choice in response.json()["choices"]] == [0, 1]

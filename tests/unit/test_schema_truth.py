@@ -270,7 +270,13 @@ def test_what_the_server_was_started_with_is_in_the_schema() -> None:
     # A server with a parser, on a harmony model, with embeddings on: the schema as vLLM's.
     full = _tool_schema()
     declare_server_features(full, tool_parsing=True, harmony=True, prompt_embeds=True, multimodal=True)
+    beam = jsonschema.Draft202012Validator({"allOf": full["components"]["schemas"]["ChatCompletionRequest"].pop("allOf")})
     assert full == _tool_schema()
+    # With a parser the chat request's fifth rule is beam search's (no logprob_token_ids
+    # with it: refused in a fresh seed); without one, the tool rule above.
+    assert not beam.is_valid({"use_beam_search": True, "logprob_token_ids": [3]})
+    assert beam.is_valid({"use_beam_search": True, "logprob_token_ids": []}) and beam.is_valid({"logprob_token_ids": [3]})
+    assert rules.is_valid({"use_beam_search": True, "logprob_token_ids": [3]})
 
 
 def test_rules_between_fields_found_by_the_eleventh_round_are_in_the_schema() -> None:
@@ -436,10 +442,19 @@ def _responses_schema(tool_parsing: bool) -> dict[str, Any]:
             "ResponsesCreateRequest": {"type": "object", "properties": {
                 "stop": string_or_list, "input": anything, "tools": copy.deepcopy(anything),
                 "store": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}},
-            "MessageItem": {"type": "object", "required": ["role", "content"]},
-            "FunctionCallItem": {"type": "object", "properties": {"type": {"const": "function_call"}}, "required": ["type"]},
-            "FunctionCallOutputItem": {"type": "object", "properties": {"type": {"const": "function_call_output"}},
-                                       "required": ["type"]},
+            # vLLM's input item types, as its schema has them (a multimodal model's parts).
+            "EasyInputMessageParam": {"type": "object", "required": ["role", "content"], "properties": {
+                "role": {"type": "string"}, "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+                    "anyOf": [{"$ref": "#/components/schemas/ResponseInputTextParam"}, {"$ref": "#/I"}]}}]}}},
+            "ResponseInputTextParam": {"type": "object", "required": ["type", "text"], "properties": {
+                "type": {"const": "input_text"}, "text": {"type": "string"}}},
+            "ResponseFunctionToolCallParam": {"type": "object", "properties": {"type": {"const": "function_call"}},
+                                              "required": ["type"]},
+            "FunctionCallOutput": {"type": "object", "required": ["type", "output"], "properties": {
+                "type": {"const": "function_call_output"}, "call_id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
+                    {"$ref": "#/components/schemas/ResponseInputTextParam"}, {"$ref": "#/I"}]}}]}}},
+            "I": {"type": "object", "properties": {"type": {"const": "input_image"}}, "required": ["type"]},
             "FunctionTool": {"type": "object", "properties": {"type": {"const": "function"}}, "required": ["type"]},
         }},
     }
@@ -470,6 +485,17 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert not valid({"tools": web_search}) and valid({"tools": web_search, "store": False})
     assert valid({"tools": [{"type": "function"}]}) and valid({"input": [{"role": "user", "content": "hi"}]})
     assert not valid({"input": [{"type": "reasoning"}]}) and valid({"input": [{"type": "reasoning"}], "store": False})
+    # vLLM's item types, narrowed to what a session converts (a fresh seed found a tool
+    # output's "text" part valid by the schema): text parts, a call id, a string id.
+    text, image = {"type": "input_text", "text": "x"}, {"type": "input_image"}
+    assert valid({"input": [{"role": "user", "content": [text], "id": "msg_1"}]})
+    assert not valid({"input": [{"role": "user", "content": "hi", "id": {}}]})
+    assert not valid({"input": [{"role": "user", "content": [image]}]})
+    assert valid({"input": [{"role": "user", "content": [image]}], "store": False})
+    output = {"type": "function_call_output", "call_id": "call_1", "output": [text]}
+    assert valid({"input": [output]}) and not valid({"input": [{**output, "call_id": None}]})
+    assert not valid({"input": [{**output, "output": [{"type": "text", "text": "x"}]}]})
+    assert not valid({"input": [{**output, "output": [image]}]})
     assert not valid({"prompt": {"id": "pmpt_1"}, "store": False})  # neither handler takes prompt templates
     # Without a tool-call parser a session takes no tools at all.
     without_parser = validator(_responses_schema(tool_parsing=False)).is_valid
@@ -510,10 +536,8 @@ def test_the_seventeenth_rounds_findings_are_in_the_schema() -> None:
 
 def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     """Refused in fresh seeds: a Responses message's file part (vLLM's chat parser takes
-    none). Not stated: logprob_token_ids with beam search, and a chat's deprecated
-    max_tokens below 1 where max_completion_tokens is unset; either rule on the chat
-    request made its schema one schemathesis cannot generate from (the server test that
-    draws from every operation failed), so they stay the next layer."""
+    none); a batch's deprecated max_tokens below 1 where max_completion_tokens is unset
+    (SamplingParams takes at least 1). Beam search's rule: test above."""
     import jsonschema
 
     from app.openai_schema import declare_model_limits
@@ -522,6 +546,7 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     output_file = {"$ref": "#/components/schemas/ResponseInputFileContentParam"}
     schema: dict[str, Any] = {"components": {"schemas": {
         "ChatCompletionRequest": {"properties": {"min_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+        "BatchChatCompletionRequest": {"properties": {}},
         "EasyInputMessageParam": {"properties": {"content": {"items": {"anyOf": [{"$ref": "#/T"}, file_part]}}}},
         "ResponseCustomToolCallOutputParam": {"properties": {"output": {"anyOf": [
             {"type": "string"}, {"type": "array", "items": {"anyOf": [{"$ref": "#/T"}, output_file]}}]}}},
@@ -531,6 +556,10 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     components = schema["components"]["schemas"]
     chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
     assert chat.is_valid({"logprob_token_ids": [1], "logprobs": True})
+    batch = jsonschema.Draft202012Validator({"allOf": components["BatchChatCompletionRequest"]["allOf"]})
+    assert not batch.is_valid({"max_tokens": 0}) and not batch.is_valid({"max_tokens": -3, "max_completion_tokens": None})
+    assert batch.is_valid({"max_tokens": 0, "max_completion_tokens": 5}) and batch.is_valid({"max_tokens": 1})
+    assert chat.is_valid({"max_tokens": 0})  # a chat request's is clamped
     assert components["EasyInputMessageParam"]["properties"]["content"]["items"]["anyOf"] == [{"$ref": "#/T"}]
     # Round 19: a tool output's file part, and min_tokens below 0.
     output = components["ResponseCustomToolCallOutputParam"]["properties"]["output"]["anyOf"][1]
