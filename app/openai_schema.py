@@ -214,8 +214,8 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in property_variants(properties, "top_p"):
             if variant.get("type") == "number" and "maximum" not in variant:
                 variant["maximum"] = 1
-        # vLLM's SamplingParams: min_p in [0, 1], penalties in [-2, 2].
-        for field, low, high in (("min_p", 0, 1), *((penalty, -2, 2) for penalty in PENALTIES)):
+        # vLLM's SamplingParams: min_p in [0, 1], penalties in [-2, 2], temperature in [0, 2].
+        for field, low, high in (("min_p", 0, 1), ("temperature", 0, 2), *((penalty, -2, 2) for penalty in PENALTIES)):
             for variant in property_variants(properties, field):
                 if variant.get("type") == "number" and "maximum" not in variant:
                     variant.update(minimum=low, maximum=high)

@@ -65,12 +65,15 @@ _LOGPROB_IDS = {"logprob_token_ids": {"type": "array", "minItems": 1}}
 # Streamed, no prompt logprobs; not streamed, no stream options: one anyOf, since each
 # if/then doubles what schemathesis's generator expands (six on a chat request were too
 # many for it to generate from at all).
-_STREAMING = {"anyOf": [
+_STREAMING: dict[str, Any] = {"anyOf": [
     {"properties": {"stream": {"const": True}, "prompt_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]}},
      "required": ["stream"]},
     {"properties": {"stream": {"not": {"const": True}}, "stream_options": {"anyOf": [
         {"type": "null"}, {"type": "object", "maxProperties": 0}]}}},
 ]}
+# A completion streams without beam search ("not currently supported").
+_COMPLETION_STREAMING = copy.deepcopy(_STREAMING)
+_COMPLETION_STREAMING["anyOf"][0]["properties"]["use_beam_search"] = {"not": {"const": True}}
 # Rules between fields, from vLLM's request validators and renderer: stream options only
 # on a streamed request, and no prompt logprobs on it; logprob_token_ids (and a chat's
 # top_logprobs) with logprobs (chat: true; completions: a count); a required tool with
@@ -94,7 +97,7 @@ CROSS_FIELD_RULES = {
     "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES, _BATCH_MAX_TOKENS],
     "TokenizeChatRequest": [_CONTINUE],
     **{name: [_REQUIRED_TOOL] for name in ("ResponsesCreateRequest", "StatelessResponsesCreateRequest")},
-    "CompletionRequest": [_STREAMING, when(_LOGPROB_IDS, {
+    "CompletionRequest": [_COMPLETION_STREAMING, when(_LOGPROB_IDS, {
         "properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
         when({"suffix": {"type": "string"}}, {"properties": {
             "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}}),

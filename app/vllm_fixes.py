@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -31,11 +32,23 @@ def _batch_conversations_are_rendered_from_a_copy() -> None:
 
     @functools.wraps(render)
     async def render_a_copy(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        _materialize(request.messages)
         request = request.model_copy(update={"messages": copy.deepcopy(request.messages)})
         return await render(self, request, *args, **kwargs)
 
     render_a_copy._streamsess_fixed = True  # type: ignore[attr-defined]
     OpenAIServingChatBatch.render_batch_chat_request = render_a_copy  # type: ignore[method-assign]
+
+
+def _materialize(value: Any) -> None:
+    """pydantic validates an Iterable field lazily (an assistant message's tool calls, where
+    its content is null): a ValidatorIterator, which cannot be copied. Each becomes a list,
+    in place, as vLLM's own chat request does with its messages."""
+    entries = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, entry in list(entries):
+        if isinstance(entry, Iterator):
+            entry = value[key] = list(entry)
+        _materialize(entry)
 
 
 def _model_items_vllm_cannot_convert_go_as_dicts() -> None:

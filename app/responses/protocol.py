@@ -51,9 +51,13 @@ _NOTHING = {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}
 # (Fresh-seed fuzzing found a "text" part in a tool output valid by the schema, refused.)
 STORED_ITEM_COPIES = {"EasyInputMessageParam": "StoredInputMessage",
                       "openai__types__responses__response_input_item_param__Message": "StoredMessage",
-                      "FunctionCallOutput": "StoredFunctionCallOutput"}
-STORED_ITEM_TYPES = ("ResponseOutputMessageParam", "ResponseFunctionToolCallParam")
-_TEXT_PARTS = ("#/components/schemas/ResponseInputTextParam", "#/components/schemas/ResponseInputTextContentParam")
+                      "FunctionCallOutput": "StoredFunctionCallOutput",
+                      "ResponseFunctionToolCallOutputItem": "StoredFunctionCallOutputItem"}
+# Items as a response returned them (the SDK's output models: a null status is one).
+STORED_ITEM_TYPES = ("ResponseOutputMessageParam", "ResponseOutputMessage", "ResponseFunctionToolCallParam",
+                     "ResponseFunctionToolCall")
+_TEXT_PARTS = tuple(f"#/components/schemas/{name}" for name in (
+    "ResponseInputTextParam", "ResponseInputTextContentParam", "ResponseInputText"))
 
 
 def _declare_stored_items(components: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +68,7 @@ def _declare_stored_items(components: dict[str, Any]) -> dict[str, Any]:
             continue
         item = copy.deepcopy(components[name])
         properties = item["properties"]
-        properties["id"] = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+        properties.setdefault("id", {"anyOf": [{"type": "string"}, {"type": "null"}]})
         if "call_id" in properties:
             properties["call_id"] = {"type": "string"}
             item["required"] = [*item.get("required", []), "call_id"]

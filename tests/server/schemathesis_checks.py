@@ -12,7 +12,8 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
   the prompt's length, which the schema cannot know.
 - **A name of an object that does not exist.** schemathesis accepts a 404 for a missing
   resource in the path; an id in the body or the query that names nothing is OpenAI's
-  400 (``previous_response_not_found``; a list's ``after`` cursor; a ``tool_choice``
+  400 (``previous_response_not_found``; a tool output whose ``call_id`` no call in the
+  conversation holds, ``tool_call_not_found``; a list's ``after`` cursor; a ``tool_choice``
   naming a function the request's ``tools`` do not hold; an Anthropic ``tool_removal``
   naming a tool the request does not declare).
 - **Rules inside a string, or between fields.** A structured output's regex, grammar
@@ -43,7 +44,7 @@ TOKEN_LIMIT_CODES = {"chunk_too_large", "context_length_exceeded"}
 # The same, in an error shape without a code (vLLM's Anthropic routes).
 TOKEN_LIMIT_MESSAGES = ("This model's maximum context length is",)
 PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
-MISSING_OBJECT_CODES = {"previous_response_not_found"}
+MISSING_OBJECT_CODES = {"previous_response_not_found", "tool_call_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
 MISSING_TOOL = ("tool_choice", "not found")
 MISSING_TOOL_MESSAGES = ("which is not declared in tools",)

@@ -448,8 +448,11 @@ def _responses_schema(tool_parsing: bool) -> dict[str, Any]:
                     "anyOf": [{"$ref": "#/components/schemas/ResponseInputTextParam"}, {"$ref": "#/I"}]}}]}}},
             "ResponseInputTextParam": {"type": "object", "required": ["type", "text"], "properties": {
                 "type": {"const": "input_text"}, "text": {"type": "string"}}},
-            "ResponseFunctionToolCallParam": {"type": "object", "properties": {"type": {"const": "function_call"}},
-                                              "required": ["type"]},
+            "ResponseFunctionToolCallParam": {"type": "object", "required": ["type"], "properties": {
+                "type": {"const": "function_call"}, "status": {"enum": ["completed"]}}},
+            # ... and the SDK's output model, as a response returned the call (status null).
+            "ResponseFunctionToolCall": {"type": "object", "required": ["type"], "properties": {
+                "type": {"const": "function_call"}, "status": {"anyOf": [{"enum": ["completed"]}, {"type": "null"}]}}},
             "FunctionCallOutput": {"type": "object", "required": ["type", "output"], "properties": {
                 "type": {"const": "function_call_output"}, "call_id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
                 "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
@@ -496,6 +499,7 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert valid({"input": [output]}) and not valid({"input": [{**output, "call_id": None}]})
     assert not valid({"input": [{**output, "output": [{"type": "text", "text": "x"}]}]})
     assert not valid({"input": [{**output, "output": [image]}]})
+    assert valid({"input": [{"type": "function_call", "status": None}]})  # vLLM takes the output model's form
     assert not valid({"prompt": {"id": "pmpt_1"}, "store": False})  # neither handler takes prompt templates
     # Without a tool-call parser a session takes no tools at all.
     without_parser = validator(_responses_schema(tool_parsing=False)).is_valid
@@ -565,3 +569,27 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     output = components["ResponseCustomToolCallOutputParam"]["properties"]["output"]["anyOf"][1]
     assert output["items"]["anyOf"] == [{"$ref": "#/T"}]
     assert components["ChatCompletionRequest"]["properties"]["min_tokens"]["anyOf"][0]["minimum"] == 0
+
+
+def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
+    """The first rounds with a tool parser (more bodies reach the engine's checks) found
+    refused: a temperature beyond SamplingParams' [0, 2] (Anthropic, /invocations), a
+    streamed completion with beam search. Oracle: the patched schema, read by a JSON
+    Schema validator, against the refused bodies and their accepted neighbours."""
+    import jsonschema
+
+    number = {"anyOf": [{"type": "number"}, {"type": "null"}]}
+    schema: dict[str, Any] = {"components": {"schemas": {
+        name: {"properties": {"temperature": copy.deepcopy(number)}}
+        for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest")}}}
+    declare_vllm_input_rules(schema)
+    components = schema["components"]["schemas"]
+    for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest"):
+        temperature = jsonschema.Draft202012Validator(components[name]["properties"]["temperature"])
+        assert temperature.is_valid(0) and temperature.is_valid(2) and temperature.is_valid(None)
+        assert not temperature.is_valid(-0.5) and not temperature.is_valid(2.5)
+    completion = jsonschema.Draft202012Validator({"allOf": components["CompletionRequest"]["allOf"]})
+    assert not completion.is_valid({"stream": True, "use_beam_search": True})
+    assert completion.is_valid({"use_beam_search": True}) and completion.is_valid({"stream": True})
+    chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
+    assert chat.is_valid({"stream": True, "use_beam_search": True})  # only the completion route refuses it
