@@ -10,6 +10,7 @@ from __future__ import annotations
 import typing
 from typing import Any
 
+import vllm.envs as vllm_envs
 from fastapi import FastAPI
 from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
 
@@ -173,6 +174,11 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
             for variant in variants(components, name, field):
                 if variant.get("type") == kind:
                     variant[bound] = value
+    # SamplingParams: n up to vLLM's VLLM_MAX_N_SEQUENCES (an environment setting).
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        for variant in variants(components, name, "n"):
+            if variant.get("type") == "integer" and "maximum" not in variant:
+                variant["maximum"] = vllm_envs.VLLM_MAX_N_SEQUENCES
     for name, field in THINKING_BUDGETS:
         for variant in variants(components, name, field):
             if variant.get("type") == "integer":
@@ -281,7 +287,7 @@ HARMONY_MESSAGE = "#/components/schemas/openai_harmony__Message"
 MULTIMODAL_PARTS = [f"ChatCompletionContentPart{kind}Param" for kind in (
     "Image", "InputAudio", "Audio", "Video", "ImageEmbeds", "AudioEmbeds", "VideoEmbeds")] + [
     f"CustomChatCompletionContentSimple{kind}Param" for kind in ("Image", "Audio", "Video")] + [
-    "ResponseInputImageParam", "ResponseInputImageContentParam"]
+    "ResponseInputImageParam", "ResponseInputImageContentParam", "ResponseInputImage"]
 
 
 def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmony: bool,

@@ -121,7 +121,8 @@ LOGPROB_COUNTS = [("CompletionRequest", "logprobs"), ("CompletionRequest", "prom
 # Parts and tool calls vLLM's chat parser does not take: a file part (a chat's, a
 # Responses message's or tool output's), an assistant's custom tool call.
 UNPARSED = ("#/components/schemas/File", "#/components/schemas/ChatCompletionMessageCustomToolCallParam",
-            "#/components/schemas/ResponseInputFileParam", "#/components/schemas/ResponseInputFileContentParam")
+            "#/components/schemas/ResponseInputFileParam", "#/components/schemas/ResponseInputFileContentParam",
+            "#/components/schemas/ResponseInputFile")
 REQUEST_NAMESPACE_FUNCTIONS = ("openai__types__responses__namespace_tool__ToolFunction",)
 # Content parts without a type, told apart by their one key (vLLM's parser looks for it).
 SIMPLE_PARTS = {"CustomChatCompletionContentSimpleImageParam": "image_url",

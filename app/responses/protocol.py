@@ -83,8 +83,8 @@ def _declare_stored_items(components: dict[str, Any]) -> dict[str, Any]:
 
 
 # What a stored response takes where it differs from vLLM's handler (check_supported,
-# app/responses/items.py, app/tools/parsing.function_tools): falsy values of what it
-# refuses, its input items, function tools.
+# app/responses/items.py, app/tools/parsing): falsy values of what it refuses, its input
+# items, function tools, and a tool_choice of a mode or a function.
 STORED_PROPERTIES: dict[str, Any] = {
     "background": {"anyOf": [{"type": "null"}, {"const": False}]},
     "structured_outputs": {"type": "null"},
@@ -92,6 +92,9 @@ STORED_PROPERTIES: dict[str, Any] = {
     "stop": {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]},
     "chat_template_kwargs": _NOTHING,
     "top_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]},
+    "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+        "type": "object", "properties": {"type": {"const": "function"}, "name": {"type": "string", "minLength": 1}},
+        "required": ["type", "name"]}]},
     "text": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"format": {"anyOf": [
         {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}]},
 }

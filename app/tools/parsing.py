@@ -20,6 +20,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionToolsParam,
 )
+from vllm.exceptions import VLLMValidationError
 from vllm.parser.parser_manager import ParserManager
 
 from app.errors import APIError
@@ -92,6 +93,10 @@ def function_tools(tools: list[dict[str, Any]], tool_parser: str | None, param: 
     return chat_tools(tools)
 
 
+# The choices a reply's parser honours (either API's shape names a function too).
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
 @dataclass(frozen=True)
 class ReplyParsers:
     """This server's way of reading replies (its tool-call and reasoning parsers, its
@@ -107,9 +112,25 @@ class ReplyParsers:
 
     def reply_parser(self, tools: list[dict[str, Any]] | None, tool_choice: Any,
                      parallel_calls: bool | None = None) -> OutputParser:
-        """A reader of one reply."""
-        return OutputParser(self.tokenizer, self.tool_parser, self.reasoning_parser, tools, tool_choice,
-                            self.strict_level, parallel_calls is not False)
+        """A reader of one reply; a tool_choice it cannot honour is refused (400)."""
+        choice = tool_choice.model_dump(exclude_none=True) if isinstance(tool_choice, BaseModel) else tool_choice
+        if not (choice is None or choice in TOOL_CHOICE_MODES or (isinstance(choice, dict)
+                                                                  and choice.get("type") == "function")):
+            kind = choice.get("type") if isinstance(choice, dict) else choice
+            raise APIError(400, f"tool_choice is none, auto, required or a function here; {kind!r} is not supported.",
+                           code="unsupported_parameter", param="tool_choice")
+        if isinstance(choice, dict):
+            function = chat_tool_choice(choice).get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if name not in {tool["function"]["name"] for tool in chat_tools(tools) or []}:
+                raise APIError(400, f"tool_choice names the function {name!r}, which is not found in tools.",
+                               code="invalid_value", param="tool_choice")
+        try:
+            return OutputParser(self.tokenizer, self.tool_parser, self.reasoning_parser, tools, tool_choice,
+                                self.strict_level, parallel_calls is not False)
+        except VLLMValidationError as invalid:  # vLLM's chat request refused the choice for these tools
+            raise APIError(400, str(invalid.args[0]) if invalid.args else "Invalid tool_choice.",
+                           code="invalid_value", param=invalid.parameter or "tool_choice") from None
 
 
 class OutputParser:

@@ -500,6 +500,12 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert not valid({"input": [{**output, "output": [{"type": "text", "text": "x"}]}]})
     assert not valid({"input": [{**output, "output": [image]}]})
     assert valid({"input": [{"type": "function_call", "status": None}]})  # vLLM takes the output model's form
+    # A session's reply honours a mode or a function (round 21 sent it another kind).
+    assert valid({"tool_choice": "required", "tools": [{"type": "function"}]})
+    assert valid({"tool_choice": {"type": "function", "name": "f"}})
+    assert not valid({"tool_choice": {"type": "function", "name": ""}})
+    assert not valid({"tool_choice": {"type": "programmatic_tool_calling"}})
+    assert valid({"tool_choice": {"type": "programmatic_tool_calling"}, "store": False})
     assert not valid({"prompt": {"id": "pmpt_1"}, "store": False})  # neither handler takes prompt templates
     # Without a tool-call parser a session takes no tools at all.
     without_parser = validator(_responses_schema(tool_parsing=False)).is_valid
@@ -574,16 +580,32 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
 def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
     """The first rounds with a tool parser (more bodies reach the engine's checks) found
     refused: a temperature beyond SamplingParams' [0, 2] (Anthropic, /invocations), a
-    streamed completion with beam search. Oracle: the patched schema, read by a JSON
+    streamed completion with beam search, n beyond vLLM's limit, a returned tool output's
+    file part. Oracle: the patched schema, read by a JSON
     Schema validator, against the refused bodies and their accepted neighbours."""
     import jsonschema
+    import vllm.envs
+
+    from app.openai_schema import declare_server_features
 
     number = {"anyOf": [{"type": "number"}, {"type": "null"}]}
+    parts = {"anyOf": [{"$ref": "#/components/schemas/ResponseInputText"},
+                       {"$ref": "#/components/schemas/ResponseInputImage"},
+                       {"$ref": "#/components/schemas/ResponseInputFile"}]}
     schema: dict[str, Any] = {"components": {"schemas": {
-        name: {"properties": {"temperature": copy.deepcopy(number)}}
-        for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest")}}}
+        **{name: {"properties": {"temperature": copy.deepcopy(number),
+                                 "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
+           for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest")},
+        "ResponseFunctionToolCallOutputItem": {"properties": {"output": {"type": "array", "items": parts}}}}}}
     declare_vllm_input_rules(schema)
+    declare_server_features(schema, tool_parsing=True, harmony=False, prompt_embeds=False, multimodal=False)
     components = schema["components"]["schemas"]
+    # Round 21: n up to vLLM's VLLM_MAX_N_SEQUENCES; a returned tool output's file part
+    # (vLLM's chat parser takes none) and, on a text-only model, its image part.
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        assert components[name]["properties"]["n"]["anyOf"][0]["maximum"] == vllm.envs.VLLM_MAX_N_SEQUENCES
+    assert components["ResponseFunctionToolCallOutputItem"]["properties"]["output"]["items"]["anyOf"] == [
+        {"$ref": "#/components/schemas/ResponseInputText"}]
     for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest"):
         temperature = jsonschema.Draft202012Validator(components[name]["properties"]["temperature"])
         assert temperature.is_valid(0) and temperature.is_valid(2) and temperature.is_valid(None)

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from app.errors import APIError
 from app.models.builder import ensure_model
-from app.tools.parsing import OutputParser, ParsedOutput, chat_tools
+from app.tools.parsing import OutputParser, ParsedOutput, ReplyParsers, chat_tools
 
 TOOLS = [
     {"type": "function", "name": "get_weather",
@@ -154,3 +155,21 @@ def test_tools_of_either_shape_become_chat_completions_tools() -> None:
     assert [tool["function"]["name"] for tool in shaped] == ["get_weather", "get_time"]
     assert all(tool["type"] == "function" and "parameters" in tool["function"] for tool in shaped)
     assert chat_tools(None) is None and chat_tools([]) is None
+
+
+def test_a_tool_choice_a_reply_cannot_honour_is_refused_in_this_servers_shape(tokenizer: Any) -> None:
+    """Fresh-seed fuzzing sent a stored response a `programmatic_tool_calling` choice:
+    vLLM's chat request refused it from inside a turn, in vLLM's error shape (an integer
+    code, against the published one). Refused first, by name, as OpenAI's 400."""
+    parsers = ReplyParsers(tokenizer, "hermes", None)
+    for choice in ("none", "auto", "required", None, {"type": "function", "name": "get_time"},
+                   {"type": "function", "function": {"name": "get_weather"}}):
+        assert isinstance(parsers.reply_parser(TOOLS, choice), OutputParser)
+    for choice, code in (({"type": "programmatic_tool_calling"}, "unsupported_parameter"), ("any", "unsupported_parameter"),
+                         ({"type": "function", "name": "nope"}, "invalid_value"),
+                         ({"type": "function", "function": None}, "invalid_value")):
+        with pytest.raises(APIError) as refused:
+            parsers.reply_parser(TOOLS, choice)
+        assert (refused.value.status, refused.value.code, refused.value.param) == (400, code, "tool_choice")
+    with pytest.raises(APIError, match="not found in tools"):
+        parsers.reply_parser(None, {"type": "function", "name": "get_time"})
