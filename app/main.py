@@ -155,7 +155,8 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     install_error_handlers(app)
     patch_openapi(
         app, declare_error_codes, declare_filled_in_fields,
-        lambda schema: declare_stored_response_rules(schema, settings.resolved_tool_call_parser() is not None),
+        lambda schema: declare_stored_response_rules(schema, settings.resolved_tool_call_parser() is not None,
+                                                     bool(app.state.online_renderer.use_harmony)),
         lambda schema: declare_vllm_input_rules(schema, reasoning=bool(settings.reasoning_parser)),
         lambda schema: app.state.session_service.declare_bounds(schema),
         lambda schema: declare_model_limits(schema, app.state.session_service.vocab_size,

@@ -18,9 +18,9 @@ from app.openai_routes import SAMPLING_FLOORS
 from app.openai_schema_rules import (
     ANTHROPIC_REQUESTS,
     ANTHROPIC_RULES,
-    BEAM_SEARCH,
     LOGPROB_COUNTS,
     NO_PARSER_TOOLS,
+    PARSER_TOOLS,
     declare_rules_of_handlers,
     drop_refs,
     property_variants,
@@ -303,10 +303,10 @@ def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmo
     # A chat request takes five rules between fields before schemathesis's generator
     # (jsonschema_rs's canonical form: "outgrew intersections") gives up on it; a sixth
     # left /v1/chat/completions unfuzzed (docs/reliability.md). The fifth is the tool
-    # rule where there is no parser (the commoner request), beam search's otherwise.
+    # rule, so beam search's (it takes no logprob_token_ids) is left unstated.
     if "ChatCompletionRequest" in components:
         components["ChatCompletionRequest"].setdefault("allOf", []).append(
-            BEAM_SEARCH if tool_parsing else NO_PARSER_TOOLS)
+            PARSER_TOOLS if tool_parsing else NO_PARSER_TOOLS)
     unoffered = [*([] if harmony else [HARMONY_MESSAGE]),
                  *([] if multimodal else [f"#/components/schemas/{part}" for part in MULTIMODAL_PARTS]),
                  *([] if prompt_embeds else ["#/components/schemas/ChatCompletionContentPartPromptEmbedsParam"])]

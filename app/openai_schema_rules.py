@@ -103,15 +103,12 @@ CROSS_FIELD_RULES = {
             "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}}),
         when({"max_tokens": {"const": 0}}, {"properties": {"echo": {"const": True}}, "required": ["echo"]})],
 }
-# Without a tool parser, tools need a tool_choice (its default is then auto, refused).
+# A chat request's tools and tool_choice as vLLM's check_tool_usage reads them: without a
+# tool parser, tools need a tool_choice (the default is then auto, refused); with one, a
+# tool_choice but none needs tools.
 NO_PARSER_TOOLS = when({"tools": {"type": "array", "minItems": 1}}, {"required": ["tool_choice"]})
-
-
-# Beam search (vLLM's extension) takes no logprob_token_ids. (It also asks the engine for
-# 2n logprobs a step, so n is at most half of max_logprobs with it: a rule on n costs the
-# generator what it cannot spare, docs/reliability.md.)
-BEAM_SEARCH = when({"use_beam_search": {"const": True}}, {"properties": {
-    "logprob_token_ids": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}})
+PARSER_TOOLS = {"anyOf": [{"properties": {"tool_choice": {"anyOf": [{"type": "null"}, {"const": "none"}]}}},
+                          {"properties": {"tools": {"type": "array"}}, "required": ["tools"]}]}
 
 
 # Counts of logprobs: -1 (all) or at least 0.

@@ -112,7 +112,7 @@ STORED = {"anyOf": [
 STATELESS_BODY = "StatelessResponsesCreateRequest"
 
 
-def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = True) -> None:
+def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = True, harmony: bool = False) -> None:
     """The create body as two: a stored response (the default; or one that continues a
     chain or a conversation, or a warm-up), answered on a session, and a stateless one,
     answered by vLLM's own handler, each with what its handler takes (a stored response
@@ -120,7 +120,8 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
     input items but text messages, function calls and their outputs, tools but function
     tools, and those without a tool parser). One component with if/else on ``store``
     was too complex for schemathesis to generate from; a body that is one of two is not.
-    (Fresh-seed schemathesis runs over every route found each of these refused.)"""
+    Off a harmony model, vLLM's handler takes only the input items it converts to chat
+    messages. (Fresh-seed schemathesis runs over every route found each of these refused.)"""
     components = schema.get("components", {}).get("schemas", {})
     body = components.get("ResponsesCreateRequest")
     operation = schema.get("paths", {}).get("/v1/responses", {}).get("post")
@@ -136,8 +137,31 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
     for variant in components[STATELESS_BODY]["properties"]["stop"].get("anyOf", []):
         if variant.get("type") == "array":
             variant.setdefault("items", {})["minLength"] = 1
+    if not harmony:
+        _converted_items_only(components, components[STATELESS_BODY]["properties"].get("input", {}))
     operation["requestBody"]["content"]["application/json"]["schema"] = {"anyOf": _refs(
         "ResponsesCreateRequest", STATELESS_BODY)}
+
+
+# The input items vLLM's handler turns into chat messages on a model that is not
+# harmony's (its responses/utils.py): any other is "Unsupported input item type", and
+# so is an item without a role or one of these types (an item reference).
+CONVERTED_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "custom_tool_call",
+                                  "custom_tool_call_output", "reasoning"})
+
+
+def _converted_items_only(components: dict[str, Any], input_schema: dict[str, Any]) -> None:
+    for variant in input_schema.get("anyOf", []):
+        items = variant.get("items", {}) if variant.get("type") == "array" else {}
+        if "anyOf" in items:
+            items["anyOf"] = [ref for ref in items["anyOf"] if _converted(components.get(ref.get("$ref", "").split("/")[-1]))]
+
+
+def _converted(item: dict[str, Any] | None) -> bool:
+    if item is None:
+        return False
+    kind = item.get("properties", {}).get("type", {})
+    return "role" in item.get("required", []) or bool(CONVERTED_ITEM_TYPES & {kind.get("const"), *kind.get("enum", [])})
 
 
 class ConversationRef(BaseModel):

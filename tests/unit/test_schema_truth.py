@@ -270,13 +270,14 @@ def test_what_the_server_was_started_with_is_in_the_schema() -> None:
     # A server with a parser, on a harmony model, with embeddings on: the schema as vLLM's.
     full = _tool_schema()
     declare_server_features(full, tool_parsing=True, harmony=True, prompt_embeds=True, multimodal=True)
-    beam = jsonschema.Draft202012Validator({"allOf": full["components"]["schemas"]["ChatCompletionRequest"].pop("allOf")})
+    with_parser = jsonschema.Draft202012Validator({"allOf": full["components"]["schemas"]["ChatCompletionRequest"].pop(
+        "allOf")})
     assert full == _tool_schema()
-    # With a parser the chat request's fifth rule is beam search's (no logprob_token_ids
-    # with it: refused in a fresh seed); without one, the tool rule above.
-    assert not beam.is_valid({"use_beam_search": True, "logprob_token_ids": [3]})
-    assert beam.is_valid({"use_beam_search": True, "logprob_token_ids": []}) and beam.is_valid({"logprob_token_ids": [3]})
-    assert rules.is_valid({"use_beam_search": True, "logprob_token_ids": [3]})
+    # With a parser the tool rule is the other way round: a tool_choice but none needs
+    # tools (round 22, "When using `tool_choice`, `tools` must be set").
+    assert not with_parser.is_valid({"tool_choice": "auto"}) and not with_parser.is_valid({"tool_choice": {"x": 1}})
+    assert with_parser.is_valid({"tool_choice": "auto", "tools": [{}]}) and with_parser.is_valid({"tool_choice": "none"})
+    assert with_parser.is_valid({"tools": [{}]}) and with_parser.is_valid({})
 
 
 def test_rules_between_fields_found_by_the_eleventh_round_are_in_the_schema() -> None:
@@ -547,7 +548,7 @@ def test_the_seventeenth_rounds_findings_are_in_the_schema() -> None:
 def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     """Refused in fresh seeds: a Responses message's file part (vLLM's chat parser takes
     none); a batch's deprecated max_tokens below 1 where max_completion_tokens is unset
-    (SamplingParams takes at least 1). Beam search's rule: test above."""
+    (SamplingParams takes at least 1)."""
     import jsonschema
 
     from app.openai_schema import declare_model_limits
@@ -615,3 +616,30 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
     assert completion.is_valid({"use_beam_search": True}) and completion.is_valid({"stream": True})
     chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
     assert chat.is_valid({"stream": True, "use_beam_search": True})  # only the completion route refuses it
+
+
+def test_the_stateless_body_offers_the_input_items_vllm_converts() -> None:
+    """Round 22 (a fresh seed): vLLM's Responses handler refused an `mcp_approval_response`
+    item ("Unsupported input item type"); off a harmony model it converts messages (any
+    item with a role), function and custom tool calls and their outputs, reasoning."""
+    from app.responses.protocol import STATELESS_BODY, declare_stored_response_rules
+
+    def schema() -> dict[str, Any]:
+        kinds = {"Mcp": "mcp_approval_response", "Call": "function_call", "Reasoning": "reasoning"}
+        return {"paths": {"/v1/responses": {"post": {"requestBody": {"content": {"application/json": {"schema": {}}}}}}},
+                "components": {"schemas": {
+                    "ResponsesCreateRequest": {"type": "object", "properties": {"stop": {"type": "null"}, "input": {
+                        "anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
+                            {"$ref": f"#/components/schemas/{name}"} for name in (*kinds, "Reference", "Tools")]}}]}}},
+                    **{name: {"properties": {"type": {"const": kind}}} for name, kind in kinds.items()},
+                    "Reference": {"properties": {"type": {"anyOf": [{"const": "item_reference"}, {"type": "null"}]}}},
+                    "Tools": {"properties": {"type": {"const": "additional_tools"}}, "required": ["role"]}}}}
+
+    def offered(harmony: bool) -> list[str]:
+        raw = schema()
+        declare_stored_response_rules(raw, harmony=harmony)
+        items = raw["components"]["schemas"][STATELESS_BODY]["properties"]["input"]["anyOf"][1]["items"]["anyOf"]
+        return [ref["$ref"].split("/")[-1] for ref in items]
+
+    assert offered(harmony=False) == ["Call", "Reasoning", "Tools"]
+    assert offered(harmony=True) == ["Mcp", "Call", "Reasoning", "Reference", "Tools"]
