@@ -56,12 +56,14 @@ NON_EMPTY_ARRAYS = [
 INTERNAL_FIELDS = [("StructuredOutputsParams", "_backend"), ("StructuredOutputsParams", "_backend_was_auto")]
 # Strings vLLM refuses empty: the Anthropic API's model ("Model is required").
 NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountTokensRequest", "model"),
-                     ("GenerativeScoringRequest", "query")]
+                     ("GenerativeScoringRequest", "query"), ("ChatCompletionNamedFunction", "name")]
 # Integers vLLM refuses below 1 ("max_tokens must be at least 1"; a completion may ask
-# for 0 with echo: CROSS_FIELD_RULES).
+# for 0 with echo: CROSS_FIELD_RULES). A chat request's deprecated max_tokens too, which
+# vLLM takes below 1 only beside max_completion_tokens: refused there as well
+# (app.openai_routes.check_sampling, as OpenAI's API refuses it).
 POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens"), *(
     (name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
-    for field in ("max_completion_tokens", "n")), ("CompletionRequest", "n")]
+    for field in ("max_completion_tokens", "max_tokens", "n")), ("CompletionRequest", "n")]
 # Integers vLLM refuses below 0 (Anthropic's top_k: "0 (disable), or at least 1";
 # SamplingParams' min_tokens; a completion's max_tokens, 0 only with echo).
 NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k"), ("CompletionRequest", "max_tokens"), *(

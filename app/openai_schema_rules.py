@@ -88,13 +88,9 @@ _CONTINUE = when({"continue_final_message": {"const": True}}, {
     "properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]})
 _REQUIRED_TOOL = when({"tool_choice": {"const": "required"}},
                        {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})
-# A batch's deprecated max_tokens is its output count unless max_completion_tokens is
-# set, and SamplingParams takes at least 1 (a chat request's is clamped instead).
-_BATCH_MAX_TOKENS = when({"max_tokens": {"type": "integer", "maximum": 0}}, {
-    "properties": {"max_completion_tokens": {"type": "integer"}}, "required": ["max_completion_tokens"]})
 CROSS_FIELD_RULES = {
     "ChatCompletionRequest": [_STREAMING, _CONTINUE, *_CHAT_LOGPROB_RULES],
-    "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES, _BATCH_MAX_TOKENS],
+    "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES],
     "TokenizeChatRequest": [_CONTINUE],
     **{name: [_REQUIRED_TOOL] for name in ("ResponsesCreateRequest", "StatelessResponsesCreateRequest")},
     "CompletionRequest": [_COMPLETION_STREAMING, when(_LOGPROB_IDS, {

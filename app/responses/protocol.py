@@ -130,7 +130,7 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
     body["properties"]["prompt"] = {"type": "null"}  # prompt templates: neither handler takes them
     components[STATELESS_BODY] = {**copy.deepcopy(body), "title": STATELESS_BODY, "allOf": [STATELESS]}
     tools = {"type": "array", "items": _refs("FunctionTool")[0]} if tool_parsing else {"type": "array", "maxItems": 0}
-    body["properties"].update(copy.deepcopy({**STORED_PROPERTIES, "tools": {"anyOf": [{"type": "null"}, tools]}}))
+    body["properties"].update(copy.deepcopy({**STORED_PROPERTIES, "tools": tools}))  # a list: vLLM's model takes no null
     body["properties"]["input"] = _declare_stored_items(components)
     body["allOf"] = [STORED]
     # vLLM's handler refuses an empty string in a stop list (found by the same fuzzing).

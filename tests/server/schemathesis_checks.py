@@ -16,7 +16,8 @@ that no JSON Schema can prevent, each named here. Every other refusal still fail
   conversation holds, ``tool_call_not_found``; a list's ``after`` cursor; a ``tool_choice``
   naming a function the request's ``tools`` do not hold; an Anthropic ``tool_removal``
   naming a tool the request does not declare).
-- **Rules inside a string, or between fields.** A structured output's regex, grammar
+- **Rules inside a string, or between fields.** A bad word must tokenize to a token
+  (the tokenizer decides, not the text's length); a structured output's regex, grammar
   or structural tag must parse; Anthropic's ``thinking.budget_tokens`` must be below
   ``max_tokens``; exactly one structured-output constraint is set; ``allowed_token_ids``
   without a grammar; ``logprobs`` equal to the length of ``logprob_token_ids``, ``min_tokens``
@@ -52,7 +53,7 @@ UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", 
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
                        "allowed_token_ids cannot be combined",
                        "logprobs must equal len(logprob_token_ids)", "min_tokens must be less than or equal to max_tokens",
-                       "with min_pattern_size <= max_pattern_size")
+                       "with min_pattern_size <= max_pattern_size", "must tokenize to at least one token")
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 

@@ -511,6 +511,7 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     # Without a tool-call parser a session takes no tools at all.
     without_parser = validator(_responses_schema(tool_parsing=False)).is_valid
     assert not without_parser({"tools": [{"type": "function"}]}) and without_parser({"tools": []})
+    assert not valid({"tools": None}) and not without_parser({"tools": None})  # a list: vLLM's model (round 23)
 
 
 def test_the_seventeenth_rounds_findings_are_in_the_schema() -> None:
@@ -548,16 +549,18 @@ def test_the_seventeenth_rounds_findings_are_in_the_schema() -> None:
 def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     """Refused in fresh seeds: a Responses message's file part (vLLM's chat parser takes
     none); a batch's deprecated max_tokens below 1 where max_completion_tokens is unset
-    (SamplingParams takes at least 1)."""
+    (SamplingParams takes at least 1; a chat request's too, round 23)."""
     import jsonschema
+    from vllm.exceptions import VLLMValidationError
 
+    from app.openai_routes import check_sampling
     from app.openai_schema import declare_model_limits
 
     file_part = {"$ref": "#/components/schemas/ResponseInputFileParam"}
     output_file = {"$ref": "#/components/schemas/ResponseInputFileContentParam"}
     schema: dict[str, Any] = {"components": {"schemas": {
         "ChatCompletionRequest": {"properties": {"min_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
-        "BatchChatCompletionRequest": {"properties": {}},
+        "BatchChatCompletionRequest": {"properties": {"max_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
         "EasyInputMessageParam": {"properties": {"content": {"items": {"anyOf": [{"$ref": "#/T"}, file_part]}}}},
         "ResponseCustomToolCallOutputParam": {"properties": {"output": {"anyOf": [
             {"type": "string"}, {"type": "array", "items": {"anyOf": [{"$ref": "#/T"}, output_file]}}]}}},
@@ -567,10 +570,15 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     components = schema["components"]["schemas"]
     chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
     assert chat.is_valid({"logprob_token_ids": [1], "logprobs": True})
-    batch = jsonschema.Draft202012Validator({"allOf": components["BatchChatCompletionRequest"]["allOf"]})
-    assert not batch.is_valid({"max_tokens": 0}) and not batch.is_valid({"max_tokens": -3, "max_completion_tokens": None})
-    assert batch.is_valid({"max_tokens": 0, "max_completion_tokens": 5}) and batch.is_valid({"max_tokens": 1})
-    assert chat.is_valid({"max_tokens": 0})  # a chat request's is clamped
+    # A chat request's deprecated max_tokens from 1; vLLM takes less beside
+    # max_completion_tokens, which the strict pass refuses too (round 23).
+    batch = jsonschema.Draft202012Validator(components["BatchChatCompletionRequest"]["properties"]["max_tokens"])
+    assert not batch.is_valid(0) and batch.is_valid(1) and batch.is_valid(None)
+    for body in ({"messages": [], "max_tokens": 0}, {"messages": [[]], "max_tokens": -3, "max_completion_tokens": 5}):
+        with pytest.raises(VLLMValidationError, match="max_tokens must be at least 1"):
+            check_sampling(body)
+    check_sampling({"messages": [], "max_tokens": 1})
+    check_sampling({"prompt": "x", "max_tokens": 0, "echo": True})  # a completion's: 0 with echo
     assert components["EasyInputMessageParam"]["properties"]["content"]["items"]["anyOf"] == [{"$ref": "#/T"}]
     # Round 19: a tool output's file part, and min_tokens below 0.
     output = components["ResponseCustomToolCallOutputParam"]["properties"]["output"]["anyOf"][1]
@@ -597,7 +605,8 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
         **{name: {"properties": {"temperature": copy.deepcopy(number),
                                  "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
            for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest")},
-        "ResponseFunctionToolCallOutputItem": {"properties": {"output": {"type": "array", "items": parts}}}}}}
+        "ResponseFunctionToolCallOutputItem": {"properties": {"output": {"type": "array", "items": parts}}},
+        "ChatCompletionNamedFunction": {"properties": {"name": {"type": "string"}}}}}}
     declare_vllm_input_rules(schema)
     declare_server_features(schema, tool_parsing=True, harmony=False, prompt_embeds=False, multimodal=False)
     components = schema["components"]["schemas"]
@@ -607,6 +616,8 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
         assert components[name]["properties"]["n"]["anyOf"][0]["maximum"] == vllm.envs.VLLM_MAX_N_SEQUENCES
     assert components["ResponseFunctionToolCallOutputItem"]["properties"]["output"]["items"]["anyOf"] == [
         {"$ref": "#/components/schemas/ResponseInputText"}]
+    # Round 23: a named tool choice names a function ("Invalid `name`" for "").
+    assert components["ChatCompletionNamedFunction"]["properties"]["name"]["minLength"] == 1
     for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest"):
         temperature = jsonschema.Draft202012Validator(components[name]["properties"]["temperature"])
         assert temperature.is_valid(0) and temperature.is_valid(2) and temperature.is_valid(None)
