@@ -30,7 +30,7 @@ from vllm.exceptions import VLLMValidationError
 
 from app.errors import APIError
 from app.http_errors import send_http_error
-from app.sessions.protocol import MIN_REPETITION_PENALTY, MIN_TOP_P
+from app.sessions.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TOP_P
 
 # SageMaker's route reads its body itself and hands it to the first of these routes
 # whose body model validates it (vLLM's get_generate_invocation_types, in its order): it
@@ -67,6 +67,7 @@ class OpenAIBodyRoute:
 # a 500 on /v1/completions and /v1/responses; a top_p as small filters out every token).
 # Refused on every route, and stated in the schema.
 SAMPLING_FLOORS = {"repetition_penalty": MIN_REPETITION_PENALTY, "top_p": MIN_TOP_P}
+SAMPLING_CEILINGS = {"repetition_penalty": MAX_REPETITION_PENALTY}  # 1.4e308: inf in float32, a 500
 
 
 GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}
@@ -83,6 +84,10 @@ def check_sampling(payload: dict[str, Any]) -> None:
         value = payload.get(field)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < floor:
             raise VLLMValidationError(f"{field} must be at least {floor}, got {value}.", parameter=field, value=value)
+    for field, ceiling in SAMPLING_CEILINGS.items():
+        value = payload.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > ceiling:
+            raise VLLMValidationError(f"{field} must be at most {ceiling}, got {value}.", parameter=field, value=value)
     # A chat request's deprecated max_tokens: vLLM refuses it below 1 unless
     # max_completion_tokens is set, a rule the chat schema has no room left to state.
     max_tokens = payload.get("max_tokens")

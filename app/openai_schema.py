@@ -14,7 +14,7 @@ import vllm.envs as vllm_envs
 from fastapi import FastAPI
 from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
 
-from app.openai_routes import SAMPLING_FLOORS
+from app.openai_routes import SAMPLING_CEILINGS, SAMPLING_FLOORS
 from app.openai_schema_rules import (
     ANTHROPIC_REQUESTS,
     ANTHROPIC_RULES,
@@ -69,8 +69,10 @@ POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens"), *(
 NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k"), ("CompletionRequest", "max_tokens"), *(
     (name, "min_tokens") for name in ("ChatCompletionRequest", "CompletionRequest", "BatchChatCompletionRequest"))]
 # Output token counts vLLM bounds by the model's length ("max_completion_tokens=... cannot
-# be greater than max_model_len"; a chat's deprecated max_tokens it clamps instead).
-OUTPUT_TOKEN_FIELDS = [("ChatCompletionRequest", "max_completion_tokens"),
+# be greater than max_model_len"; a chat's deprecated max_tokens too, where it is read:
+# beside max_completion_tokens it is not, and more is taken there).
+OUTPUT_TOKEN_FIELDS = [("ChatCompletionRequest", "max_completion_tokens"), ("ChatCompletionRequest", "max_tokens"),
+                       ("CompletionRequest", "max_tokens"),
                        ("BatchChatCompletionRequest", "max_completion_tokens"), ("AnthropicMessagesRequest", "max_tokens"),
                        ("StatelessResponsesCreateRequest", "max_output_tokens")]
 # vLLM's SamplingParams: penalties in [-2, 2].
@@ -203,8 +205,8 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
             if variant.get("type") == "object":
                 variant.setdefault("properties", {})[UNTRUSTED_TEMPLATE] = {"type": "null"}
         # vLLM's SamplingParams: no empty bad word and no empty stop string (a lone
-        # string is a list of one).
-        for field in ("bad_words", "stop"):
+        # string is a list of one; Anthropic's stop sequences too).
+        for field in ("bad_words", "stop", "stop_sequences"):
             for variant in property_variants(properties, field):
                 if variant.get("type") == "array" and variant.get("items", {}).get("type") == "string":
                     variant["items"]["minLength"] = 1
@@ -213,7 +215,7 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in property_variants(properties, "logprob_token_ids"):
             if variant.get("type") == "array":
                 variant["maxItems"] = MAX_LOGPROB_TOKEN_IDS
-        # Floors every route applies (app.openai_routes.SAMPLING_FLOORS); top_p up to 1.
+        # Floors and ceilings every route applies (app.openai_routes); top_p up to 1.
         for field, floor in SAMPLING_FLOORS.items():
             for variant in property_variants(properties, field):
                 if variant.get("type") == "number" and "minimum" not in variant:
@@ -222,6 +224,13 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in property_variants(properties, "top_p"):
             if variant.get("type") == "number" and "maximum" not in variant:
                 variant["maximum"] = 1
+        for variant in property_variants(properties, "top_k"):  # SamplingParams: -1 (all), 0 (all) or more
+            if variant.get("type") == "integer" and "minimum" not in variant:
+                variant["minimum"] = -1
+        for field, ceiling in SAMPLING_CEILINGS.items():
+            for variant in property_variants(properties, field):
+                if variant.get("type") == "number" and "maximum" not in variant:
+                    variant["maximum"] = ceiling
         # vLLM's SamplingParams: min_p in [0, 1], penalties in [-2, 2], temperature in [0, 2].
         for field, low, high in (("min_p", 0, 1), ("temperature", 0, 2), *((penalty, -2, 2) for penalty in PENALTIES)):
             for variant in property_variants(properties, field):

@@ -74,6 +74,16 @@ LAX_BODIES = {
                                                              "repetition_penalty": 5e-324,
                                                              "structured_outputs": {"choice": [""]}},
                                          "repetition_penalty"),
+    # ... and one that overflows it (1.4e308 became inf): a 500 on a batch with a grammar
+    # (fresh-seed fuzzing, round 23).
+    "overflowing-penalty-batch": ("/v1/chat/completions/batch", {
+        "model": "embedded-tiny", "max_tokens": 2, "messages": [[{"role": "user", "content": "hi"}]],
+        "repetition_penalty": 1.4e308, "structured_outputs": {"choice": ["a"]}}, "repetition_penalty"),
+    # A chat request's max_tokens below 1 beside max_completion_tokens (vLLM takes it
+    # there only; the schema, which cannot say so, says from 1).
+    "chat-max-tokens-below-1": ("/v1/chat/completions", {"model": "embedded-tiny", "max_tokens": 0,
+                                                         "max_completion_tokens": 2,
+                                                         "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     # A grammar that allows none of the allowed ids: vLLM sampled a token its grammar
     # rejected, a 500 (fresh-seed fuzzing).
     "allowed-ids-with-a-grammar": ("/v1/completions", {"model": "embedded-tiny", "prompt": "0", "max_tokens": 2,

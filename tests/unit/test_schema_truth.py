@@ -181,7 +181,7 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
     flat, nested = completion["prompt"]["anyOf"]
     assert flat["items"]["maximum"] == 731 and nested["items"]["items"]["maximum"] == 731
     assert completion["truncate_prompt_tokens"]["anyOf"][0]["maximum"] == 2048
-    assert completion["repetition_penalty"]["anyOf"][0] == {"type": "number", "minimum": 1e-6}
+    assert completion["repetition_penalty"]["anyOf"][0] == {"type": "number", "minimum": 1e-6, "maximum": 1e6}
     assert completion["bad_words"]["items"]["minLength"] == 1
     # vLLM's SamplingParams refuses an empty stop string, alone or in a list.
     assert [v.get("minLength", v.get("items", {}).get("minLength")) for v in completion["stop"]["anyOf"]] == [1, 1, None]
@@ -416,7 +416,8 @@ def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
     components = schema["components"]["schemas"]
     assert components["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0] == {
         "type": "integer", "minimum": 1, "maximum": 2048}
-    assert components["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0}
+    assert components["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0] == {
+        "type": "integer", "minimum": 0, "maximum": 2048}  # round 24: "cannot be greater than max_model_len"
     assert components["BatchChatCompletionRequest"]["properties"]["n"]["anyOf"][0] == {
         "type": "integer", "minimum": 1, "maximum": 1}
     # Round 16: min_p in [0, 1]; a prompt of strings holds no empty one (no tokens).
@@ -603,7 +604,10 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
                        {"$ref": "#/components/schemas/ResponseInputFile"}]}
     schema: dict[str, Any] = {"components": {"schemas": {
         **{name: {"properties": {"temperature": copy.deepcopy(number),
-                                 "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
+                                 "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                                 "top_k": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                                 "stop_sequences": {"anyOf": [{"type": "array", "items": {"type": "string"}},
+                                                              {"type": "null"}]}}}
            for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest")},
         "ResponseFunctionToolCallOutputItem": {"properties": {"output": {"type": "array", "items": parts}}},
         "ChatCompletionNamedFunction": {"properties": {"name": {"type": "string"}}}}}}
@@ -618,6 +622,11 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
         {"$ref": "#/components/schemas/ResponseInputText"}]
     # Round 23: a named tool choice names a function ("Invalid `name`" for "").
     assert components["ChatCompletionNamedFunction"]["properties"]["name"]["minLength"] == 1
+    # Round 24: top_k from -1 (all); Anthropic's stop sequences hold no empty string.
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        assert components[name]["properties"]["top_k"]["anyOf"][0]["minimum"] == -1
+    assert components["AnthropicMessagesRequest"]["properties"]["top_k"]["anyOf"][0]["minimum"] == 0  # its own
+    assert components["AnthropicMessagesRequest"]["properties"]["stop_sequences"]["anyOf"][0]["items"]["minLength"] == 1
     for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest"):
         temperature = jsonschema.Draft202012Validator(components[name]["properties"]["temperature"])
         assert temperature.is_valid(0) and temperature.is_valid(2) and temperature.is_valid(None)

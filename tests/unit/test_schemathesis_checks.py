@@ -29,6 +29,10 @@ def test_token_limits_missing_objects_and_prompt_bounds_are_accepted() -> None:
     assert refusal_no_schema_can_prevent(error("too long", "input", "chunk_too_large"), {})
     assert refusal_no_schema_can_prevent(error("not found", "previous_response_id", "previous_response_not_found"), {})
     assert refusal_no_schema_can_prevent(error("No tool call found", "input", "tool_call_not_found"), {})
+    unmatched = "The tool specified in `tool_choice` does not match any of the specified `tools`"
+    assert refusal_no_schema_can_prevent(error(unmatched, "tool_choice", "invalid_request"), {})
+    assert refusal_no_schema_can_prevent(error("bad_words entries must tokenize to at least one token.", "bad_words",
+                                               "400"), {})
     assert refusal_no_schema_can_prevent(error("No item with id '0' in this list.", "after", "invalid_value"), None)
     assert refusal_no_schema_can_prevent(error("must be within the prompt", "routed_experts_prompt_start", "400"), {})
     # Anthropic's error shape: no param, no code.
