@@ -148,7 +148,8 @@ class OpenAIRequestMiddleware:
                 try:
                     # vLLM's rule for salts, which some of its routes (chat batches) skip.
                     validate_cache_salt(payload.get("cache_salt"))
-                    check_sampling(payload)
+                    service = getattr(scope["app"].state, "session_service", None) if "app" in scope else None
+                    check_sampling(payload, getattr(service, "max_model_len", None))
                     if errors := strict_errors(route.strict_validator, body, payload):
                         # Located in the body, as FastAPI's own are (a field named
                         # "query" is not the query string).

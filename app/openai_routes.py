@@ -73,11 +73,11 @@ SAMPLING_CEILINGS = {"repetition_penalty": MAX_REPETITION_PENALTY}  # 1.4e308: i
 GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}
 
 
-def check_sampling(payload: dict[str, Any]) -> None:
-    """Sampling values refused before vLLM reads them: below ``SAMPLING_FLOORS`` (vLLM
-    takes them and then fails, a 500); a chat request's max_tokens below 1 (vLLM refuses
-    it but beside max_completion_tokens, which the schema cannot state); and
-    ``allowed_token_ids`` with a grammar (a structured output, a JSON response format,
+def check_sampling(payload: dict[str, Any], max_model_len: int | None = None) -> None:
+    """Sampling values refused before vLLM reads them: beyond ``SAMPLING_FLOORS`` and
+    ``SAMPLING_CEILINGS`` (vLLM takes them and then fails, a 500); a chat request's
+    max_tokens below 1 or beyond ``max_model_len`` (vLLM refuses it but beside
+    max_completion_tokens, which the schema cannot state); and ``allowed_token_ids`` with a grammar (a structured output, a JSON response format,
     a required or named tool call), where the grammar may allow none of the ids and the
     engine samples a token it rejects (fresh-seed fuzzing found both)."""
     for field, floor in SAMPLING_FLOORS.items():
@@ -88,12 +88,17 @@ def check_sampling(payload: dict[str, Any]) -> None:
         value = payload.get(field)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > ceiling:
             raise VLLMValidationError(f"{field} must be at most {ceiling}, got {value}.", parameter=field, value=value)
-    # A chat request's deprecated max_tokens: vLLM refuses it below 1 unless
-    # max_completion_tokens is set, a rule the chat schema has no room left to state.
+    # A chat request's deprecated max_tokens: vLLM refuses it below 1 or beyond the
+    # model's length unless max_completion_tokens is set, a rule the chat schema has no
+    # room left to state.
     max_tokens = payload.get("max_tokens")
-    if "messages" in payload and isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens < 1:
-        raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.", parameter="max_tokens",
-                                  value=max_tokens)
+    if "messages" in payload and isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+        if max_tokens < 1:
+            raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.", parameter="max_tokens",
+                                      value=max_tokens)
+        if max_model_len is not None and max_tokens > max_model_len:
+            raise VLLMValidationError(f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}.",
+                                      parameter="max_tokens", value=max_tokens)
     response_format = payload.get("response_format")
     grammar = (payload.get("structured_outputs") is not None
                or (isinstance(response_format, dict) and response_format.get("type") in GRAMMAR_FORMATS)

@@ -144,8 +144,9 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
 
 
 # The input items vLLM's handler turns into chat messages on a model that is not
-# harmony's (its responses/utils.py): any other is "Unsupported input item type", and
-# so is an item without a role or one of these types (an item reference).
+# harmony's (its responses/utils.py): any other is "Unsupported input item type" (an
+# item that carries a role passes as a message only where pydantic left it a dict:
+# additional_tools was refused in round 25).
 CONVERTED_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "custom_tool_call",
                                   "custom_tool_call_output", "reasoning"})
 
@@ -161,7 +162,7 @@ def _converted(item: dict[str, Any] | None) -> bool:
     if item is None:
         return False
     kind = item.get("properties", {}).get("type", {})
-    return "role" in item.get("required", []) or bool(CONVERTED_ITEM_TYPES & {kind.get("const"), *kind.get("enum", [])})
+    return bool(CONVERTED_ITEM_TYPES & {kind.get("const"), *kind.get("enum", [])})
 
 
 class ConversationRef(BaseModel):

@@ -84,6 +84,9 @@ LAX_BODIES = {
     "chat-max-tokens-below-1": ("/v1/chat/completions", {"model": "embedded-tiny", "max_tokens": 0,
                                                          "max_completion_tokens": 2,
                                                          "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    "chat-max-tokens-beyond-the-model": ("/v1/chat/completions", {"model": "embedded-tiny", "max_tokens": 10**6,
+                                                                  "max_completion_tokens": 2, "messages": [
+                                                                      {"role": "user", "content": "hi"}]}, "max_tokens"),
     # A grammar that allows none of the allowed ids: vLLM sampled a token its grammar
     # rejected, a 500 (fresh-seed fuzzing).
     "allowed-ids-with-a-grammar": ("/v1/completions", {"model": "embedded-tiny", "prompt": "0", "max_tokens": 2,
