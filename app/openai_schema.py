@@ -72,7 +72,7 @@ NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k"), ("CompletionRequ
 # be greater than max_model_len"; a chat's deprecated max_tokens too, where it is read:
 # beside max_completion_tokens it is not, and more is taken there).
 OUTPUT_TOKEN_FIELDS = [("ChatCompletionRequest", "max_completion_tokens"), ("ChatCompletionRequest", "max_tokens"),
-                       ("CompletionRequest", "max_tokens"),
+                       ("CompletionRequest", "max_tokens"), ("BatchChatCompletionRequest", "max_tokens"),
                        ("BatchChatCompletionRequest", "max_completion_tokens"), ("AnthropicMessagesRequest", "max_tokens"),
                        ("StatelessResponsesCreateRequest", "max_output_tokens")]
 # vLLM's SamplingParams: penalties in [-2, 2].

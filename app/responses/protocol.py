@@ -110,6 +110,14 @@ STORED = {"anyOf": [
     {"properties": {"generate": {"const": False}}, "required": ["generate"]},
 ]}
 STATELESS_BODY = "StatelessResponsesCreateRequest"
+# Either handler renders a conversation: the input, an earlier one's, or instructions
+# ("Cannot apply chat template to an empty conversation" for none of them).
+SOMETHING_TO_RENDER = {"anyOf": [
+    {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}}},
+    {"properties": {"previous_response_id": {"type": "string"}}, "required": ["previous_response_id"]},
+    {"properties": {"conversation": {"not": {"type": "null"}}}, "required": ["conversation"]},
+    {"properties": {"instructions": {"type": "string", "minLength": 1}}, "required": ["instructions"]},
+]}
 
 
 def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = True, harmony: bool = False) -> None:
@@ -128,11 +136,11 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
     if body is None or operation is None or "stop" not in body.get("properties", {}):
         return
     body["properties"]["prompt"] = {"type": "null"}  # prompt templates: neither handler takes them
-    components[STATELESS_BODY] = {**copy.deepcopy(body), "title": STATELESS_BODY, "allOf": [STATELESS]}
+    components[STATELESS_BODY] = {**copy.deepcopy(body), "title": STATELESS_BODY, "allOf": [STATELESS, SOMETHING_TO_RENDER]}
     tools = {"type": "array", "items": _refs("FunctionTool")[0]} if tool_parsing else {"type": "array", "maxItems": 0}
     body["properties"].update(copy.deepcopy({**STORED_PROPERTIES, "tools": tools}))  # a list: vLLM's model takes no null
     body["properties"]["input"] = _declare_stored_items(components)
-    body["allOf"] = [STORED]
+    body["allOf"] = [STORED, SOMETHING_TO_RENDER]
     # vLLM's handler refuses an empty string in a stop list (found by the same fuzzing).
     for variant in components[STATELESS_BODY]["properties"]["stop"].get("anyOf", []):
         if variant.get("type") == "array":

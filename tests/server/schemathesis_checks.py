@@ -48,7 +48,8 @@ PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
 MISSING_OBJECT_CODES = {"previous_response_not_found", "tool_call_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
 MISSING_TOOL = ("tool_choice", "not found")
-MISSING_TOOL_MESSAGES = ("which is not declared in tools", "does not match any of the specified `tools`")
+MISSING_TOOL_MESSAGES = ("which is not declared in tools", "does not match any of the specified `tools`",
+                         "is not found in the tools list")
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
                        "allowed_token_ids cannot be combined",

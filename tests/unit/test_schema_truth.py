@@ -502,6 +502,10 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert not valid({"input": [{**output, "output": [{"type": "text", "text": "x"}]}]})
     assert not valid({"input": [{**output, "output": [image]}]})
     assert valid({"input": [{"type": "function_call", "status": None}]})  # vLLM takes the output model's form
+    # Something to render (round 26: an empty input, "Cannot apply chat template to an empty conversation").
+    assert not valid({"input": []}) and not valid({"input": [], "store": False})
+    assert valid({"input": [], "instructions": "Be brief."}) and valid({"input": [], "previous_response_id": "resp_1"})
+    assert valid({"input": ""}) and valid({"input": [], "instructions": "x", "store": False})
     # A session's reply honours a mode or a function (round 21 sent it another kind).
     assert valid({"tool_choice": "required", "tools": [{"type": "function"}]})
     assert valid({"tool_choice": {"type": "function", "name": "f"}})
