@@ -92,7 +92,8 @@ def vllm_server_args(settings: Settings, model_path: str) -> Namespace:
 def renderer_features(renderer: Any) -> dict[str, bool]:
     """What vLLM's online renderer was started with, as declare_server_features takes it:
     whether it parses tool calls (a tool parser, a Mistral tokenizer or harmony, as its
-    own tool_choice check reads them), serves harmony, takes prompt embeddings, images."""
+    own tool_choice check reads them), serves harmony, takes prompt embeddings, images,
+    renders a completion's suffix (fill-in-the-middle)."""
     from vllm.utils.mistral import is_mistral_tokenizer
 
     parser = getattr(renderer.parser, "tool_parser_cls", None)
@@ -100,7 +101,8 @@ def renderer_features(renderer: Any) -> dict[str, bool]:
                              or is_mistral_tokenizer(renderer.renderer.tokenizer)),
             "harmony": bool(renderer.use_harmony),
             "prompt_embeds": bool(renderer.model_config.enable_prompt_embeds),
-            "multimodal": bool(renderer.model_config.is_multimodal_model)}
+            "multimodal": bool(renderer.model_config.is_multimodal_model),
+            "fim": renderer.renderer.render_completion_suffix("", "") is not None}
 
 
 def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:

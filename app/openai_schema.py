@@ -302,14 +302,15 @@ MULTIMODAL_PARTS = [f"ChatCompletionContentPart{kind}Param" for kind in (
 
 
 def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmony: bool,
-                            prompt_embeds: bool, multimodal: bool) -> None:
+                            prompt_embeds: bool, multimodal: bool, fim: bool = False) -> None:
     """What vLLM's routes take depends on how the server was started (vLLM's online
     renderer): without a tool parser a chat request's ``tool_choice`` is ``none`` or
     null, and given tools it must be set (its default is then ``auto``), as an
     Anthropic request's is ``none``; harmony messages only on a harmony (gpt-oss)
     model (another model's template fails on them); ``prompt_embeds`` (and prompt
     embedding parts) only where the server enables them; images, audio and video only
-    on a multimodal model."""
+    on a multimodal model; a completion's ``suffix`` only where the model renders
+    fill-in-the-middle."""
     components = schema.get("components", {}).get("schemas", {})
     # A chat request takes five rules between fields before schemathesis's generator
     # (jsonschema_rs's canonical form: "outgrew intersections") gives up on it; a sixth
@@ -326,6 +327,8 @@ def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmo
         block_type = components.get("AnthropicContentBlock", {}).get("properties", {}).get("type", {})
         if "image" in block_type.get("enum", []):
             block_type["enum"] = [kind for kind in block_type["enum"] if kind != "image"]
+    if not fim and "suffix" in components.get("CompletionRequest", {}).get("properties", {}):
+        components["CompletionRequest"]["properties"]["suffix"] = {"type": "null"}
     if not prompt_embeds:
         for component in components.values():
             if (embeds := component.get("properties", {}).get("prompt_embeds")) is not None:

@@ -96,7 +96,7 @@ STORED_PROPERTIES: dict[str, Any] = {
         "type": "object", "properties": {"type": {"const": "function"}, "name": {"type": "string", "minLength": 1}},
         "required": ["type", "name"]}]},
     "text": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"format": {"anyOf": [
-        {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}]},
+        {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}]}}}]},
 }
 # Who answers: vLLM's handler a request with store false, no previous response or
 # conversation and generate left on (app/responses/api_router.py); a session any other.

@@ -502,6 +502,7 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert not valid({"input": [{**output, "output": [{"type": "text", "text": "x"}]}]})
     assert not valid({"input": [{**output, "output": [image]}]})
     assert valid({"input": [{"type": "function_call", "status": None}]})  # vLLM takes the output model's form
+    assert not valid({"text": {"format": {}}}) and valid({"text": {"format": {"type": "text"}}})  # round 28
     # Something to render (round 26: an empty input, "Cannot apply chat template to an empty conversation").
     assert not valid({"input": []}) and not valid({"input": [], "store": False})
     assert valid({"input": [], "instructions": "Be brief."}) and valid({"input": [], "previous_response_id": "resp_1"})
@@ -614,7 +615,8 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
                                  "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
                                  "top_k": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
                                  "stop_sequences": {"anyOf": [{"type": "array", "items": {"type": "string"}},
-                                                              {"type": "null"}]}}}
+                                                              {"type": "null"}]},
+                                 "suffix": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
            for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest")},
         "ResponseFunctionToolCallOutputItem": {"properties": {"output": {"type": "array", "items": parts}}},
         "ChatCompletionNamedFunction": {"properties": {"name": {"type": "string"}}}}}}
@@ -629,6 +631,8 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
         {"$ref": "#/components/schemas/ResponseInputText"}]
     # Round 23: a named tool choice names a function ("Invalid `name`" for "").
     assert components["ChatCompletionNamedFunction"]["properties"]["name"]["minLength"] == 1
+    # Round 28: no suffix where the model renders no fill-in-the-middle (the tiny model's).
+    assert components["CompletionRequest"]["properties"]["suffix"] == {"type": "null"}
     # Round 24: top_k from -1 (all); Anthropic's stop sequences hold no empty string.
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         assert components[name]["properties"]["top_k"]["anyOf"][0]["minimum"] == -1
