@@ -62,31 +62,32 @@ class OpenAIBodyRoute:
     stateful: bool = False  # it honours STATEFUL_FIELDS (ours replaces vLLM's: app.responses)
 
 
-# Sampling values vLLM takes but its float32 sampler holds as 0 (a repetition_penalty of
-# 5e-324 divided the logits by zero and killed a constrained reply in the grammar check:
-# a 500 on /v1/completions and /v1/responses; a top_p as small filters out every token).
-# Refused on every route, and stated in the schema.
-SAMPLING_FLOORS = {"repetition_penalty": MIN_REPETITION_PENALTY, "top_p": MIN_TOP_P}
-SAMPLING_CEILINGS = {"repetition_penalty": MAX_REPETITION_PENALTY}  # 1.4e308: inf in float32, a 500
+# Sampling values vLLM takes but its float32 sampler holds as 0 or inf (a repetition_penalty
+# of 5e-324 divided the logits by zero and killed a constrained reply in the grammar check:
+# a 500 on /v1/completions and /v1/responses; 1.4e308, inf, the same on a batch; a top_p as
+# small filters out every token): (floor, ceiling or None) per field. Refused on every
+# route, and stated in the schema.
+SAMPLING_RANGES: dict[str, tuple[float, float | None]] = {
+    "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), "top_p": (MIN_TOP_P, None)}
 
 
 GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}
 
 
 def check_sampling(payload: dict[str, Any], max_model_len: int | None = None) -> None:
-    """Sampling values refused before vLLM reads them: beyond ``SAMPLING_FLOORS`` and
-    ``SAMPLING_CEILINGS`` (vLLM takes them and then fails, a 500); a chat request's
-    max_tokens below 1 or beyond ``max_model_len`` (vLLM refuses it but beside
-    max_completion_tokens, which the schema cannot state); and ``allowed_token_ids`` with a grammar (a structured output, a JSON response format,
-    a required or named tool call), where the grammar may allow none of the ids and the
-    engine samples a token it rejects (fresh-seed fuzzing found both)."""
-    for field, floor in SAMPLING_FLOORS.items():
+    """Sampling values refused before vLLM reads them: outside ``SAMPLING_RANGES`` (vLLM
+    takes them and then fails, a 500); a chat request's max_tokens below 1 or beyond
+    ``max_model_len`` (vLLM refuses it but beside max_completion_tokens, which the schema
+    cannot state); and ``allowed_token_ids`` with a grammar (a structured output, a JSON
+    response format, a required or named tool call), where the grammar may allow none of
+    the ids and the engine samples a token it rejects (fresh-seed fuzzing found each)."""
+    for field, (floor, ceiling) in SAMPLING_RANGES.items():
         value = payload.get(field)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < floor:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        if value < floor:
             raise VLLMValidationError(f"{field} must be at least {floor}, got {value}.", parameter=field, value=value)
-    for field, ceiling in SAMPLING_CEILINGS.items():
-        value = payload.get(field)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > ceiling:
+        if ceiling is not None and value > ceiling:
             raise VLLMValidationError(f"{field} must be at most {ceiling}, got {value}.", parameter=field, value=value)
     # A chat request's deprecated max_tokens: vLLM refuses it below 1 or beyond the
     # model's length unless max_completion_tokens is set, a rule the chat schema has no

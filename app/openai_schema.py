@@ -14,7 +14,7 @@ import vllm.envs as vllm_envs
 from fastapi import FastAPI
 from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
 
-from app.openai_routes import SAMPLING_CEILINGS, SAMPLING_FLOORS
+from app.openai_routes import SAMPLING_RANGES
 from app.openai_schema_rules import (
     ANTHROPIC_REQUESTS,
     ANTHROPIC_RULES,
@@ -215,22 +215,22 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in property_variants(properties, "logprob_token_ids"):
             if variant.get("type") == "array":
                 variant["maxItems"] = MAX_LOGPROB_TOKEN_IDS
-        # Floors and ceilings every route applies (app.openai_routes); top_p up to 1.
-        for field, floor in SAMPLING_FLOORS.items():
+        # The ranges every route applies (app.openai_routes.SAMPLING_RANGES); top_p up to 1.
+        for field, (floor, ceiling) in SAMPLING_RANGES.items():
             for variant in property_variants(properties, field):
-                if variant.get("type") == "number" and "minimum" not in variant:
+                if variant.get("type") != "number":
+                    continue
+                if "minimum" not in variant:
                     variant.pop("exclusiveMinimum", None)
                     variant["minimum"] = floor
+                if ceiling is not None and "maximum" not in variant:
+                    variant["maximum"] = ceiling
         for variant in property_variants(properties, "top_p"):
             if variant.get("type") == "number" and "maximum" not in variant:
                 variant["maximum"] = 1
         for variant in property_variants(properties, "top_k"):  # SamplingParams: -1 (all), 0 (all) or more
             if variant.get("type") == "integer" and "minimum" not in variant:
                 variant["minimum"] = -1
-        for field, ceiling in SAMPLING_CEILINGS.items():
-            for variant in property_variants(properties, field):
-                if variant.get("type") == "number" and "maximum" not in variant:
-                    variant["maximum"] = ceiling
         # vLLM's SamplingParams: min_p in [0, 1], penalties in [-2, 2], temperature in [0, 2].
         for field, low, high in (("min_p", 0, 1), ("temperature", 0, 2), *((penalty, -2, 2) for penalty in PENALTIES)):
             for variant in property_variants(properties, field):

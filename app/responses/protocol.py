@@ -23,6 +23,7 @@ from pydantic import (
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from app.errors import APIError
+from app.openai_schema_rules import property_variants
 from app.sessions.protocol import (
     SAFE_INTEGER_MAX,
     Integer,
@@ -73,7 +74,7 @@ def _declare_stored_items(components: dict[str, Any]) -> dict[str, Any]:
             properties["call_id"] = {"type": "string"}
             item["required"] = [*item.get("required", []), "call_id"]
         for field in ("content", "output"):
-            for variant in [properties.get(field, {}), *properties.get(field, {}).get("anyOf", [])]:
+            for variant in property_variants(properties, field):
                 if variant.get("type") == "array":
                     variant["items"] = {"anyOf": [ref for ref in variant["items"].get("anyOf", [])
                                                   if ref.get("$ref") in _TEXT_PARTS]}
