@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from app.errors import APIError, error_param, most_specific
 
@@ -37,21 +37,59 @@ async def vllm_answer(call: Awaitable[Response], request: Request) -> Response:
 
 
 def openai_shaped(response: Response) -> Response:
-    """vLLM's handlers answer errors with their exception's name as the type and the
-    status as the code (``"type": "BadRequestError", "code": 400``); where one of ours
-    hands a request to vLLM's, its errors take OpenAI's shape, as our own do."""
+    """A response of one of vLLM's handlers, its error (if any) in OpenAI's shape."""
     if response.status_code < 400 or not isinstance(response, JSONResponse):
         return response
+    shaped = openai_error_body(response.status_code, bytes(response.body))
+    return response if shaped is None else error_response(shaped)
+
+
+def openai_error_body(status: int, body: bytes) -> APIError | None:
+    """vLLM's handlers answer errors with their exception's name as the type and the
+    status as the code (``"type": "BadRequestError", "code": 400``); the same error in
+    OpenAI's shape, as this app's own are (None for any other body: ours, Anthropic's)."""
     try:
-        error = json.loads(bytes(response.body))["error"]
+        error = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
-        return response
-    if not isinstance(error, dict) or isinstance(error.get("code"), str):
-        return response
-    status = response.status_code
-    code = "invalid_request" if status == 400 else status_code(status)
+        return None
+    if not isinstance(error, dict) or not isinstance(error.get("code"), int) or isinstance(error["code"], bool):
+        return None
     param = error.get("param") if isinstance(error.get("param"), str) else None
-    return error_response(APIError(status, str(error.get("message") or status_phrase(status)), code=code, param=param))
+    if status == 404 and param == "model":
+        code = "model_not_found"
+    else:
+        code = "invalid_request" if status == 400 else status_code(status)
+    return APIError(status, str(error.get("message") or status_phrase(status)), code=code, param=param)
+
+
+def openai_shaped_send(send: Send) -> Send:
+    """``send`` for a response of one of vLLM's routes: an error answered as JSON is
+    held until its body is whole, then sent in OpenAI's shape (``openai_error_body``);
+    everything else passes as it comes."""
+    held: list[Message] = []
+
+    async def shaped_send(message: Message) -> None:
+        if message["type"] == "http.response.start" and message["status"] >= 400 and any(
+                name == b"content-type" and value.startswith(b"application/json")
+                for name, value in message.get("headers", ())):
+            held.append(message)
+            return
+        if not held or message["type"] != "http.response.body":
+            await send(message)
+            return
+        held.append(message)
+        if message.get("more_body"):
+            return
+        start, parts = held[0], held[1:]
+        body = b"".join(part.get("body", b"") for part in parts)
+        error = openai_error_body(start["status"], body)
+        if error is not None:
+            body = json.dumps(error.body()).encode()
+        headers = [(k, v) for k, v in start.get("headers", ()) if k != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return shaped_send
 
 
 def status_phrase(status: int) -> str:
@@ -110,15 +148,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def declare_error_codes(schema: dict[str, Any]) -> None:
     """Make the OpenAPI schema state the errors as they are sent: vLLM's ``ErrorInfo``
-    declares an integer code (its own handlers send the HTTP status), while the errors
-    this app sends on the same routes carry OpenAI's string codes; and every operation
+    declares an integer code (its own handlers send the HTTP status), while every error
+    leaves this app with OpenAI's string code (``openai_shaped_send``); and every operation
     may get the middlewares' refusals, which vLLM's routes do not declare, and its
     validation errors as 400, not FastAPI's 422."""
     components = schema.get("components", {}).get("schemas", {})
     info = components.get("ErrorInfo")
     if info is not None and "code" in info.get("properties", {}):
         info["properties"]["code"] = {
-            "anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}], "title": "Code",
+            "anyOf": [{"type": "string"}, {"type": "null"}], "title": "Code",
         }
     if "ErrorResponse" in components:
         _declare_middleware_errors(schema)

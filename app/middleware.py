@@ -14,7 +14,7 @@ from vllm.exceptions import VLLMValidationError
 from app.auth import ANONYMOUS
 from app.cache_salt import CacheSalter
 from app.errors import APIError
-from app.http_errors import send_http_error, send_refusal, validation_error
+from app.http_errors import openai_shaped_send, send_http_error, send_refusal, validation_error
 from app.limits import UNLIMITED_PATHS, KeyLimits, estimated_tokens
 from app.openai_routes import STATEFUL_FIELDS, OpenAIBodyRoute, check_sampling, strict_errors
 
@@ -98,7 +98,8 @@ class OpenAIRequestMiddleware:
       to the caller's key (``limits``).
 
     A validator of vLLM's own that refuses the body (``VLLMValidationError``) gets the
-    same 400, before any salting could mend the body. Bodies that are not a JSON object
+    same 400, before any salting could mend the body; an error vLLM's handler answers
+    takes OpenAI's shape too (``openai_shaped_send``). Bodies that are not a JSON object
     pass through untouched, for vLLM to refuse, as do bodies whose validation raises
     anything else (vLLM raises it again and answers it itself)."""
 
@@ -191,7 +192,7 @@ class OpenAIRequestMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app({**scope, "headers": headers}, replay, send)
+        await self.app({**scope, "headers": headers}, replay, openai_shaped_send(send))
 
 
 def owner_of(scope: Scope) -> str:

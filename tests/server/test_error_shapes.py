@@ -147,6 +147,29 @@ async def test_errors_of_vllms_responses_handler_take_the_openai_shape(server: s
         assert error["type"] == "invalid_request_error" and error["param"] == "stop_token_ids", error
 
 
+@pytest.mark.parametrize(("path", "body", "status", "code"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "invalid_request"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404,
+     "model_not_found"),
+    ("/tokenize", {"model": "nope", "prompt": "hi"}, 404, "model_not_found"),
+])
+async def test_errors_vllms_handlers_answer_take_the_openai_shape(
+        server: str, path: str, body: dict[str, Any], status: int, code: str) -> None:
+    # Refused inside vLLM's handler (past every check before it), which answers its
+    # exception's name as the type and the status as an integer code; the official SDK
+    # and OpenAI's shape expect a string code (app.http_errors.openai_shaped_send).
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        response = await http.post(path, json={"model": "embedded-tiny", **body})
+        error = assert_openai_error(response, status, code)
+        assert error["type"] in ("invalid_request_error", "not_found_error"), error
+        assert int(response.headers["content-length"]) == len(response.content)
+        # Anthropic's route keeps Anthropic's shape (its SDK reads that one).
+        anthropic = await http.post("/v1/messages", json={
+            "model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+        assert anthropic.status_code == 404 and anthropic.json()["type"] == "error", anthropic.text
+
+
 @pytest.mark.parametrize("field", ["mm_processor_kwargs", "chat_template_kwargs"])
 async def test_stored_responses_refuse_what_a_session_cannot_honour(server: str, field: str) -> None:
     # Multimodal kwargs as vLLM's own handler refuses them (the server does not trust
