@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -62,13 +62,40 @@ def openai_error_body(status: int, body: bytes) -> APIError | None:
     return APIError(status, str(error.get("message") or status_phrase(status)), code=code, param=param)
 
 
-def openai_shaped_send(send: Send) -> Send:
-    """``send`` for a response of one of vLLM's routes: an error answered as JSON is
-    held until its body is whole, then sent in OpenAI's shape (``openai_error_body``);
+def openai_error_bytes(status: int, body: bytes) -> bytes | None:
+    error = openai_error_body(status, body)
+    return None if error is None else json.dumps(error.body()).encode()
+
+
+# Anthropic's routes (vLLM's): Anthropic's SDK reads its own error shape,
+# {"type": "error", "error": {"type", "message"}}, with these types.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error"}
+
+
+def anthropic_error_bytes(status: int, body: bytes) -> bytes | None:
+    """Any JSON error (OpenAI's shape, or vLLM's Anthropic one with its exception's
+    name as the type) in Anthropic's shape."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(error, dict):
+        return None
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+    message = str(error.get("message") or status_phrase(status))
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+
+
+def reshaping_errors(send: Send, reshape: Callable[[int, bytes], bytes | None]) -> Send:
+    """``send`` for a response whose error, answered as JSON, is held until its body is
+    whole, then sent as ``reshape`` makes it (as it was, where that gives None);
     everything else passes as it comes."""
     held: list[Message] = []
 
-    async def shaped_send(message: Message) -> None:
+    async def reshaping_send(message: Message) -> None:
         if message["type"] == "http.response.start" and message["status"] >= 400 and any(
                 name == b"content-type" and value.startswith(b"application/json")
                 for name, value in message.get("headers", ())):
@@ -82,14 +109,12 @@ def openai_shaped_send(send: Send) -> Send:
             return
         start, parts = held[0], held[1:]
         body = b"".join(part.get("body", b"") for part in parts)
-        error = openai_error_body(start["status"], body)
-        if error is not None:
-            body = json.dumps(error.body()).encode()
+        body = reshape(start["status"], body) or body
         headers = [(k, v) for k, v in start.get("headers", ()) if k != b"content-length"]
         await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    return shaped_send
+    return reshaping_send
 
 
 def status_phrase(status: int) -> str:
@@ -149,9 +174,10 @@ def install_error_handlers(app: FastAPI) -> None:
 def declare_error_codes(schema: dict[str, Any]) -> None:
     """Make the OpenAPI schema state the errors as they are sent: vLLM's ``ErrorInfo``
     declares an integer code (its own handlers send the HTTP status), while every error
-    leaves this app with OpenAI's string code (``openai_shaped_send``); and every operation
-    may get the middlewares' refusals, which vLLM's routes do not declare, and its
-    validation errors as 400, not FastAPI's 422."""
+    leaves this app with OpenAI's string code (``openai_error_bytes``; on Anthropic's
+    routes, in Anthropic's shape); and every operation may get the middlewares'
+    refusals, which vLLM's routes do not declare, and its validation errors as 400, not
+    FastAPI's 422."""
     components = schema.get("components", {}).get("schemas", {})
     info = components.get("ErrorInfo")
     if info is not None and "code" in info.get("properties", {}):
@@ -174,8 +200,10 @@ MIDDLEWARE_ERRORS = {
 
 
 def _declare_middleware_errors(schema: dict[str, Any]) -> None:
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    anthropic = "AnthropicErrorResponse" in schema["components"]["schemas"]
     for path, operations in schema.get("paths", {}).items():
+        shape = "AnthropicErrorResponse" if anthropic and path in ANTHROPIC_PATHS else "ErrorResponse"
+        error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
         declared = dict(MIDDLEWARE_ERRORS)
         if "{" in path:
             declared["404"] = "No such resource"

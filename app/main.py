@@ -31,6 +31,7 @@ from app.http_errors import declare_error_codes, install_error_handlers
 from app.http_protocol import CoalescingHttpToolsProtocol
 from app.limits import KeyLimits
 from app.middleware import (
+    AnthropicErrorMiddleware,
     BodySizeLimitMiddleware,
     EngineDeadMiddleware,
     OpenAIRequestMiddleware,
@@ -169,8 +170,8 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
     # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.
     app.middleware_stack = None
-    # Added last runs first: keys, rate limits, body size, cache salts and token
-    # counts, a dead engine, usage rewriting.
+    # Added last runs first: Anthropic's error shape, keys, rate limits, body size,
+    # cache salts and token counts, a dead engine, usage rewriting.
     app.add_middleware(UsageProvenanceMiddleware)
     app.add_middleware(EngineDeadMiddleware)
     salter = cache_salter(settings)
@@ -192,6 +193,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         keys=[key.get_secret_value() for key in settings.api_keys],
         guard_metrics=settings.guard_metrics,
     )
+    app.add_middleware(AnthropicErrorMiddleware)
     return app
 
 

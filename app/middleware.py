@@ -14,7 +14,15 @@ from vllm.exceptions import VLLMValidationError
 from app.auth import ANONYMOUS
 from app.cache_salt import CacheSalter
 from app.errors import APIError
-from app.http_errors import openai_shaped_send, send_http_error, send_refusal, validation_error
+from app.http_errors import (
+    ANTHROPIC_PATHS,
+    anthropic_error_bytes,
+    openai_error_bytes,
+    reshaping_errors,
+    send_http_error,
+    send_refusal,
+    validation_error,
+)
 from app.limits import UNLIMITED_PATHS, KeyLimits, estimated_tokens
 from app.openai_routes import STATEFUL_FIELDS, OpenAIBodyRoute, check_sampling, strict_errors
 
@@ -71,6 +79,20 @@ def engine_dead_error() -> APIError:
                     "in the store.", code="engine_dead", headers={"Retry-After": "5"})
 
 
+class AnthropicErrorMiddleware:
+    """On Anthropic's routes every error takes Anthropic's shape, whoever refused the
+    request (a key, a rate limit, the strict validation, vLLM's handler): Anthropic's
+    SDK reads that one."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") in ANTHROPIC_PATHS:
+            send = reshaping_errors(send, anthropic_error_bytes)
+        await self.app(scope, receive, send)
+
+
 class EngineDeadMiddleware:
     """Once the engine has died, every route that needs it answers 503 engine_dead
     (websockets: an error event, then close 1011) instead of failing on its own."""
@@ -99,7 +121,7 @@ class OpenAIRequestMiddleware:
 
     A validator of vLLM's own that refuses the body (``VLLMValidationError``) gets the
     same 400, before any salting could mend the body; an error vLLM's handler answers
-    takes OpenAI's shape too (``openai_shaped_send``). Bodies that are not a JSON object
+    takes OpenAI's shape too (``openai_error_bytes``). Bodies that are not a JSON object
     pass through untouched, for vLLM to refuse, as do bodies whose validation raises
     anything else (vLLM raises it again and answers it itself)."""
 
@@ -192,7 +214,7 @@ class OpenAIRequestMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app({**scope, "headers": headers}, replay, openai_shaped_send(send))
+        await self.app({**scope, "headers": headers}, replay, reshaping_errors(send, openai_error_bytes))
 
 
 def owner_of(scope: Scope) -> str:

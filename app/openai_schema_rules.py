@@ -74,12 +74,19 @@ _STREAMING: dict[str, Any] = {"anyOf": [
 # A completion streams without beam search ("not currently supported").
 _COMPLETION_STREAMING = copy.deepcopy(_STREAMING)
 _COMPLETION_STREAMING["anyOf"][0]["properties"]["use_beam_search"] = {"not": {"const": True}}
+# A completion's beam search takes no logprob_token_ids, nor logprobs with echo (it
+# computes no prompt logprobs); no output (max_tokens 0) takes no logprob_token_ids, and
+# is asked for with echo (the prompt back) or with beam search (vLLM's beams take it).
+# (A chat request has no room for its beam search rule: app.openai_schema.)
+_NO_IDS = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+_COMPLETION_BEAM_SEARCH = when({"use_beam_search": {"const": True}}, {
+    "properties": {"logprob_token_ids": _NO_IDS},
+    "anyOf": [{"properties": {"echo": {"not": {"const": True}}}}, {"properties": {"logprobs": {"type": "null"}}}]})
 # Rules between fields, from vLLM's request validators and renderer: stream options only
 # on a streamed request, and no prompt logprobs on it; logprob_token_ids (and a chat's
 # top_logprobs) with logprobs (chat: true; completions: a count); a required tool with
-# tools (Responses); a completion's suffix without echo or prompt truncation, and no
-# output (max_tokens 0) only with echo; continuing the final message without a
-# generation prompt.
+# tools (Responses); a completion's suffix without echo or prompt truncation; continuing
+# the final message without a generation prompt.
 _CHAT_LOGPROBS = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
 _CHAT_LOGPROB_RULES = [when(_LOGPROB_IDS, _CHAT_LOGPROBS),
                        when({"top_logprobs": {"type": "integer", "not": {"const": 0}}}, _CHAT_LOGPROBS)]
@@ -97,7 +104,10 @@ CROSS_FIELD_RULES = {
         "properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
         when({"suffix": {"type": "string"}}, {"properties": {
             "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}}),
-        when({"max_tokens": {"const": 0}}, {"properties": {"echo": {"const": True}}, "required": ["echo"]})],
+        when({"max_tokens": {"const": 0}}, {"properties": {"logprob_token_ids": _NO_IDS}, "anyOf": [
+            {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+            {"properties": {"use_beam_search": {"const": True}}, "required": ["use_beam_search"]}]}),
+        _COMPLETION_BEAM_SEARCH],
 }
 # A chat request's tools and tool_choice as vLLM's check_tool_usage reads them: without a
 # tool parser, tools need a tool_choice (the default is then auto, refused); with one, a

@@ -158,16 +158,38 @@ async def test_errors_vllms_handlers_answer_take_the_openai_shape(
         server: str, path: str, body: dict[str, Any], status: int, code: str) -> None:
     # Refused inside vLLM's handler (past every check before it), which answers its
     # exception's name as the type and the status as an integer code; the official SDK
-    # and OpenAI's shape expect a string code (app.http_errors.openai_shaped_send).
+    # and OpenAI's shape expect a string code (app.http_errors.openai_error_bytes).
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         response = await http.post(path, json={"model": "embedded-tiny", **body})
         error = assert_openai_error(response, status, code)
         assert error["type"] in ("invalid_request_error", "not_found_error"), error
         assert int(response.headers["content-length"]) == len(response.content)
-        # Anthropic's route keeps Anthropic's shape (its SDK reads that one).
-        anthropic = await http.post("/v1/messages", json={
-            "model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
-        assert anthropic.status_code == 404 and anthropic.json()["type"] == "error", anthropic.text
+
+
+ANTHROPIC_MESSAGE = {"model": "embedded-tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(("path", "body", "headers", "status", "kind"), [
+    ("/v1/messages", {**ANTHROPIC_MESSAGE, "model": "nope"}, None, 404, "not_found_error"),  # vLLM's handler
+    ("/v1/messages", {**ANTHROPIC_MESSAGE, "messages": []}, None, 400, "invalid_request_error"),  # vLLM's renderer
+    ("/v1/messages", {**ANTHROPIC_MESSAGE, "max_tokens": 0}, None, 400, "invalid_request_error"),  # our range check
+    ("/v1/messages", {**ANTHROPIC_MESSAGE, "top_k": "1"}, None, 400, "invalid_request_error"),  # strict validation
+    ("/v1/messages/count_tokens", {"model": "embedded-tiny"}, None, 400, "invalid_request_error"),
+    ("/v1/messages", ANTHROPIC_MESSAGE, {"Authorization": "Bearer wrong"}, 401, "authentication_error"),  # key
+])
+async def test_errors_on_anthropics_routes_take_anthropics_shape(
+        server: str, path: str, body: dict[str, Any], headers: dict[str, str] | None, status: int, kind: str) -> None:
+    # Anthropic's SDK reads {"type": "error", "error": {"type", "message"}} with its own
+    # types, whichever layer refused the request (app.middleware.AnthropicErrorMiddleware).
+    async with httpx.AsyncClient(base_url=server, headers=headers or auth(), timeout=60) as http:
+        response = await http.post(path, json=body)
+        assert response.status_code == status, response.text
+        assert response.json() == {"type": "error", "error": {"type": kind, "message": response.json()["error"]["message"]}}
+        assert response.json()["error"]["message"] and int(response.headers["content-length"]) == len(response.content)
+        if status == 404:  # and the server's schema says so, the middlewares' refusals too
+            declared = (await http.get("/openapi.json")).json()["paths"]["/v1/messages"]["post"]["responses"]
+            assert {declared[code]["content"]["application/json"]["schema"]["$ref"]
+                    for code in ("400", "401", "429")} == {"#/components/schemas/AnthropicErrorResponse"}
 
 
 @pytest.mark.parametrize("field", ["mm_processor_kwargs", "chat_template_kwargs"])

@@ -675,3 +675,42 @@ def test_the_stateless_body_offers_the_input_items_vllm_converts() -> None:
 
     assert offered(harmony=False) == ["Call", "Reasoning"]  # additional_tools, role and all: round 25
     assert offered(harmony=True) == ["Mcp", "Call", "Reasoning", "Reference", "Tools"]
+
+
+def test_a_completions_rules_between_logprobs_echo_and_beam_search_are_vllms() -> None:
+    """Round 31 (a fresh seed): a completion with beam search, echo and logprobs, refused
+    by vLLM's validator ("beam search does not compute prompt logprobs"); beside it, beam
+    search with logprob_token_ids, and logprob_token_ids with no output (echo, max_tokens
+    0), and no output without echo unless by beam search (vLLM's beams take max_tokens 0:
+    answered 200). Oracle: what the server runs on the body (vLLM's CompletionRequest
+    validation, app.openai_routes.check_sampling, then the handler's sampling or beam
+    search parameters) over every combination of the fields involved, against the
+    completion's published rules read by a JSON Schema validator: the two must agree on
+    each body."""
+    import itertools
+
+    import jsonschema
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMValidationError
+
+    from app.errors import APIError
+    from app.openai_routes import check_sampling
+    from app.openai_schema_rules import CROSS_FIELD_RULES
+
+    rules = jsonschema.Draft202012Validator({"allOf": CROSS_FIELD_RULES["CompletionRequest"]})
+    disagreements = []
+    for beam, echo, logprobs, ids, max_tokens in itertools.product(
+            (False, True), (False, True), (None, 1), (None, [], [5]), (0, 4)):
+        body = {"model": "m", "prompt": "hi", "use_beam_search": beam, "echo": echo, "logprobs": logprobs,
+                "logprob_token_ids": ids, "max_tokens": max_tokens}
+        try:
+            request = CompletionRequest.model_validate(body)
+            check_sampling(dict(body))
+            (request.to_beam_search_params if beam else request.to_sampling_params)(max_tokens)
+            accepted = True
+        except (ValidationError, VLLMValidationError, APIError, ValueError):
+            accepted = False
+        if rules.is_valid(body) != accepted:
+            disagreements.append((body, accepted))
+    assert not disagreements, disagreements
