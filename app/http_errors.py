@@ -52,8 +52,15 @@ def openai_error_body(status: int, body: bytes) -> APIError | None:
         error = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
         return None
+    return openai_error(error, status)
+
+
+def openai_error(error: Any, status: int | None = None) -> APIError | None:
+    """One of vLLM's error objects (in a body, or an event of a stream: ``status``
+    then comes from its code) as this app's error; None for any other object."""
     if not isinstance(error, dict) or not isinstance(error.get("code"), int) or isinstance(error["code"], bool):
         return None
+    status = status or error["code"]
     param = error.get("param") if isinstance(error.get("param"), str) else None
     if status == 404 and param == "model":
         code = "model_not_found"

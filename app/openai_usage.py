@@ -5,7 +5,9 @@ vLLM's ``/v1/completions`` and ``/v1/chat/completions`` report
 each such request an ``X-Request-Id`` (vLLM derives its engine request ids from
 it), and adds ``device_tokens``, ``cpu_tier_tokens``, ``disk_tier_tokens`` and ``computed_tokens`` to
 every usage object in the response, JSON or SSE, from the provenance recorder.
-The endpoints themselves stay vLLM's, unchanged.
+The endpoints themselves stay vLLM's, unchanged. An error vLLM sends inside a stream
+(after its 200) takes OpenAI's shape here, as its errors before a stream do
+(``app.http_errors``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.http_errors import openai_error
 from app.provenance import ProvenanceRecorder
 
 # Path -> prefix of the engine request ids vLLM derives from X-Request-Id.
@@ -61,7 +64,8 @@ class UsageProvenanceMiddleware:
 
 
 class _UsageRewriter:
-    """Buffers a JSON body whole, or SSE events one at a time, and patches usage."""
+    """Buffers a JSON body whole, or SSE events one at a time, and patches usage (and
+    an error event's shape)."""
 
     def __init__(self, send: Send, recorder: ProvenanceRecorder | None, id_prefix: str):
         self._send = send
@@ -104,6 +108,9 @@ class _UsageRewriter:
         await self._send({"type": "http.response.body", "body": out, "more_body": more})
 
     async def _patch(self, payload: dict[str, Any]) -> bool:
+        if (error := openai_error(payload.get("error"))) is not None:
+            payload["error"] = error.body()["error"]
+            return True
         usage = payload.get("usage")
         if not isinstance(usage, dict) or self._recorder is None:
             return False
