@@ -4,6 +4,8 @@ Oracle: the rules as its docstring states them, on hand-made errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.server.schemathesis_checks import refusal_no_schema_can_prevent
 
 INT64_MAX = 2**63 - 1
@@ -72,3 +74,36 @@ def test_a_negative_case_whose_body_fits_the_schema_is_judged_as_sent() -> None:
     assert body_fits_schema(SimpleNamespace(operation=operation, body=[{"type": "text"}]))
     assert not body_fits_schema(SimpleNamespace(operation=operation, body=[{"type": "image"}]))
     assert not body_fits_schema(SimpleNamespace(operation=operation, body=object()))  # nothing sent as JSON
+
+
+def test_the_fuzz_summary_groups_findings_over_runs(tmp_path: Path) -> None:
+    """scripts/fuzz_summary.py on JUnit reports written as schemathesis writes them: one
+    refusal found with different values in two runs is one finding of 2/2 runs; an
+    accepted request is grouped by its status alone; a run without a report is named."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fuzz_summary", Path(__file__).parents[2] / "scripts/fuzz_summary.py")
+    assert spec is not None and spec.loader is not None
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+
+    def case(check: str, status: int, body: str) -> str:
+        return (f"1. Test Case ID: x\n\n- {check}\n\n    Valid data should have been accepted\n\n"
+                f"[{status}] Bad Request:\n\n    `{body}`\n\nReproduce with:\n\n    curl ...")
+
+    for seed, value in (("11", "4.6e+16"), ("22", "-7.5")):
+        run = tmp_path / f"seed-{seed}"
+        run.mkdir()
+        refused = case("ST202 Schema-valid request rejected", 400, f'{{"message": "got {value}", "param": \'t\'}}')
+        accepted = case("ST201 Schema-violating request accepted", 200, f'{{"id": "resp_{seed}"}}')
+        (run / "junit-1.xml").write_text(
+            '<testsuites><testsuite><testcase name="POST /invocations"><failure type="failure" message="ST202">'
+            f"{refused}</failure></testcase><testcase name=\"POST /v1/responses\"><failure>{accepted}</failure>"
+            "</testcase></testsuite></testsuites>")
+    (tmp_path / "seed-33").mkdir()
+    (tmp_path / "seed-33" / "junit-2.xml").write_text("")  # stopped before its report was written
+    found = summary.findings(tmp_path)
+    assert found[("POST /invocations", "ST202 Schema-valid request rejected",
+                  "[400] {\"message\": \"got #\", \"param\": '…'}")] == {"11", "22"}
+    assert found[("POST /v1/responses", "ST201 Schema-violating request accepted", "[200] ")] == {"11", "22"}
+    assert [key for key in found if key[0] == "(no report)"] and len(found) == 3
