@@ -48,11 +48,15 @@ def openai_error_body(status: int, body: bytes) -> APIError | None:
     """vLLM's handlers answer errors with their exception's name as the type and the
     status as the code (``"type": "BadRequestError", "code": 400``); the same error in
     OpenAI's shape, as this app's own are (None for any other body: ours, Anthropic's)."""
+    return openai_error(error_object(body), status)
+
+
+def error_object(body: bytes) -> Any:
+    """The ``error`` of a JSON error body (None if it has none)."""
     try:
-        error = json.loads(body)["error"]
+        return json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
         return None
-    return openai_error(error, status)
 
 
 def openai_error(error: Any, status: int | None = None) -> APIError | None:
@@ -85,11 +89,7 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
 def anthropic_error_bytes(status: int, body: bytes) -> bytes | None:
     """Any JSON error (OpenAI's shape, or vLLM's Anthropic one with its exception's
     name as the type) in Anthropic's shape."""
-    try:
-        error = json.loads(body)["error"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(error, dict):
+    if not isinstance(error := error_object(body), dict):
         return None
     kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
     message = str(error.get("message") or status_phrase(status))
