@@ -30,7 +30,12 @@ from vllm.exceptions import VLLMValidationError
 
 from app.errors import APIError
 from app.http_errors import send_http_error
-from app.sessions.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TOP_P
+from app.sessions.protocol import (
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    MIN_TOP_P,
+    SAFE_INTEGER_MAX,
+)
 
 # SageMaker's route reads its body itself and hands it to the first of these routes
 # whose body model validates it (vLLM's get_generate_invocation_types, in its order): it
@@ -65,10 +70,13 @@ class OpenAIBodyRoute:
 # Sampling values vLLM takes but its float32 sampler holds as 0 or inf (a repetition_penalty
 # of 5e-324 divided the logits by zero and killed a constrained reply in the grammar check:
 # a 500 on /v1/completions and /v1/responses; 1.4e308, inf, the same on a batch; a top_p as
-# small filters out every token): (floor, ceiling or None) per field. Refused on every
-# route, and stated in the schema.
+# small filters out every token), and integers it takes unbounded and then cannot send to
+# its engine core beyond 64 bits (top_k, stream_interval: a 500 on chat, batch, completion
+# and Anthropic): (floor, ceiling or None) per field. Refused on every route, and stated in
+# the schema (the integers' ceiling as our own routes bound theirs, JSON-safe).
 SAMPLING_RANGES: dict[str, tuple[float, float | None]] = {
-    "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), "top_p": (MIN_TOP_P, None)}
+    "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), "top_p": (MIN_TOP_P, None),
+    "top_k": (-1, SAFE_INTEGER_MAX), "stream_interval": (1, SAFE_INTEGER_MAX)}
 
 
 GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}

@@ -215,10 +215,11 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in property_variants(properties, "logprob_token_ids"):
             if variant.get("type") == "array":
                 variant["maxItems"] = MAX_LOGPROB_TOKEN_IDS
-        # The ranges every route applies (app.openai_routes.SAMPLING_RANGES); top_p up to 1.
+        # The ranges every route applies (app.openai_routes.SAMPLING_RANGES; top_k's floor:
+        # SamplingParams takes -1 and 0 for all); top_p up to 1.
         for field, (floor, ceiling) in SAMPLING_RANGES.items():
             for variant in property_variants(properties, field):
-                if variant.get("type") != "number":
+                if variant.get("type") not in ("number", "integer"):
                     continue
                 if "minimum" not in variant:
                     variant.pop("exclusiveMinimum", None)
@@ -228,9 +229,6 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in property_variants(properties, "top_p"):
             if variant.get("type") == "number" and "maximum" not in variant:
                 variant["maximum"] = 1
-        for variant in property_variants(properties, "top_k"):  # SamplingParams: -1 (all), 0 (all) or more
-            if variant.get("type") == "integer" and "minimum" not in variant:
-                variant["minimum"] = -1
         # vLLM's SamplingParams: min_p in [0, 1], penalties in [-2, 2], temperature in [0, 2].
         for field, low, high in (("min_p", 0, 1), ("temperature", 0, 2), *((penalty, -2, 2) for penalty in PENALTIES)):
             for variant in property_variants(properties, field):

@@ -169,6 +169,31 @@ async def test_errors_vllms_handlers_answer_take_the_openai_shape(
 ANTHROPIC_MESSAGE = {"model": "embedded-tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 
 
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "top_k"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "stream_interval"),
+    ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "hi"}]]}, "top_k"),
+    ("/v1/completions", {"prompt": "hi"}, "top_k"),
+    ("/v1/completions", {"prompt": "hi"}, "stream_interval"),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, "top_k"),
+])
+async def test_an_integer_beyond_64_bits_is_a_400_on_vllms_routes(
+        server: str, path: str, body: dict[str, Any], field: str) -> None:
+    # A no-parser fuzz seed: vLLM takes top_k and stream_interval unbounded, then cannot
+    # send them to its engine core ("can't serialize ints"): a 500. Refused and stated,
+    # as our own routes bound their integers (app.openai_routes.SAMPLING_RANGES).
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        response = await http.post(path, json={"model": "embedded-tiny", "max_tokens": 2, **body, field: 2**70})
+        assert response.status_code == 400, response.text
+        assert field in response.text, response.text
+        accepted = await http.post(path, json={"model": "embedded-tiny", "max_tokens": 2, **body, field: 2**53 - 1})
+        assert accepted.status_code == 200, accepted.text
+        schemas = (await http.get("/openapi.json")).json()["components"]["schemas"]
+        assert {variant.get("maximum") for name in ("ChatCompletionRequest", "CompletionRequest")
+                for variant in schemas[name]["properties"][field]["anyOf"] if variant.get("type") == "integer"} == {
+            2**53 - 1}
+
+
 @pytest.mark.parametrize(("path", "body", "headers", "status", "kind"), [
     ("/v1/messages", {**ANTHROPIC_MESSAGE, "model": "nope"}, None, 404, "not_found_error"),  # vLLM's handler
     ("/v1/messages", {**ANTHROPIC_MESSAGE, "messages": []}, None, 400, "invalid_request_error"),  # vLLM's renderer
