@@ -72,11 +72,13 @@ class OpenAIBodyRoute:
 # a 500 on /v1/completions and /v1/responses; 1.4e308, inf, the same on a batch; a top_p as
 # small filters out every token), and integers it takes unbounded and then cannot send to
 # its engine core beyond 64 bits (top_k, stream_interval: a 500 on chat, batch, completion
-# and Anthropic): (floor, ceiling or None) per field. Refused on every route, and stated in
-# the schema (the integers' ceiling as our own routes bound theirs, JSON-safe).
+# and Anthropic); a beam search's length_penalty, its score's exponent over the length
+# (beyond ±10 the power under- or overflows a double: a division by zero, a 500): (floor,
+# ceiling or None) per field. Refused on every route, and stated in the schema (the
+# integers' ceiling as our own routes bound theirs, JSON-safe).
 SAMPLING_RANGES: dict[str, tuple[float, float | None]] = {
     "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), "top_p": (MIN_TOP_P, None),
-    "top_k": (-1, SAFE_INTEGER_MAX), "stream_interval": (1, SAFE_INTEGER_MAX)}
+    "top_k": (-1, SAFE_INTEGER_MAX), "stream_interval": (1, SAFE_INTEGER_MAX), "length_penalty": (-10, 10)}
 
 
 GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}

@@ -169,6 +169,22 @@ async def test_errors_vllms_handlers_answer_take_the_openai_shape(
 ANTHROPIC_MESSAGE = {"model": "embedded-tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_beam_searchs_length_penalty_is_bounded(server: str, path: str) -> None:
+    # A no-parser fuzz seed: length_penalty -2.8e16 with beam search made a beam's score
+    # divide by the length to that power, 0.0: ZeroDivisionError, a 500.
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        for penalty in (-2.8e16, 1e16):
+            response = await http.post(path, json={"model": "embedded-tiny", "max_tokens": 3, "use_beam_search": True,
+                                                   "n": 2, "length_penalty": penalty, **body})
+            assert response.status_code == 400 and "length_penalty" in response.text, response.text
+        for penalty in (-10, 10):
+            response = await http.post(path, json={"model": "embedded-tiny", "max_tokens": 3, "use_beam_search": True,
+                                                   "n": 2, "length_penalty": penalty, **body})
+            assert response.status_code == 200, response.text
+
+
 @pytest.mark.parametrize(("path", "body", "field"), [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "top_k"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "stream_interval"),
