@@ -677,81 +677,74 @@ def test_the_stateless_body_offers_the_input_items_vllm_converts() -> None:
     assert offered(harmony=True) == ["Mcp", "Call", "Reasoning", "Reference", "Tools"]
 
 
-def test_a_completions_rules_between_logprobs_echo_and_beam_search_are_vllms() -> None:
-    """Round 31 (a fresh seed): a completion with beam search, echo and logprobs, refused
-    by vLLM's validator ("beam search does not compute prompt logprobs"); beside it, beam
-    search with logprob_token_ids, and logprob_token_ids with no output (echo, max_tokens
-    0), and no output without echo unless by beam search (vLLM's beams take max_tokens 0:
-    answered 200). Oracle: what the server runs on the body (vLLM's CompletionRequest
-    validation, app.openai_routes.check_sampling, then the handler's sampling or beam
-    search parameters) over every combination of the fields involved, against the
-    completion's published rules read by a JSON Schema validator: the two must agree on
-    each body."""
-    import itertools
-
+def rule_disagreements(request_model: Any, component: str, bodies: Any) -> list[tuple[dict[str, Any], bool]]:
+    """The bodies on which ``component``'s published rules between fields
+    (CROSS_FIELD_RULES, read by a JSON Schema validator) and what the server runs on a
+    body disagree, with whether the server takes it: vLLM's request validation,
+    app.openai_routes.check_sampling, then the handler's sampling or beam search
+    parameters."""
     import jsonschema
     from pydantic import ValidationError
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.exceptions import VLLMValidationError
 
     from app.errors import APIError
     from app.openai_routes import check_sampling
     from app.openai_schema_rules import CROSS_FIELD_RULES
 
-    rules = jsonschema.Draft202012Validator({"allOf": CROSS_FIELD_RULES["CompletionRequest"]})
+    rules = jsonschema.Draft202012Validator({"allOf": CROSS_FIELD_RULES[component]})
     disagreements = []
-    for beam, echo, logprobs, ids, max_tokens in itertools.product(
-            (False, True), (False, True), (None, 1), (None, [], [5]), (0, 4)):
-        body = {"model": "m", "prompt": "hi", "use_beam_search": beam, "echo": echo, "logprobs": logprobs,
-                "logprob_token_ids": ids, "max_tokens": max_tokens}
+    for body in bodies:
         try:
-            request = CompletionRequest.model_validate(body)
-            check_sampling(dict(body))
-            (request.to_beam_search_params if beam else request.to_sampling_params)(max_tokens)
+            request = request_model.model_validate(body)
+            check_sampling(dict(body), 4096)
+            (request.to_beam_search_params if body["use_beam_search"] else request.to_sampling_params)(
+                body["max_tokens"], {})
             accepted = True
         except (ValidationError, VLLMValidationError, APIError, ValueError):
             accepted = False
         if rules.is_valid(body) != accepted:
             disagreements.append((body, accepted))
+    return disagreements
+
+
+def test_a_completions_rules_between_logprobs_echo_and_beam_search_are_vllms() -> None:
+    """Round 31 (a fresh seed): a completion with beam search, echo and logprobs, refused
+    by vLLM's validator ("beam search does not compute prompt logprobs"); beside it, beam
+    search with logprob_token_ids, and logprob_token_ids with no output (echo, max_tokens
+    0), and no output without echo unless by beam search (vLLM's beams take max_tokens 0:
+    answered 200). Oracle: what the server runs on the body (``rule_disagreements``) over
+    every combination of the fields involved, against the completion's published rules:
+    the two must agree on each body."""
+    import itertools
+
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    bodies = ({"model": "m", "prompt": "hi", "use_beam_search": beam, "echo": echo, "logprobs": logprobs,
+               "logprob_token_ids": ids, "max_tokens": max_tokens}
+              for beam, echo, logprobs, ids, max_tokens in itertools.product(
+                  (False, True), (False, True), (None, 1), (None, [], [5]), (0, 4)))
+    disagreements = rule_disagreements(CompletionRequest, "CompletionRequest", bodies)
     assert not disagreements, disagreements
 
 
 def test_a_chats_rules_between_fields_are_vllms_but_beam_searchs() -> None:
     """The chat request's published rules between streaming, logprobs, beam search and
-    continuing the final message, against what the server runs on the body (vLLM's
-    ChatCompletionRequest validation, app.openai_routes.check_sampling, the handler's
-    sampling or beam search parameters) over every combination of those fields. They
-    agree but on one rule, left unstated because schemathesis's generator has no room
-    for a sixth rule on a chat request (docs/reliability.md): beam search takes no
-    logprob_token_ids. A new disagreement fails here."""
+    continuing the final message, against what the server runs on the body
+    (``rule_disagreements``) over every combination of those fields. They agree but on
+    one rule, left unstated because schemathesis's generator has no room for a sixth rule
+    on a chat request (docs/reliability.md): beam search takes no logprob_token_ids. A
+    new disagreement fails here."""
     import itertools
 
-    import jsonschema
-    from pydantic import ValidationError
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.exceptions import VLLMValidationError
 
-    from app.errors import APIError
-    from app.openai_routes import check_sampling
-    from app.openai_schema_rules import CROSS_FIELD_RULES
-
-    rules = jsonschema.Draft202012Validator({"allOf": CROSS_FIELD_RULES["ChatCompletionRequest"]})
-    disagreements = []
-    for stream, options, prompt_logprobs, logprobs, top, ids, beam, cont, prompt in itertools.product(
-            (False, True), (None, {"include_usage": True}), (None, 1), (False, True), (None, 0, 2), (None, [5]),
-            (False, True), (False, True), (True, False)):
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream,
-                "stream_options": options, "prompt_logprobs": prompt_logprobs, "logprobs": logprobs,
-                "top_logprobs": top, "logprob_token_ids": ids, "use_beam_search": beam,
-                "continue_final_message": cont, "add_generation_prompt": prompt}
-        try:
-            request = ChatCompletionRequest.model_validate(body)
-            check_sampling(dict(body), 4096)
-            (request.to_beam_search_params if beam else request.to_sampling_params)(4, {})
-            accepted = True
-        except (ValidationError, VLLMValidationError, APIError, ValueError):
-            accepted = False
-        if rules.is_valid(body) != accepted:
-            disagreements.append(body)
+    bodies = ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream,
+               "stream_options": options, "prompt_logprobs": prompt_logprobs, "logprobs": logprobs,
+               "top_logprobs": top, "logprob_token_ids": ids, "use_beam_search": beam,
+               "continue_final_message": cont, "add_generation_prompt": prompt}
+              for stream, options, prompt_logprobs, logprobs, top, ids, beam, cont, prompt in itertools.product(
+                  (False, True), (None, {"include_usage": True}), (None, 1), (False, True), (None, 0, 2), (None, [5]),
+                  (False, True), (False, True), (True, False)))
+    disagreements = [body for body, _ in rule_disagreements(ChatCompletionRequest, "ChatCompletionRequest", bodies)]
     assert disagreements and all(
         body["use_beam_search"] and body["logprob_token_ids"] for body in disagreements), disagreements
