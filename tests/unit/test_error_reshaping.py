@@ -41,18 +41,20 @@ async def run(app: Any, path: str = "/v1/chat/completions") -> tuple[Message, by
     return sent[0], b"".join(message.get("body", b"") for message in sent[1:])
 
 
+def reshaped(app: Any, reshape: Any) -> Any:
+    """``app`` with its answers sent through ``reshaping_errors(send, reshape)``."""
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        await app(scope, receive, reshaping_errors(send, reshape))
+    return wrapped
+
+
 def content_length(start: Message) -> int:
     return int(dict(start["headers"])[b"content-length"])
 
 
 async def test_an_error_answered_in_parts_leaves_whole_in_openais_shape() -> None:
     raw = json.dumps(VLLM_ERROR).encode()
-    app = scripted(400, b"application/json", raw[:10], raw[10:])
-
-    async def reshaped(scope: Scope, receive: Receive, send: Send) -> None:
-        await app(scope, receive, reshaping_errors(send, openai_error_bytes))
-
-    start, body = await run(reshaped)
+    start, body = await run(reshaped(scripted(400, b"application/json", raw[:10], raw[10:]), openai_error_bytes))
     assert json.loads(body) == {"error": {"message": "n must be at least 1, got 0.", "type": "invalid_request_error",
                                           "param": None, "code": "invalid_request"}}
     assert start["status"] == 400 and content_length(start) == len(body)
@@ -61,18 +63,11 @@ async def test_an_error_answered_in_parts_leaves_whole_in_openais_shape() -> Non
 async def test_anthropics_shape_on_its_routes_and_others_untouched() -> None:
     ours = json.dumps({"error": {"message": "top_k: bad", "type": "invalid_request_error", "param": "top_k",
                                  "code": "invalid_request"}}).encode()
-
-    async def reshaped(scope: Scope, receive: Receive, send: Send) -> None:
-        await scripted(400, b"application/json", ours)(scope, receive, reshaping_errors(send, anthropic_error_bytes))
-
-    _, body = await run(reshaped, "/v1/messages")
+    _, body = await run(reshaped(scripted(400, b"application/json", ours), anthropic_error_bytes), "/v1/messages")
     assert json.loads(body) == {"type": "error", "error": {"type": "invalid_request_error", "message": "top_k: bad"}}
     # A success, and an error of another shape, pass as they came.
     for status, payload in ((200, b'{"ok": true}'), (400, b'{"detail": "x"}')):
-        async def passed(scope: Scope, receive: Receive, send: Send, status: int = status,
-                         payload: bytes = payload) -> None:
-            await scripted(status, b"application/json", payload)(scope, receive, reshaping_errors(send, openai_error_bytes))
-        assert (await run(passed))[1] == payload
+        assert (await run(reshaped(scripted(status, b"application/json", payload), openai_error_bytes)))[1] == payload
 
 
 async def test_an_error_inside_a_stream_takes_openais_shape() -> None:
