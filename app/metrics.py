@@ -68,6 +68,9 @@ class SessionMetrics:
             ["source"],
             registry=registry,
         )
+        # Bound once: a chunk counts into all four, and labels() is a lookup under a lock.
+        self._prompt_tokens_from = {source: self.prompt_tokens.labels(source)
+                                    for source in ("device", "cpu_tier", "disk_tier", "computed")}
 
     def observe_chunk(self, result: Any, transport: str) -> None:
         """A committed chunk (a ``ChunkResult``): its count, first-token time, resume source
@@ -80,10 +83,8 @@ class SessionMetrics:
             self.session_resumes.labels(result.resumed_from).inc()
             if result.time_to_first_token is not None:
                 self.resume_ttft.labels(result.resumed_from).observe(result.time_to_first_token)
-        self.prompt_tokens.labels("device").inc(details.device_tokens)
-        self.prompt_tokens.labels("cpu_tier").inc(details.cpu_tier_tokens)
-        self.prompt_tokens.labels("disk_tier").inc(details.disk_tier_tokens)
-        self.prompt_tokens.labels("computed").inc(details.computed_tokens)
+        for source, counter in self._prompt_tokens_from.items():
+            counter.inc(getattr(details, f"{source}_tokens"))
 
 
 _metrics: SessionMetrics | None = None

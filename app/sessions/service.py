@@ -262,6 +262,7 @@ class SessionService:
             session = await self.registry.open_session(owner, session_id)
             turn = self._plan(session, chunk_input, generate)
             params = self._chunk_params(session, options, turn)
+            defaults = session.defaults  # replaced, never changed in place, by an update
             self._check_chunk(session, turn, params)
             if not charged:
                 await self.limits.charge_tokens(owner, len(turn.input_ids) + (params.max_tokens or 0))
@@ -278,7 +279,9 @@ class SessionService:
                 if inputs.depends_on_context(chunk_input):
                     # A chat turn closes the reply it follows: the one of the chunk waited for.
                     turn = self._plan(session, chunk_input, generate)
-                params = self._chunk_params(session, options, turn)  # defaults may have changed elsewhere
+                    params = self._chunk_params(session, options, turn)
+                elif session.defaults is not defaults:  # updated while this chunk waited
+                    params = self._chunk_params(session, options, turn)
                 self._check_chunk(session, turn, params)
                 context = len(session.token_ids) if turn.start is None else turn.start
                 await self.parking.admit(session, context + len(turn.input_ids) + (params.max_tokens or 0))

@@ -171,6 +171,26 @@ async def test_a_second_chunk_in_flight_is_409_and_the_first_goes_on(tmp_path: P
         assert (await chunk(service, session.id, [2])).index == 1
 
 
+async def test_defaults_updated_while_a_chunk_waits_for_the_lock_apply_to_it(tmp_path: Path) -> None:
+    """A chunk queued behind another (a websocket's) takes the session's defaults as they
+    are when it starts, not when it was sent: its sampling parameters are built again
+    after the wait if an update replaced the defaults meanwhile."""
+    async with running_service(tmp_path) as (service, engine):
+        session = await service.create(OWNER, GREEDY)
+        engine.hold()
+        first = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=5),
+                                          transport="test", wait=False)
+        queued = asyncio.create_task(service.start_chunk(OWNER, session.id, [3], SamplingOptions(),
+                                                         transport="test", wait=True))
+        # Its parameters were built from the old defaults before it queued for the lock;
+        # an update that came before that would pass the test without its scenario.
+        assert await until(lambda: bool(session.lock._waiters)), "the second chunk never queued for the lock"
+        await service.update_defaults(OWNER, session.id, SessionDefaults(max_tokens=2))
+        engine.flow()
+        await first.result()
+        assert len((await (await queued).result()).token_ids) == 2
+
+
 async def test_a_commit_the_store_refuses_undoes_the_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with running_service(tmp_path) as (service, _engine):
         session = await service.create(OWNER, GREEDY)
