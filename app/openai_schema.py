@@ -57,6 +57,8 @@ INTERNAL_FIELDS = [("StructuredOutputsParams", "_backend"), ("StructuredOutputsP
 # Strings vLLM refuses empty: the Anthropic API's model ("Model is required").
 NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountTokensRequest", "model"),
                      ("GenerativeScoringRequest", "query"), ("ChatCompletionNamedFunction", "name")]
+# Booleans vLLM takes only as true ("structured_outputs.json_object must be True if set").
+TRUE_ONLY = [("StructuredOutputsParams", "json_object")]
 # Integers vLLM refuses below 1 ("max_tokens must be at least 1"; a completion may ask
 # for 0 with echo: CROSS_FIELD_RULES). A chat request's deprecated max_tokens too, which
 # vLLM takes below 1 only beside max_completion_tokens: refused there as well
@@ -165,7 +167,7 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     """Rules vLLM's handlers enforce beyond their body models, in the published schema
     (``reasoning``: the server sets a reasoning parser):
     the arrays of ``NON_EMPTY_ARRAYS`` and strings of ``NON_EMPTY_STRINGS`` are absent or
-    non-empty, ``POSITIVE_INTEGERS`` at least 1, a thinking budget as ``THINKING_BUDGETS``
+    non-empty, ``POSITIVE_INTEGERS`` at least 1, ``TRUE_ONLY`` true or absent, a thinking budget as ``THINKING_BUDGETS``
     says, ``truncate_prompt_tokens`` is not 0; a completion needs a non-empty ``prompt``
     (``prompt_embeds`` is off unless the server enables it, and a null prompt is
     refused either way); ``/invocations`` takes a chat or a completion request."""
@@ -173,7 +175,8 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     for rules, kind, bound, value in ((NON_EMPTY_ARRAYS, "array", "minItems", 1),
                                       (NON_EMPTY_STRINGS, "string", "minLength", 1),
                                       (POSITIVE_INTEGERS, "integer", "minimum", 1),
-                                      (NON_NEGATIVE_INTEGERS, "integer", "minimum", 0)):
+                                      (NON_NEGATIVE_INTEGERS, "integer", "minimum", 0),
+                                      (TRUE_ONLY, "boolean", "const", True)):
         for name, field in rules:
             for variant in variants(components, name, field):
                 if variant.get("type") == kind:

@@ -649,6 +649,28 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
     assert chat.is_valid({"stream": True, "use_beam_search": True})  # only the completion route refuses it
 
 
+def test_a_structured_outputs_json_object_is_true_or_absent() -> None:
+    """Session 25's first fresh seed on an EPYC machine: a batch chat with
+    ``structured_outputs: {"json_object": false}``, schema-valid, refused by vLLM's
+    SamplingParams ("must be True if set"), as on every route that takes structured
+    outputs. Oracle: the patched schema, read by a JSON Schema validator; that vLLM
+    refuses false is in its own source, read here, so a vLLM that takes it fails this."""
+    import inspect
+
+    import jsonschema
+    from vllm.sampling_params import SamplingParams
+
+    assert "json_object is False" in inspect.getsource(SamplingParams)
+    flag = {"anyOf": [{"type": "boolean"}, {"type": "null"}]}
+    schema: dict[str, Any] = {"components": {"schemas": {
+        "StructuredOutputsParams": {"properties": {"json_object": copy.deepcopy(flag)}}}}}
+    declare_vllm_input_rules(schema)
+    json_object = jsonschema.Draft202012Validator(
+        schema["components"]["schemas"]["StructuredOutputsParams"]["properties"]["json_object"])
+    assert json_object.is_valid(True) and json_object.is_valid(None)
+    assert not json_object.is_valid(False)
+
+
 def test_the_stateless_body_offers_the_input_items_vllm_converts() -> None:
     """Round 22 (a fresh seed): vLLM's Responses handler refused an `mcp_approval_response`
     item ("Unsupported input item type"); off a harmony model it converts messages (any
