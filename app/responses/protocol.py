@@ -160,11 +160,21 @@ CONVERTED_ITEM_TYPES = frozenset({"message", "function_call", "function_call_out
                                   "custom_tool_call_output", "reasoning"})
 
 
+# Reasoning items it converts only without encrypted content ("Encrypted content is not
+# supported": a fresh seed found a non-empty one refused, either item model).
+REASONING_ITEMS = ("ResponseReasoningItem", "ResponseReasoningItemParam")
+
+
 def _converted_items_only(components: dict[str, Any], input_schema: dict[str, Any]) -> None:
     for variant in input_schema.get("anyOf", []):
         items = variant.get("items", {}) if variant.get("type") == "array" else {}
         if "anyOf" in items:
             items["anyOf"] = [ref for ref in items["anyOf"] if _converted(components.get(ref.get("$ref", "").split("/")[-1]))]
+    for name in REASONING_ITEMS:
+        encrypted = components.get(name, {}).get("properties", {}).get("encrypted_content", {})
+        for variant in encrypted.get("anyOf", [encrypted]):
+            if variant.get("type") == "string":
+                variant["maxLength"] = 0
 
 
 def _converted(item: dict[str, Any] | None) -> bool:

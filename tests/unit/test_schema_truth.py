@@ -461,6 +461,10 @@ def _responses_schema(tool_parsing: bool) -> dict[str, Any]:
                     {"$ref": "#/components/schemas/ResponseInputTextParam"}, {"$ref": "#/I"}]}}]}}},
             "I": {"type": "object", "properties": {"type": {"const": "input_image"}}, "required": ["type"]},
             "FunctionTool": {"type": "object", "properties": {"type": {"const": "function"}}, "required": ["type"]},
+            **{name: {"type": "object", "properties": {
+                "type": {"const": "reasoning"},
+                "encrypted_content": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
+               for name in ("ResponseReasoningItemParam", "ResponseReasoningItem")},
         }},
     }
     declare_stored_response_rules(schema, tool_parsing=tool_parsing)
@@ -490,6 +494,12 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert not valid({"tools": web_search}) and valid({"tools": web_search, "store": False})
     assert valid({"tools": [{"type": "function"}]}) and valid({"input": [{"role": "user", "content": "hi"}]})
     assert not valid({"input": [{"type": "reasoning"}]}) and valid({"input": [{"type": "reasoning"}], "store": False})
+    # vLLM's handler converts a reasoning item only without encrypted content (session 25),
+    # either item model.
+    for name in ("ResponseReasoningItemParam", "ResponseReasoningItem"):
+        item = jsonschema.Draft202012Validator(schema["components"]["schemas"][name]).is_valid
+        for content, taken in (("abc", False), ("", True), (None, True)):
+            assert item({"type": "reasoning", "summary": [], "encrypted_content": content}) is taken, (name, content)
     # vLLM's item types, narrowed to what a session converts (a fresh seed found a tool
     # output's "text" part valid by the schema): text parts, a call id, a string id.
     text, image = {"type": "input_text", "text": "x"}, {"type": "input_image"}
