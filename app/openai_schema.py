@@ -7,6 +7,7 @@ limits, what it was started with) is declared here too, once the engine is up.""
 
 from __future__ import annotations
 
+import copy
 import typing
 from typing import Any
 
@@ -140,6 +141,14 @@ def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len:
         for variant in variants(components, name, field):
             if variant.get("type") == "integer":
                 variant.update(maximum=most_logprobs, minimum=-1 if vocab_size <= most_logprobs else 0)
+    # A beam search asks the engine for 2 * n logprobs a step (vLLM's beam_search/online.py):
+    # a completion's n is bounded by half the engine's limit, in the beam search rule it
+    # has already (a chat request has no room for one: docs/reliability.md).
+    rules = components.get("CompletionRequest", {}).get("allOf", [])
+    for index, rule in enumerate(rules):
+        if rule.get("if", {}).get("properties") == {"use_beam_search": {"const": True}}:
+            rules[index] = rule = copy.deepcopy(rule)  # CROSS_FIELD_RULES' own is shared
+            rule["then"].setdefault("properties", {})["n"] = {"maximum": most_logprobs // 2}
 
 
 def decimal_below(limit: int) -> str:

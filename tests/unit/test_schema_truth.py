@@ -759,6 +759,30 @@ def test_a_completions_rules_between_logprobs_echo_and_beam_search_are_vllms() -
     assert not disagreements, disagreements
 
 
+def test_a_completions_beam_width_is_bounded_by_half_the_engines_logprobs() -> None:
+    """Session 25, a fresh seed without a tool parser: a completion with beam search and
+    n 14, refused by vLLM ("Requested sample logprobs of 28, which is greater than max
+    allowed: 20"): a beam search asks the engine for 2 * n logprobs a step. Oracle: that
+    factor in vLLM's own beam search source, and the published completion rules (the
+    cross-field rules with the model's limits) read by a JSON Schema validator."""
+    import inspect
+
+    import jsonschema
+    from vllm.entrypoints.generate.beam_search import online
+
+    from app.openai_schema import declare_model_limits
+    from app.openai_schema_rules import CROSS_FIELD_RULES
+
+    assert "logprobs_num = 2 * beam_width" in inspect.getsource(online)
+    schema: dict[str, Any] = {"components": {"schemas": {
+        "CompletionRequest": {"properties": {}, "allOf": copy.deepcopy(CROSS_FIELD_RULES["CompletionRequest"])}}}}
+    declare_model_limits(schema, vocab_size=1000, max_model_len=2048, max_logprobs=20)
+    valid = jsonschema.Draft202012Validator(schema["components"]["schemas"]["CompletionRequest"]).is_valid
+    assert valid({"use_beam_search": True, "n": 10}) and not valid({"use_beam_search": True, "n": 11})
+    assert valid({"n": 16}) and valid({"use_beam_search": False, "n": 16}) and valid({"use_beam_search": True})
+    assert "'n'" not in str(CROSS_FIELD_RULES["CompletionRequest"]), "the shared rule was changed in place"
+
+
 def test_a_chats_rules_between_fields_are_vllms_but_beam_searchs() -> None:
     """The chat request's published rules between streaming, logprobs, beam search and
     continuing the final message, against what the server runs on the body
