@@ -24,7 +24,8 @@ from app.http_errors import (
     validation_error,
 )
 from app.limits import UNLIMITED_PATHS, KeyLimits, estimated_tokens
-from app.openai_routes import STATEFUL_FIELDS, OpenAIBodyRoute, check_sampling, strict_errors
+from app.openai_routes import STATEFUL_FIELDS, OpenAIBodyRoute, strict_errors
+from app.openai_sampling import check_sampling
 
 
 class BodySizeLimitMiddleware:

@@ -30,12 +30,6 @@ from vllm.exceptions import VLLMValidationError
 
 from app.errors import APIError
 from app.http_errors import send_http_error
-from app.sessions.protocol import (
-    MAX_REPETITION_PENALTY,
-    MIN_REPETITION_PENALTY,
-    MIN_TOP_P,
-    SAFE_INTEGER_MAX,
-)
 
 # SageMaker's route reads its body itself and hands it to the first of these routes
 # whose body model validates it (vLLM's get_generate_invocation_types, in its order): it
@@ -65,60 +59,6 @@ class OpenAIBodyRoute:
     strict_validator: tuple[tuple[str, TypeAdapter[Any]], ...] | None
     generates: bool  # it reaches the prefix cache: salt it, charge its tokens
     stateful: bool = False  # it honours STATEFUL_FIELDS (ours replaces vLLM's: app.responses)
-
-
-# Sampling values vLLM takes but its float32 sampler holds as 0 or inf (a repetition_penalty
-# of 5e-324 divided the logits by zero and killed a constrained reply in the grammar check:
-# a 500 on /v1/completions and /v1/responses; 1.4e308, inf, the same on a batch; a top_p as
-# small filters out every token), and integers it takes unbounded and then cannot send to
-# its engine core beyond 64 bits (top_k, stream_interval: a 500 on chat, batch, completion
-# and Anthropic); a beam search's length_penalty, its score's exponent over the length
-# (beyond ±10 the power under- or overflows a double: a division by zero, a 500): (floor,
-# ceiling or None) per field. Refused on every route, and stated in the schema (the
-# integers' ceiling as our own routes bound theirs, JSON-safe).
-SAMPLING_RANGES: dict[str, tuple[float, float | None]] = {
-    "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), "top_p": (MIN_TOP_P, None),
-    "top_k": (-1, SAFE_INTEGER_MAX), "stream_interval": (1, SAFE_INTEGER_MAX), "length_penalty": (-10, 10)}
-
-
-GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}
-
-
-def check_sampling(payload: dict[str, Any], max_model_len: int | None = None) -> None:
-    """Sampling values refused before vLLM reads them: outside ``SAMPLING_RANGES`` (vLLM
-    takes them and then fails, a 500); a chat request's max_tokens below 1 or beyond
-    ``max_model_len`` (vLLM refuses it but beside max_completion_tokens, which the schema
-    cannot state); and ``allowed_token_ids`` with a grammar (a structured output, a JSON
-    response format, a required or named tool call), where the grammar may allow none of
-    the ids and the engine samples a token it rejects (fresh-seed fuzzing found each)."""
-    for field, (floor, ceiling) in SAMPLING_RANGES.items():
-        value = payload.get(field)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            continue
-        if value < floor:
-            raise VLLMValidationError(f"{field} must be at least {floor}, got {value}.", parameter=field, value=value)
-        if ceiling is not None and value > ceiling:
-            raise VLLMValidationError(f"{field} must be at most {ceiling}, got {value}.", parameter=field, value=value)
-    # A chat request's deprecated max_tokens: vLLM refuses it below 1 or beyond the
-    # model's length unless max_completion_tokens is set, a rule the chat schema has no
-    # room left to state.
-    max_tokens = payload.get("max_tokens")
-    if "messages" in payload and isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
-        if max_tokens < 1:
-            raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.", parameter="max_tokens",
-                                      value=max_tokens)
-        if max_model_len is not None and max_tokens > max_model_len:
-            raise VLLMValidationError(f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}.",
-                                      parameter="max_tokens", value=max_tokens)
-    response_format = payload.get("response_format")
-    grammar = (payload.get("structured_outputs") is not None
-               or (isinstance(response_format, dict) and response_format.get("type") in GRAMMAR_FORMATS)
-               or (bool(payload.get("tools")) and (payload.get("tool_choice") == "required"
-                                                   or isinstance(payload.get("tool_choice"), dict))))
-    if payload.get("allowed_token_ids") and grammar:
-        raise VLLMValidationError("allowed_token_ids cannot be combined with a structured output, a JSON response "
-                                  "format or a forced tool call: the grammar may allow none of them.",
-                                  parameter="allowed_token_ids")
 
 
 def strict_errors(validators: tuple[tuple[str, TypeAdapter[Any]], ...], body: bytes, payload: Any) -> list[Any]:

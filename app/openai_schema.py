@@ -15,7 +15,7 @@ import vllm.envs as vllm_envs
 from fastapi import FastAPI
 from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
 
-from app.openai_routes import SAMPLING_RANGES
+from app.openai_sampling import MESSAGEPACK_FIELDS, MESSAGEPACK_RANGE, SAMPLING_RANGES
 from app.openai_schema_rules import (
     ANTHROPIC_REQUESTS,
     ANTHROPIC_RULES,
@@ -63,7 +63,7 @@ TRUE_ONLY = [("StructuredOutputsParams", "json_object")]
 # Integers vLLM refuses below 1 ("max_tokens must be at least 1"; a completion may ask
 # for 0 with echo: CROSS_FIELD_RULES). A chat request's deprecated max_tokens too, which
 # vLLM takes below 1 only beside max_completion_tokens: refused there as well
-# (app.openai_routes.check_sampling, as OpenAI's API refuses it).
+# (app.openai_sampling.check_sampling, as OpenAI's API refuses it).
 POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens"), *(
     (name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
     for field in ("max_completion_tokens", "max_tokens", "n")), ("CompletionRequest", "n")]
@@ -88,6 +88,16 @@ THINKING_BUDGETS = [("ChatCompletionRequest", "thinking_token_budget"), ("Comple
 INVOCATION_BODIES = ("ChatCompletionRequest", "CompletionRequest")
 
 
+# A value of a free-form field vLLM sends its engine core over MessagePack
+# (app.openai_sampling.MESSAGEPACK_FIELDS): numbers within its 64-bit range, at any depth.
+MESSAGEPACK_VALUE_NAME = "MessagePackValue"
+MESSAGEPACK_VALUE = {"anyOf": [
+    {"type": ["string", "boolean", "null"]},
+    {"type": "number", "minimum": MESSAGEPACK_RANGE[0], "maximum": MESSAGEPACK_RANGE[1]},
+    {"type": "array", "items": {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}},
+    {"type": "object", "additionalProperties": {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}}]}
+
+
 # vLLM's validate_cache_salt: non-empty, at most 128 characters, none of '@', '/', '\\', NUL.
 CACHE_SALT = {"minLength": 1, "maxLength": 128, "pattern": "^[^@/\\\\\x00]*$"}
 # Per-request multimodal kwargs and chat templates: refused unless the server trusts
@@ -107,6 +117,29 @@ DETOKENIZED = ("DetokenizeRequest", "tokens", 2**32 - 1)
 
 # Token-id lists vLLM's SamplingParams checks against the vocabulary, in any request model.
 TOKEN_ID_LISTS = {"stop_token_ids", "allowed_token_ids", "logprob_token_ids", "trace_decode_token_ids"}
+
+
+def _declare_messagepack_values(components: dict[str, Any]) -> None:
+    """Numbers in ``MESSAGEPACK_FIELDS`` within MessagePack's range: a free-form object's
+    values are ``MESSAGEPACK_VALUE``; vllm_xargs' own numbers (and its lists') bounded."""
+    low, high = MESSAGEPACK_RANGE
+    found = False
+    for component in list(components.values()):
+        for field in MESSAGEPACK_FIELDS:
+            for variant in property_variants(component.get("properties", {}), field):
+                if variant.get("type") == "object":
+                    found = True
+                    values = variant.get("additionalProperties", True)
+                    if values is True or values == {}:
+                        variant["additionalProperties"] = {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}
+                    else:
+                        for value in [values, *values.get("anyOf", []), *(
+                                item for v in values.get("anyOf", []) if v.get("type") == "array"
+                                for item in [v.get("items", {}), *v.get("items", {}).get("anyOf", [])])]:
+                            if value.get("type") in ("integer", "number"):
+                                value.update(minimum=low, maximum=high)
+    if found:
+        components[MESSAGEPACK_VALUE_NAME] = copy.deepcopy(MESSAGEPACK_VALUE)
 
 
 def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len: int, max_logprobs: int = -1) -> None:
@@ -201,6 +234,7 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
                 variant.update({"minimum": -1} if reasoning else {"const": -1})
     for variant in _truncation_variants(components):
         variant["not"] = {"const": 0}  # -1 keeps the model's length; 0 would truncate the prompt to nothing
+    _declare_messagepack_values(components)
     for name, component in components.items():
         properties = component.get("properties", {})
         for variant in property_variants(properties, "cache_salt"):
@@ -227,7 +261,7 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in property_variants(properties, "logprob_token_ids"):
             if variant.get("type") == "array":
                 variant["maxItems"] = MAX_LOGPROB_TOKEN_IDS
-        # The ranges every route applies (app.openai_routes.SAMPLING_RANGES; top_k's floor:
+        # The ranges every route applies (app.openai_sampling.SAMPLING_RANGES; top_k's floor:
         # SamplingParams takes -1 and 0 for all); top_p up to 1.
         for field, (floor, ceiling) in SAMPLING_RANGES.items():
             for variant in property_variants(properties, field):

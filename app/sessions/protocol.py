@@ -33,7 +33,7 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 # Above 0 as vLLM asks, and far from its float32 underflow: 5e-324 became 0, the logits
 # were divided by it, and a constrained reply died in vLLM's grammar check (a 500).
-MIN_REPETITION_PENALTY = 1e-6  # every route's (app.openai_routes.check_sampling)
+MIN_REPETITION_PENALTY = 1e-6  # every route's (app.openai_sampling.check_sampling)
 # ... and below float32's overflow, for the same reason: 1.4e308 became inf (a 500).
 MAX_REPETITION_PENALTY = 1e6
 RepetitionPenalty = Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=2.0)]

@@ -196,7 +196,7 @@ async def test_an_integer_beyond_64_bits_is_a_400_on_vllms_routes(
         server: str, path: str, body: dict[str, Any], field: str) -> None:
     # A no-parser fuzz seed: vLLM takes top_k and stream_interval unbounded, then cannot
     # send them to its engine core ("can't serialize ints"): a 500. Refused and stated,
-    # as our own routes bound their integers (app.openai_routes.SAMPLING_RANGES).
+    # as our own routes bound their integers (app.openai_sampling.SAMPLING_RANGES).
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         response = await http.post(path, json={"model": "embedded-tiny", "max_tokens": 2, **body, field: 2**70})
         assert response.status_code == 400, response.text
@@ -207,6 +207,29 @@ async def test_an_integer_beyond_64_bits_is_a_400_on_vllms_routes(
         assert {variant.get("maximum") for name in ("ChatCompletionRequest", "CompletionRequest")
                 for variant in schemas[name]["properties"][field]["anyOf"] if variant.get("type") == "integer"} == {
             2**53 - 1}
+
+
+@pytest.mark.parametrize(("path", "body", "field", "number"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+     "ec_transfer_params", 2**70),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+     "kv_transfer_params", 1e30),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "vllm_xargs", -(2**63) - 1),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}, "kv_transfer_params", 2**64),  # a session's
+])
+async def test_numbers_sent_on_in_extra_args_are_refused_beyond_messagepacks_range(
+        server: str, path: str, body: dict[str, Any], field: str, number: float) -> None:
+    # Seven of seven hermes fuzz seeds: vLLM refuses an integer beyond 64 bits in the
+    # free-form fields it passes its engine core, which the schema took; now the schema
+    # bounds their numbers (at any depth) and the server refuses the same, floats too.
+    value = [{"deep": number}] if field != "vllm_xargs" else [number]
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+        response = await http.post(path, json={"model": "embedded-tiny", **body, field: {"k": value}})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field, response.text
+        within = [{"deep": 2**63 - 1}] if field != "vllm_xargs" else [2**63 - 1]
+        accepted = await http.post(path, json={"model": "embedded-tiny", **body, field: {"k": within}})
+        assert accepted.status_code == 200, accepted.text
 
 
 @pytest.mark.parametrize(("path", "body", "headers", "status", "kind"), [

@@ -569,7 +569,7 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     import jsonschema
     from vllm.exceptions import VLLMValidationError
 
-    from app.openai_routes import check_sampling
+    from app.openai_sampling import check_sampling
     from app.openai_schema import declare_model_limits
 
     file_part = {"$ref": "#/components/schemas/ResponseInputFileParam"}
@@ -681,6 +681,51 @@ def test_a_structured_outputs_json_object_is_true_or_absent() -> None:
     assert not json_object.is_valid(False)
 
 
+def test_numbers_vllm_sends_its_engine_core_in_extra_args_fit_messagepack() -> None:
+    """Session 25, seven of seven fresh seeds with the hermes parser: a chat whose
+    ``ec_transfer_params`` held an integer beyond 64 bits, schema-valid, refused by vLLM
+    ("extra_args integers must be between -2**63 and 2**64 - 1"). Oracle: vLLM's own
+    SamplingParams on each value's integers, against the published schema and the
+    server's check (app.openai_sampling.check_sampling), which must agree on every body;
+    a number that is not an integer, the schema bounds as JSON Schema must (an integral
+    float is an integer to it), and the server's check refuses the same."""
+    import jsonschema
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    from app.openai_sampling import check_sampling
+
+    free = {"anyOf": [{"type": "object", "additionalProperties": True}, {"type": "null"}]}
+    scalar = [{"type": "string"}, {"type": "integer"}, {"type": "number"}]
+    xargs = {"anyOf": [{"type": "object", "additionalProperties": {"anyOf": [
+        *copy.deepcopy(scalar), {"type": "array", "items": {"anyOf": copy.deepcopy(scalar)}}]}}, {"type": "null"}]}
+    schema: dict[str, Any] = {"components": {"schemas": {"ChatCompletionRequest": {"properties": {
+        "kv_transfer_params": copy.deepcopy(free), "ec_transfer_params": free, "vllm_xargs": xargs}}}}}
+    declare_vllm_input_rules(schema)
+    valid = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/ChatCompletionRequest", **schema}).is_valid
+    for value in (2**64 - 1, -(2**63), 2**64, -(2**63) - 1, 2**70, [1, {"a": [2**64]}], {"b": "x", "c": [True, None]}):
+        for field in ("kv_transfer_params", "ec_transfer_params", "vllm_xargs"):
+            if field == "vllm_xargs" and isinstance(value, dict):
+                continue  # vLLM's model takes no object inside vllm_xargs
+            try:
+                SamplingParams(extra_args={field: {"k": value}})
+                vllm_takes = True
+            except VLLMValidationError:
+                vllm_takes = False
+            try:
+                check_sampling({field: {"k": value}})
+                we_take = True
+            except VLLMValidationError:
+                we_take = False
+            assert valid({field: {"k": value}}) is vllm_takes is we_take, (field, value)
+    for number in (2e19, 1e30, -1e19):
+        body = {"kv_transfer_params": {"k": number}}
+        with pytest.raises(VLLMValidationError):
+            check_sampling(body)
+        assert not valid(body), number
+    assert valid({"kv_transfer_params": {"k": 1.5}}) and valid({"vllm_xargs": {"k": [0.5, "x"]}})
+
+
 def test_the_stateless_body_offers_the_input_items_vllm_converts() -> None:
     """Round 22 (a fresh seed): vLLM's Responses handler refused an `mcp_approval_response`
     item ("Unsupported input item type"); off a harmony model it converts messages (any
@@ -713,14 +758,14 @@ def rule_disagreements(request_model: Any, component: str, bodies: Any) -> list[
     """The bodies on which ``component``'s published rules between fields
     (CROSS_FIELD_RULES, read by a JSON Schema validator) and what the server runs on a
     body disagree, with whether the server takes it: vLLM's request validation,
-    app.openai_routes.check_sampling, then the handler's sampling or beam search
+    app.openai_sampling.check_sampling, then the handler's sampling or beam search
     parameters."""
     import jsonschema
     from pydantic import ValidationError
     from vllm.exceptions import VLLMValidationError
 
     from app.errors import APIError
-    from app.openai_routes import check_sampling
+    from app.openai_sampling import check_sampling
     from app.openai_schema_rules import CROSS_FIELD_RULES
 
     rules = jsonschema.Draft202012Validator({"allOf": CROSS_FIELD_RULES[component]})
