@@ -83,6 +83,7 @@ PENALTIES = ("frequency_penalty", "presence_penalty")
 # A thinking budget: -1 (unlimited) or a count, the count only with a reasoning parser
 # (vLLM's engine refuses it otherwise).
 THINKING_BUDGETS = [("ChatCompletionRequest", "thinking_token_budget"), ("CompletionRequest", "thinking_token_budget")]
+ANTHROPIC_THINKING_WITH_BUDGET = "#/components/schemas/AnthropicThinkingConfigEnabled"
 # SageMaker's route reads its body itself and hands it to the first of these that
 # validates it (vLLM's get_generate_invocation_types, in its order).
 INVOCATION_BODIES = ("ChatCompletionRequest", "CompletionRequest")
@@ -232,6 +233,10 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
         for variant in variants(components, name, field):
             if variant.get("type") == "integer":
                 variant.update({"minimum": -1} if reasoning else {"const": -1})
+    if not reasoning:  # Anthropic's thinking with a budget is one too
+        for variant in variants(components, "AnthropicMessagesRequest", "thinking"):
+            drop_refs(variant, ANTHROPIC_THINKING_WITH_BUDGET)
+            variant.get("discriminator", {}).get("mapping", {}).pop("enabled", None)
     for variant in _truncation_variants(components):
         variant["not"] = {"const": 0}  # -1 keeps the model's length; 0 would truncate the prompt to nothing
     _declare_messagepack_values(components)

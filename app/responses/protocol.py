@@ -138,6 +138,10 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
         return
     body["properties"]["prompt"] = {"type": "null"}  # prompt templates: neither handler takes them
     components[STATELESS_BODY] = {**copy.deepcopy(body), "title": STATELESS_BODY, "allOf": [STATELESS, SOMETHING_TO_RENDER]}
+    if "background" in body["properties"]:
+        # vLLM's handler: "background can only be used when `store` is true"; and it builds
+        # its response with the value, a bool (null failed its response model's validation).
+        components[STATELESS_BODY]["properties"]["background"] = {"type": "boolean", "const": False}
     tools = {"type": "array", "items": _refs("FunctionTool")[0]} if tool_parsing else {"type": "array", "maxItems": 0}
     body["properties"].update(copy.deepcopy({**STORED_PROPERTIES, "tools": tools}))  # a list: vLLM's model takes no null
     body["properties"]["input"] = _declare_stored_items(components)

@@ -443,7 +443,8 @@ def _responses_schema(tool_parsing: bool) -> dict[str, Any]:
         "components": {"schemas": {
             "ResponsesCreateRequest": {"type": "object", "properties": {
                 "stop": string_or_list, "input": anything, "tools": copy.deepcopy(anything),
-                "store": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}},
+                "store": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                "background": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}},
             # vLLM's input item types, as its schema has them (a multimodal model's parts).
             "EasyInputMessageParam": {"type": "object", "required": ["role", "content"], "properties": {
                 "role": {"type": "string"}, "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
@@ -494,6 +495,9 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert not valid({"tools": web_search}) and valid({"tools": web_search, "store": False})
     assert valid({"tools": [{"type": "function"}]}) and valid({"input": [{"role": "user", "content": "hi"}]})
     assert not valid({"input": [{"type": "reasoning"}]}) and valid({"input": [{"type": "reasoning"}], "store": False})
+    # vLLM's handler answers background only when stored, and fails on a null one (session 25).
+    assert valid({"background": None}) and valid({"background": False, "store": False})
+    assert not valid({"background": None, "store": False}) and not valid({"background": True, "store": False})
     # vLLM's handler converts a reasoning item only without encrypted content (session 25),
     # either item model.
     for name in ("ResponseReasoningItemParam", "ResponseReasoningItem"):
@@ -724,6 +728,38 @@ def test_numbers_vllm_sends_its_engine_core_in_extra_args_fit_messagepack() -> N
             check_sampling(body)
         assert not valid(body), number
     assert valid({"kv_transfer_params": {"k": 1.5}}) and valid({"vllm_xargs": {"k": [0.5, "x"]}})
+
+
+def test_anthropics_thinking_budget_only_with_a_reasoning_parser() -> None:
+    """Session 25, six of nine no-parser seeds: Anthropic's ``thinking: {"type":
+    "enabled", "budget_tokens": n}``, schema-valid, refused by vLLM's engine front end
+    ("thinking_token_budget is set but reasoning_config is not configured"), as a chat's
+    thinking_token_budget is. Oracle: that check in vLLM's own source, and the patched
+    schema read by a JSON Schema validator, with and without a reasoning parser."""
+    import inspect
+
+    import jsonschema
+    from vllm.v1.engine import input_processor
+
+    assert "thinking_token_budget is set but reasoning_config is " in inspect.getsource(input_processor)
+    kinds = {"enabled": "AnthropicThinkingConfigEnabled", "disabled": "AnthropicThinkingConfigDisabled"}
+    for reasoning in (False, True):
+        schema: dict[str, Any] = {"components": {"schemas": {
+            "AnthropicMessagesRequest": {"properties": {"thinking": {"anyOf": [{
+                "oneOf": [{"$ref": f"#/components/schemas/{name}"} for name in kinds.values()],
+                "discriminator": {"propertyName": "type",
+                                  "mapping": {kind: f"#/components/schemas/{name}" for kind, name in kinds.items()}}},
+                {"type": "null"}]}}},
+            **{name: {"type": "object", "properties": {"type": {"const": kind}}, "required": ["type"]}
+               for kind, name in kinds.items()}}}}
+        declare_vllm_input_rules(schema, reasoning=reasoning)
+        thinking = schema["components"]["schemas"]["AnthropicMessagesRequest"]["properties"]["thinking"]
+        valid = jsonschema.Draft202012Validator({**thinking, **schema}).is_valid
+        assert valid({"type": "enabled", "budget_tokens": 2048}) is reasoning
+        assert valid({"type": "disabled"}) and valid(None)
+        mapping = schema["components"]["schemas"]["AnthropicMessagesRequest"]["properties"]["thinking"]["anyOf"][0][
+            "discriminator"]["mapping"]
+        assert ("enabled" in mapping) is reasoning  # no mapping to a variant the union lost
 
 
 def test_the_stateless_body_offers_the_input_items_vllm_converts() -> None:
