@@ -92,11 +92,11 @@ INVOCATION_BODIES = ("ChatCompletionRequest", "CompletionRequest")
 # A value of a free-form field vLLM sends its engine core over MessagePack
 # (app.openai_sampling.MESSAGEPACK_FIELDS): numbers within its 64-bit range, at any depth.
 MESSAGEPACK_VALUE_NAME = "MessagePackValue"
+_MESSAGEPACK_REF = {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}
 MESSAGEPACK_VALUE = {"anyOf": [
     {"type": ["string", "boolean", "null"]},
     {"type": "number", "minimum": MESSAGEPACK_RANGE[0], "maximum": MESSAGEPACK_RANGE[1]},
-    {"type": "array", "items": {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}},
-    {"type": "object", "additionalProperties": {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}}]}
+    {"type": "array", "items": _MESSAGEPACK_REF}, {"type": "object", "additionalProperties": _MESSAGEPACK_REF}]}
 
 
 # vLLM's validate_cache_salt: non-empty, at most 128 characters, none of '@', '/', '\\', NUL.
@@ -123,23 +123,18 @@ TOKEN_ID_LISTS = {"stop_token_ids", "allowed_token_ids", "logprob_token_ids", "t
 def _declare_messagepack_values(components: dict[str, Any]) -> None:
     """Numbers in ``MESSAGEPACK_FIELDS`` within MessagePack's range: a free-form object's
     values are ``MESSAGEPACK_VALUE``; vllm_xargs' own numbers (and its lists') bounded."""
-    low, high = MESSAGEPACK_RANGE
-    found = False
-    for component in list(components.values()):
-        for field in MESSAGEPACK_FIELDS:
-            for variant in property_variants(component.get("properties", {}), field):
-                if variant.get("type") == "object":
-                    found = True
-                    values = variant.get("additionalProperties", True)
-                    if values is True or values == {}:
-                        variant["additionalProperties"] = {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}
-                    else:
-                        for value in [values, *values.get("anyOf", []), *(
-                                item for v in values.get("anyOf", []) if v.get("type") == "array"
-                                for item in [v.get("items", {}), *v.get("items", {}).get("anyOf", [])])]:
-                            if value.get("type") in ("integer", "number"):
-                                value.update(minimum=low, maximum=high)
-    if found:
+    objects = [variant for component in list(components.values()) for field in MESSAGEPACK_FIELDS
+               for variant in property_variants(component.get("properties", {}), field) if variant.get("type") == "object"]
+    for variant in objects:
+        values = variant.get("additionalProperties", True)
+        if values is True or values == {}:
+            variant["additionalProperties"] = dict(_MESSAGEPACK_REF)
+            continue
+        lists = [v.get("items", {}) for v in values.get("anyOf", []) if v.get("type") == "array"]
+        for value in [values, *values.get("anyOf", []), *lists, *(i for items in lists for i in items.get("anyOf", []))]:
+            if value.get("type") in ("integer", "number"):
+                value.update(minimum=MESSAGEPACK_RANGE[0], maximum=MESSAGEPACK_RANGE[1])
+    if objects:
         components[MESSAGEPACK_VALUE_NAME] = copy.deepcopy(MESSAGEPACK_VALUE)
 
 
