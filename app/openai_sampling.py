@@ -69,6 +69,9 @@ def check_sampling(payload: dict[str, Any], max_model_len: int | None = None) ->
         if max_model_len is not None and max_tokens > max_model_len:
             raise VLLMValidationError(f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}.",
                                       parameter="max_tokens", value=max_tokens)
+    if payload.get("allowed_token_ids") == []:
+        # vLLM refuses it too, but inside a streamed completion's 200 (an error event).
+        raise VLLMValidationError("allowed_token_ids must not be empty.", parameter="allowed_token_ids")
     response_format = payload.get("response_format")
     grammar = (payload.get("structured_outputs") is not None
                or (isinstance(response_format, dict) and response_format.get("type") in GRAMMAR_FORMATS)

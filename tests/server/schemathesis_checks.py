@@ -50,7 +50,11 @@ MISSING_OBJECT_CODES = {"previous_response_not_found", "tool_call_not_found"}
 MISSING_TOOL = ("tool_choice", "not found")
 MISSING_TOOL_MESSAGES = ("which is not declared in tools", "does not match any of the specified `tools`",
                          "is not found in the tools list")
+# A rule inside a string (a grammar that is not one: "Invalid JSON grammar specification"
+# for a structured output's json given as a string), or between fields the schema cannot
+# compare.
 UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
+                       "Invalid JSON grammar specification",
                        "kind of structured outputs constraint", "one kind of constraints for structured outputs",
                        "allowed_token_ids cannot be combined",
                        "logprobs must equal len(logprob_token_ids)", "min_tokens must be less than or equal to max_tokens",

@@ -48,6 +48,9 @@ def test_rules_inside_strings_or_between_fields_are_accepted() -> None:
     assert refusal_no_schema_can_prevent(
         error("Invalid structured_outputs structural_tag specification.", "structured_outputs"), {})
     assert refusal_no_schema_can_prevent(error("Value error, thinking.budget_tokens must be less than max_tokens"), {})
+    # Session 25, seven of nine no-parser seeds: a batch's structured output with its json
+    # as a string that is no JSON Schema (the schema takes a string there: vLLM does).
+    assert refusal_no_schema_can_prevent(error("Invalid JSON grammar specification."), {})
 
 
 def test_every_other_refusal_still_fails_the_check() -> None:
