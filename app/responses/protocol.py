@@ -110,6 +110,9 @@ STORED = {"anyOf": [
     {"properties": {"conversation": {"not": {"type": "null"}}}, "required": ["conversation"]},
     {"properties": {"generate": {"const": False}}, "required": ["generate"]},
 ]}
+# A chain or a conversation, never both ("Mutually exclusive parameters", as OpenAI's).
+ONE_THREAD = {"not": {"properties": {"previous_response_id": {"type": "string"}, "conversation": {"not": {"type": "null"}}},
+                      "required": ["previous_response_id", "conversation"]}}
 STATELESS_BODY = "StatelessResponsesCreateRequest"
 # Either handler renders a conversation: the input, an earlier one's, or instructions
 # ("Cannot apply chat template to an empty conversation" for none of them).
@@ -145,7 +148,7 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
     tools = {"type": "array", "items": _refs("FunctionTool")[0]} if tool_parsing else {"type": "array", "maxItems": 0}
     body["properties"].update(copy.deepcopy({**STORED_PROPERTIES, "tools": tools}))  # a list: vLLM's model takes no null
     body["properties"]["input"] = _declare_stored_items(components)
-    body["allOf"] = [STORED, SOMETHING_TO_RENDER]
+    body["allOf"] = [STORED, SOMETHING_TO_RENDER, ONE_THREAD]
     # vLLM's handler refuses an empty string in a stop list (found by the same fuzzing).
     for variant in components[STATELESS_BODY]["properties"]["stop"].get("anyOf", []):
         if variant.get("type") == "array":

@@ -495,6 +495,9 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert not valid({"tools": web_search}) and valid({"tools": web_search, "store": False})
     assert valid({"tools": [{"type": "function"}]}) and valid({"input": [{"role": "user", "content": "hi"}]})
     assert not valid({"input": [{"type": "reasoning"}]}) and valid({"input": [{"type": "reasoning"}], "store": False})
+    # A chain or a conversation, not both (the route's own 400; a no-parser seed, session 25).
+    assert not valid({"previous_response_id": "resp_1", "conversation": "conv_1"})
+    assert valid({"previous_response_id": "resp_1", "conversation": None}) and valid({"conversation": {"id": "c"}})
     # vLLM's handler answers background only when stored, and fails on a null one (session 25).
     assert valid({"background": None}) and valid({"background": False, "store": False})
     assert not valid({"background": None, "store": False}) and not valid({"background": True, "store": False})
