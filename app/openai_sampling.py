@@ -35,7 +35,7 @@ GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}
 # MessagePack, which holds integers in [-2**63, 2**64): vLLM refuses others ("extra_args
 # integers must be between..."), and so do we, for any number, so that the schema's bound
 # on them (a number's, as JSON Schema has no integer apart from an integral float) is the
-# server's (app.openai_schema.MESSAGEPACK_VALUE).
+# server's (app.openai_schema_rules.MESSAGEPACK_VALUE).
 MESSAGEPACK_FIELDS = ("vllm_xargs", "kv_transfer_params", "ec_transfer_params")
 MESSAGEPACK_RANGE = (-(2**63), 2**64 - 1)
 

@@ -15,13 +15,14 @@ import vllm.envs as vllm_envs
 from fastapi import FastAPI
 from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
 
-from app.openai_sampling import MESSAGEPACK_FIELDS, MESSAGEPACK_RANGE, SAMPLING_RANGES
+from app.openai_sampling import SAMPLING_RANGES
 from app.openai_schema_rules import (
     ANTHROPIC_REQUESTS,
     ANTHROPIC_RULES,
     LOGPROB_COUNTS,
     NO_PARSER_TOOLS,
     PARSER_TOOLS,
+    declare_messagepack_values,
     declare_rules_of_handlers,
     drop_refs,
     property_variants,
@@ -89,16 +90,6 @@ ANTHROPIC_THINKING_WITH_BUDGET = "#/components/schemas/AnthropicThinkingConfigEn
 INVOCATION_BODIES = ("ChatCompletionRequest", "CompletionRequest")
 
 
-# A value of a free-form field vLLM sends its engine core over MessagePack
-# (app.openai_sampling.MESSAGEPACK_FIELDS): numbers within its 64-bit range, at any depth.
-MESSAGEPACK_VALUE_NAME = "MessagePackValue"
-_MESSAGEPACK_REF = {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}
-MESSAGEPACK_VALUE = {"anyOf": [
-    {"type": ["string", "boolean", "null"]},
-    {"type": "number", "minimum": MESSAGEPACK_RANGE[0], "maximum": MESSAGEPACK_RANGE[1]},
-    {"type": "array", "items": _MESSAGEPACK_REF}, {"type": "object", "additionalProperties": _MESSAGEPACK_REF}]}
-
-
 # vLLM's validate_cache_salt: non-empty, at most 128 characters, none of '@', '/', '\\', NUL.
 CACHE_SALT = {"minLength": 1, "maxLength": 128, "pattern": "^[^@/\\\\\x00]*$"}
 # Per-request multimodal kwargs and chat templates: refused unless the server trusts
@@ -118,24 +109,6 @@ DETOKENIZED = ("DetokenizeRequest", "tokens", 2**32 - 1)
 
 # Token-id lists vLLM's SamplingParams checks against the vocabulary, in any request model.
 TOKEN_ID_LISTS = {"stop_token_ids", "allowed_token_ids", "logprob_token_ids", "trace_decode_token_ids"}
-
-
-def _declare_messagepack_values(components: dict[str, Any]) -> None:
-    """Numbers in ``MESSAGEPACK_FIELDS`` within MessagePack's range: a free-form object's
-    values are ``MESSAGEPACK_VALUE``; vllm_xargs' own numbers (and its lists') bounded."""
-    objects = [variant for component in list(components.values()) for field in MESSAGEPACK_FIELDS
-               for variant in property_variants(component.get("properties", {}), field) if variant.get("type") == "object"]
-    for variant in objects:
-        values = variant.get("additionalProperties", True)
-        if values is True or values == {}:
-            variant["additionalProperties"] = dict(_MESSAGEPACK_REF)
-            continue
-        lists = [v.get("items", {}) for v in values.get("anyOf", []) if v.get("type") == "array"]
-        for value in [values, *values.get("anyOf", []), *lists, *(i for items in lists for i in items.get("anyOf", []))]:
-            if value.get("type") in ("integer", "number"):
-                value.update(minimum=MESSAGEPACK_RANGE[0], maximum=MESSAGEPACK_RANGE[1])
-    if objects:
-        components[MESSAGEPACK_VALUE_NAME] = copy.deepcopy(MESSAGEPACK_VALUE)
 
 
 def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len: int, max_logprobs: int = -1) -> None:
@@ -205,8 +178,8 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     """Rules vLLM's handlers enforce beyond their body models, in the published schema
     (``reasoning``: the server sets a reasoning parser):
     the arrays of ``NON_EMPTY_ARRAYS`` and strings of ``NON_EMPTY_STRINGS`` are absent or
-    non-empty, ``POSITIVE_INTEGERS`` at least 1, ``TRUE_ONLY`` true or absent, a thinking budget as ``THINKING_BUDGETS``
-    says, ``truncate_prompt_tokens`` is not 0; a completion needs a non-empty ``prompt``
+    non-empty, ``POSITIVE_INTEGERS`` at least 1, ``TRUE_ONLY`` true or absent, a thinking
+    budget as ``THINKING_BUDGETS`` says, ``truncate_prompt_tokens`` is not 0; a completion needs a non-empty ``prompt``
     (``prompt_embeds`` is off unless the server enables it, and a null prompt is
     refused either way); ``/invocations`` takes a chat or a completion request."""
     components = schema.get("components", {}).get("schemas", {})
@@ -234,7 +207,7 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
             variant.get("discriminator", {}).get("mapping", {}).pop("enabled", None)
     for variant in _truncation_variants(components):
         variant["not"] = {"const": 0}  # -1 keeps the model's length; 0 would truncate the prompt to nothing
-    _declare_messagepack_values(components)
+    declare_messagepack_values(components)
     for name, component in components.items():
         properties = component.get("properties", {})
         for variant in property_variants(properties, "cache_salt"):

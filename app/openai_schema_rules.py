@@ -1,12 +1,15 @@
 """The rules of vLLM's handlers that the published schema states beyond single fields:
 between fields (CROSS_FIELD_RULES), over content parts, Anthropic's conversion, custom
-and namespace tools. Each was found by fresh-seed schemathesis runs as a schema-valid
-body refused (docs/reliability.md); app.openai_schema applies them."""
+and namespace tools, the numbers of free-form fields sent on over MessagePack. Each was
+found by fresh-seed schemathesis runs as a schema-valid body refused
+(docs/reliability.md); app.openai_schema applies them."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
+
+from app.openai_sampling import MESSAGEPACK_FIELDS, MESSAGEPACK_RANGE
 
 # Anthropic's tool_choice names its tool when its type is "tool"; a content block that
 # adds or removes a tool carries it (a removal, by reference).
@@ -146,7 +149,7 @@ def property_variants(properties: dict[str, Any], field: str) -> list[dict[str, 
 def declare_rules_of_handlers(components: dict[str, Any]) -> None:
     """Rules of vLLM's validators and handlers over more than one field, or over a
     part: ``CROSS_FIELD_RULES``, Anthropic's conversation and system blocks, parts told
-    apart by their key, a batch's response format, custom and namespace tools."""
+    apart by their key, a batch's response format, custom and namespace tools, and the numbers of free-form fields sent on over MessagePack."""
     for name, extra in {**CROSS_FIELD_RULES, **{name: [ANTHROPIC_CONVERSATION] for name in ANTHROPIC_REQUESTS}}.items():
         if name in components:
             components[name].setdefault("allOf", []).extend(extra)
@@ -197,3 +200,37 @@ def drop_refs(node: Any, *refs: str) -> None:
     elif isinstance(node, list):
         for value in node:
             drop_refs(value, *refs)
+
+
+# A value of a free-form field vLLM sends its engine core over MessagePack
+# (app.openai_sampling.MESSAGEPACK_FIELDS): numbers within its 64-bit range, at any depth.
+MESSAGEPACK_VALUE_NAME = "MessagePackValue"
+_MESSAGEPACK_REF = {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}
+MESSAGEPACK_VALUE = {"anyOf": [
+    {"type": ["string", "boolean", "null"]},
+    {"type": "number", "minimum": MESSAGEPACK_RANGE[0], "maximum": MESSAGEPACK_RANGE[1]},
+    {"type": "array", "items": _MESSAGEPACK_REF}, {"type": "object", "additionalProperties": _MESSAGEPACK_REF}]}
+
+
+def declare_messagepack_values(components: dict[str, Any]) -> None:
+    """Numbers in ``MESSAGEPACK_FIELDS`` within MessagePack's range: a free-form object's
+    values are ``MESSAGEPACK_VALUE``; vllm_xargs' own numbers (and its lists') bounded."""
+    objects = [variant for component in list(components.values()) for field in MESSAGEPACK_FIELDS
+               for variant in property_variants(component.get("properties", {}), field) if variant.get("type") == "object"]
+    for variant in objects:
+        values = variant.get("additionalProperties", True)
+        if values is True or values == {}:
+            variant["additionalProperties"] = dict(_MESSAGEPACK_REF)
+            continue
+        _bound_numbers(values)
+    if objects:
+        components[MESSAGEPACK_VALUE_NAME] = copy.deepcopy(MESSAGEPACK_VALUE)
+
+
+def _bound_numbers(node: dict[str, Any]) -> None:
+    """Every number in ``node`` (its union's members and its items, at any depth) within
+    MessagePack's range."""
+    if node.get("type") in ("integer", "number"):
+        node.update(minimum=MESSAGEPACK_RANGE[0], maximum=MESSAGEPACK_RANGE[1])
+    for child in [*node.get("anyOf", []), *([node["items"]] if "items" in node else [])]:
+        _bound_numbers(child)

@@ -178,8 +178,7 @@ def _converted_items_only(components: dict[str, Any], input_schema: dict[str, An
         if "anyOf" in items:
             items["anyOf"] = [ref for ref in items["anyOf"] if _converted(components.get(ref.get("$ref", "").split("/")[-1]))]
     for name in REASONING_ITEMS:
-        encrypted = components.get(name, {}).get("properties", {}).get("encrypted_content", {})
-        for variant in encrypted.get("anyOf", [encrypted]):
+        for variant in property_variants(components.get(name, {}).get("properties", {}), "encrypted_content"):
             if variant.get("type") == "string":
                 variant["maxLength"] = 0
 

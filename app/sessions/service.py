@@ -276,11 +276,11 @@ class SessionService:
                     raise errors.session_closed(session.id, session.close_reason)
                 # Renewed from now on: waiting for room on the device can outlast a lease.
                 renewal = await self.registry.hold_lease(session)
-                if inputs.depends_on_context(chunk_input):
+                replanned = inputs.depends_on_context(chunk_input)
+                if replanned:
                     # A chat turn closes the reply it follows: the one of the chunk waited for.
                     turn = self._plan(session, chunk_input, generate)
-                    params = self._chunk_params(session, options, turn)
-                elif session.defaults is not defaults:  # updated while this chunk waited
+                if replanned or session.defaults is not defaults:  # or updated while it waited
                     params = self._chunk_params(session, options, turn)
                 self._check_chunk(session, turn, params)
                 context = len(session.token_ids) if turn.start is None else turn.start
