@@ -45,6 +45,7 @@ from app.openai_routes import (
     drop_unserved_routes,
     metrics_read_only,
     openai_body_routes,
+    rebuild_middleware_stack,
 )
 from app.openai_schema import (
     declare_filled_in_fields,
@@ -56,8 +57,11 @@ from app.openai_schema import (
 from app.openai_usage import UsageProvenanceMiddleware
 from app.responses.protocol import declare_stored_response_rules
 from app.responses.serving import ResponsesService
+from app.sessions import rest
+from app.sessions.protocol import ChunkRequest
 from app.sessions.service import SessionService
 from app.settings import Settings, load_settings
+from app.transport.direct_route import DirectRoute
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +172,14 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         lambda schema: declare_server_features(schema, **renderer_features(app.state.online_renderer)),
     )
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
-    # app.user_middleware; drop the prebuilt stack so Starlette rebuilds it with ours.
-    app.middleware_stack = None
+    # app.user_middleware; it is built again with ours once they are added.
+    prebuilt, app.middleware_stack = app.middleware_stack, None
     # Added last runs first: Anthropic's error shape, keys, rate limits, body size,
-    # cache salts and token counts, a dead engine, usage rewriting.
+    # cache salts and token counts, a dead engine, usage rewriting, then chunk appends
+    # served without FastAPI's request machinery where FastAPI would take them as sent.
+    if settings.http_direct_chunk_route:
+        app.add_middleware(DirectRoute, prefix="/v1/sessions/", suffix="/chunks", model=ChunkRequest,
+                           handler=rest.direct_chunk_answer)
     app.add_middleware(UsageProvenanceMiddleware)
     app.add_middleware(EngineDeadMiddleware)
     salter = cache_salter(settings)
@@ -194,6 +202,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         guard_metrics=settings.guard_metrics,
     )
     app.add_middleware(AnthropicErrorMiddleware)
+    rebuild_middleware_stack(app, prebuilt)
     return app
 
 

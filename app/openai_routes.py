@@ -299,6 +299,27 @@ def metrics_read_only(app: FastAPI) -> None:
             route.app = _read_only(route.app)
 
 
+def rebuild_middleware_stack(app: FastAPI, prebuilt: ASGIApp | None) -> None:
+    """Build the app's middleware stack again (ours added since vLLM's SageMaker loader
+    built it), keeping vLLM's HTTP metrics (``http_requests_total``…) counting: the
+    instrumentator's middleware registers its metrics when it is built, and built a
+    second time it finds them registered and records nothing. The new one is given the
+    first one's instrumentations."""
+    app.middleware_stack = None
+    app.middleware_stack = app.build_middleware_stack()
+    first, second = _instrumentator_in(prebuilt), _instrumentator_in(app.middleware_stack)
+    if first is not None and second is not None:
+        for kept in ("instrumentations", "async_instrumentations", "inprogress"):
+            setattr(second, kept, getattr(first, kept))
+
+
+def _instrumentator_in(stack: ASGIApp | None) -> Any:
+    node: Any = stack
+    while node is not None and type(node).__name__ != "PrometheusInstrumentatorMiddleware":
+        node = getattr(node, "app", None)
+    return node
+
+
 def _read_only(asgi: ASGIApp) -> ASGIApp:
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):

@@ -238,6 +238,12 @@ class Settings(BaseSettings):
         description="Send each HTTP connection's writes of one event-loop tick as one (a response's "
         "headers and body together). false: uvicorn's own protocol, which writes them apart.",
     )
+    http_direct_chunk_route: bool = Field(
+        default=True,
+        description="Serve REST and SSE chunk appends straight from ASGI when FastAPI would take them as "
+        "sent (app/transport/direct_route.py); every other request, and every refusal, goes through "
+        "FastAPI. false: every chunk through FastAPI.",
+    )
     ws_per_message_deflate: bool = Field(
         default=False,
         description="Offer permessage-deflate on websockets. Off: session events are small JSON "

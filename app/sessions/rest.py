@@ -10,9 +10,11 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
+from starlette.types import Receive, Scope
 
 from app.deps import OwnerDep, ServiceDep
 from app.errors import APIError, OpenAIErrorBody
+from app.middleware import owner_of
 from app.sessions import errors
 from app.sessions.chunk import ChunkResult
 from app.sessions.protocol import (
@@ -29,6 +31,7 @@ from app.sessions.protocol import (
     TranscriptResponse,
 )
 from app.sessions.run import ChunkRun
+from app.sessions.service import SessionService
 from app.transport.disconnect import unless_disconnected
 from app.transport.sse import EventStream
 
@@ -113,6 +116,17 @@ async def append_chunk(
     session_id: str, body: ChunkRequest, request: Request, service: ServiceDep, owner: OwnerDep
 ) -> Response:
     """Append one input chunk and generate after it: one JSON body, or SSE with ``stream``."""
+    return await chunk_answer(service, owner, session_id, body, request.receive)
+
+
+async def direct_chunk_answer(scope: Scope, receive: Receive, session_id: str, body: ChunkRequest) -> Response:
+    """``append_chunk`` as app.transport.direct_route serves it, without FastAPI."""
+    return await chunk_answer(scope["app"].state.session_service, owner_of(scope), session_id, body, receive)
+
+
+async def chunk_answer(
+    service: SessionService, owner: str, session_id: str, body: ChunkRequest, receive: Receive
+) -> Response:
     run = await service.start_chunk(
         owner, session_id, body.input, body, transport="sse" if body.stream else "rest", wait=False,
         generate=body.generate,
@@ -120,7 +134,7 @@ async def append_chunk(
     chunk_id = f"chunk_{secrets.token_hex(12)}"
     if body.stream:
         return EventStream(_chunk_frames(run, chunk_id))
-    result = await unless_disconnected(request, run.result())
+    result = await unless_disconnected(receive, run.result(), run)
     answer = ChunkResponse(
         id=chunk_id,
         session_id=session_id,

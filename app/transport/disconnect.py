@@ -1,4 +1,4 @@
-"""Cancel a task when the HTTP client goes away, as the ASGI server reports it.
+"""Cancel work when the HTTP client goes away, as the ASGI server reports it.
 
 No polling: the request's body is read, so the next ``receive()`` returns only when the
 client disconnects (uvicorn's ``http.disconnect``)."""
@@ -7,35 +7,37 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, TypeVar
-
-from starlette.requests import Request
+from typing import Any, Protocol, TypeVar
 
 from app.errors import APIError
 
 T = TypeVar("T")
 
 
+class Cancellable(Protocol):
+    def cancel(self) -> Any: ...
+
+
 async def cancel_on_disconnect(
-    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], task: asyncio.Future[Any]
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], work: Cancellable
 ) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    task.cancel()
+    work.cancel()
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it if the client disconnects first, so an abandoned
-    chunk aborts its engine request instead of running on."""
-    task = asyncio.ensure_future(work)
-    listener = asyncio.create_task(cancel_on_disconnect(request.receive, task))
+async def unless_disconnected(
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], work: Awaitable[T], cancel: Cancellable
+) -> T:
+    """Await ``work`` here, cancelling it (``cancel``: the chunk it waits for) if the client
+    disconnects first, so an abandoned chunk aborts its engine request instead of running
+    on. The work runs in this task: a listener is the only task this adds."""
+    listener = asyncio.create_task(cancel_on_disconnect(receive, cancel))
     try:
-        return await task
-    except asyncio.CancelledError:
+        return await work
+    except (APIError, asyncio.CancelledError):
         if listener.done() and not listener.cancelled():
             raise APIError(499, "The client closed the connection.", code="client_disconnected") from None
         raise
     finally:
         listener.cancel()
-        if not task.done():
-            task.cancel()

@@ -252,3 +252,59 @@ async def test_chat_messages_as_a_chunk_are_the_templates_next_turn(server: str,
         assert (await http.get(f"/v1/sessions/{chat}")).json()["num_chunks"] == 2  # nothing lost
         for session_id in (chat, twin):
             await http.delete(f"/v1/sessions/{session_id}")
+
+
+CHUNK_BODIES = [
+    b'{"input": [5, 6], "max_tokens": 2}',  # answered
+    b'{"input": [5, 6], "max_tokens": "two"}',  # refused by validation
+    b'{"input": [5, 6], "max_tokens": 0}',  # out of range
+    b'{"input": [5, 6], "unknown_field": 1}',
+    b'{"input": [5, 6]',  # not JSON
+    b'[5, 6]',
+    b'{"max_tokens": 2}',  # no input
+    b'{"input": [5, 6], "max_tokens": 2, "stream": true}',  # answered as SSE
+]
+
+
+def _comparable(response: httpx.Response) -> Any:
+    """What must agree between the two paths: the status, the content type, and the
+    body but for what differs between any two answers (ids, the text generated)."""
+    kind = response.headers["content-type"].split(";")[0]
+    if kind == "text/event-stream":
+        events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+        return response.status_code, kind, len(events) >= 2, events[-1]
+    body = response.json()
+    if response.status_code == 200:
+        return response.status_code, kind, sorted(body), body["object"], body["finish_reason"]
+    return response.status_code, kind, body
+
+
+async def test_chunk_answers_are_the_same_through_fastapi(server: str) -> None:
+    """app/transport/direct_route.py serves chunk appends without FastAPI where FastAPI
+    would take them as sent. Oracle: the same server's FastAPI route, reached with an
+    ``Origin`` header (which the direct route leaves to vLLM's CORS middleware and
+    FastAPI). For each body, valid or not, both answer alike; and vLLM's HTTP
+    instrumentator, which only FastAPI's path passes through, counts every request but
+    the valid ones sent without ``Origin``: the direct route served those, and only
+    those. (The count also shows vLLM's HTTP metrics counting at all, which they did not
+    while the middleware stack's rebuild left the instrumentator without its metrics.)"""
+    handler = {"handler": "/v1/sessions/{session_id}/chunks", "method": "POST"}
+    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
+        session_id = await open_session(http, ignore_eos=True)
+        counted_before = await metric(http, "http_requests_total", **handler)
+        answered = 0
+        for body in CHUNK_BODIES:
+            answers = []
+            for extra in ({}, {"origin": "http://example.com"}):
+                response = await http.post(f"/v1/sessions/{session_id}/chunks", content=body,
+                                           headers={"content-type": "application/json", **extra})
+                answers.append(_comparable(response))
+            assert answers[0] == answers[1], body
+            answered += answers[0][0] == 200
+        assert answered == 2
+        # Through FastAPI: every request sent with Origin, and the refused ones without.
+        counted = await metric(http, "http_requests_total", **handler) - counted_before
+        assert counted == 2 * len(CHUNK_BODIES) - answered
+        # The session took both paths' chunks, in order.
+        session = (await http.get(f"/v1/sessions/{session_id}")).json()
+        assert session["num_chunks"] == 4, session
