@@ -84,7 +84,6 @@ class Parking:
             logger.info("session %s parked (%s) with %d tokens", session.id, reason, len(session.token_ids))
             self._metrics.session_parks.labels(reason).inc()
         if parked:
-            self._registry.update_gauges()
             self.capacity_freed.set()
         return bool(parked)
 

@@ -62,6 +62,7 @@ class SessionRegistry:
         self._replica = settings.resolved_replica_id()
         self.held: dict[str, StreamingSession] = {}
         self._closed: OrderedDict[str, SessionRecord] = OrderedDict()
+        self._count_sessions_when_scraped()
 
     # ------------------------------------------------------------------ lookup
     async def create(self, owner: str, request: SessionCreateRequest, session_id: str | None) -> StreamingSession:
@@ -82,7 +83,6 @@ class SessionRegistry:
             raise errors.session_exists(session.id) from None
         self.held[session.id] = session
         self._metrics.sessions_total.inc()
-        self.update_gauges()
         return session
 
     def _check_room(self) -> None:
@@ -150,7 +150,6 @@ class SessionRegistry:
             self._remember_closed(session)
         else:
             self.held[session.id] = session
-            self.update_gauges()
         return session
 
     async def current(self, owner: str, session_id: str) -> StreamingSession:
@@ -219,7 +218,6 @@ class SessionRegistry:
     def forget(self, session: StreamingSession) -> None:
         if self.held.pop(session.id, None) is not None:
             self._metrics.sessions_closed.labels(session.close_reason or "closed").inc()
-            self.update_gauges()
             self._on_freed()
             self._remember_closed(session)
             self.store.forget_session(session.id)
@@ -239,11 +237,14 @@ class SessionRegistry:
             return None
         return StreamingSession.from_record(record, [], engine=self._engine, max_tokens=self.max_context)
 
-    def update_gauges(self) -> None:
-        sessions = self.held.values()
-        self._metrics.sessions_open.set(len(self.held))
-        self._metrics.sessions_parked.set(sum(s.status == "parked" for s in sessions))
-        self._metrics.sessions_with_engine_request.set(sum(s.has_engine_request for s in sessions))
+    def _count_sessions_when_scraped(self) -> None:
+        """The session gauges, counted when /metrics is read rather than on every chunk
+        (a pass over every held session each time)."""
+        held = self.held
+        self._metrics.sessions_open.set_function(lambda: len(held))
+        self._metrics.sessions_parked.set_function(lambda: sum(s.status == "parked" for s in held.values()))
+        self._metrics.sessions_with_engine_request.set_function(
+            lambda: sum(s.has_engine_request for s in held.values()))
 
     # ------------------------------------------------------------------ store
     @contextlib.asynccontextmanager

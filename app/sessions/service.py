@@ -378,7 +378,6 @@ class SessionService:
         if not session.has_engine_request:
             session.device_tokens = 0  # admitted, but failed before it ran (or undone)
         session.lock.release()
-        self.registry.update_gauges()
         self.parking.capacity_freed.set()
         if session.closed:
             self.registry.forget(session)

@@ -388,3 +388,24 @@ async def test_a_chunk_waiting_for_device_room_keeps_its_lease(tmp_path: Path) -
         room.set()
         run = await starting
         assert (await run.result()).index == 0
+
+
+async def test_the_session_gauges_are_what_the_sessions_are_when_scraped(tmp_path: Path) -> None:
+    """The gauges are counted when /metrics is read, not kept up on every change. Oracle:
+    the registry's samples after each change, against the sessions' own states."""
+    from prometheus_client import REGISTRY
+
+    def gauges() -> tuple[float | None, ...]:
+        return tuple(REGISTRY.get_sample_value(f"streamsess_sessions_{name}") for name in ("open", "parked", "active"))
+
+    async with running_service(tmp_path) as (service, _engine):
+        first = await service.create(OWNER, GREEDY)
+        second = await service.create(OWNER, GREEDY)
+        assert gauges() == (2, 0, 0)
+        await chunk(service, first.id, [1, 2])
+        await chunk(service, second.id, [3, 4])
+        assert gauges() == (2, 0, 2)
+        await service.park(OWNER, first.id)
+        assert gauges() == (2, 1, 1)
+        await service.close(OWNER, second.id)
+        assert gauges() == (1, 1, 0)

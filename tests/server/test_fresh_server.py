@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.models.builder import ensure_model
 from app.settings import Settings
@@ -132,6 +133,14 @@ def test_the_default_server_answers_short_first_requests_and_in_words(
     answer = capital_of_france(server, continued=True)
     assert answer.strip().startswith("Paris"), answer
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+    # vLLM's HTTP metrics count (the middleware stack's rebuild once left them empty);
+    # chunk appends served without FastAPI are counted by ours instead.
+    samples = {(sample.name, sample.labels.get("handler") or sample.labels.get("transport")): sample.value
+               for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text)
+               for sample in family.samples if sample.name in ("http_requests_total", "streamsess_chunks_total")}
+    assert samples.get(("http_requests_total", "/v1/completions"), 0) >= 1, samples
+    assert ("http_requests_total", "/v1/sessions/{session_id}/chunks") not in samples, samples
+    assert samples.get(("streamsess_chunks_total", "rest"), 0) >= 2, samples
     log = (log_dir / "default.log").read_text(errors="replace")
     assert "(no conversion)" in log, log[-3000:]
     if cpu_has_amx():
