@@ -26,6 +26,7 @@ from app.http_errors import (
 from app.limits import UNLIMITED_PATHS, KeyLimits, estimated_tokens
 from app.openai_routes import STATEFUL_FIELDS, OpenAIBodyRoute, strict_errors
 from app.openai_sampling import check_sampling
+from app.transport.direct_route import replaying
 
 
 class BodySizeLimitMiddleware:
@@ -206,16 +207,7 @@ class OpenAIRequestMiddleware:
                 body = json.dumps(payload).encode()
         headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app({**scope, "headers": headers}, replay, reshaping_errors(send, openai_error_bytes))
+        await self.app({**scope, "headers": headers}, replaying(body, receive), reshaping_errors(send, openai_error_bytes))
 
 
 def owner_of(scope: Scope) -> str:

@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -29,6 +30,9 @@ _ids = itertools.count()
 # AMX where the CPU has it) and, on an AMX CPU, the kernel vLLM picks without it.
 # fp32 never runs the AMX kernel (vLLM uses it for bf16 only).
 ATTENTION_KERNELS = ["auto", "no-amx"] if cpu_has_amx() else ["auto"]
+# The session services of the apps running_app serves in this process (on the shared
+# engine), whose idle sessions reset_device_prefix_cache parks.
+RUNNING_SERVICES: list[tuple[Any, Any]] = []
 # Which kernels the engines of this test run actually ran, for the summary line.
 KERNELS_RAN: set[str] = set()
 # The tests during which a session's engine request ended on its own and its chunk was
@@ -180,10 +184,15 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 async def reset_device_prefix_cache(engine: Any, timeout_s: float = 10.0) -> None:
     """Reset the device prefix cache (the CPU tier keeps its blocks). vLLM refuses while
-    any block is in use: an aborted request (a parked session's) frees its blocks in the
-    engine core a moment after the front end drops it, so refusals are retried for
-    ``timeout_s``; a block held longer is a live request on the shared engine (another
-    module's open session, as a clean-clone CI run found), named in the failure."""
+    any block is in use. The idle sessions of the apps running on the shared engine
+    (another module's, such as a Responses chain, which stays live by design: clean-clone
+    CI runs found them) are parked first, as the server parks them itself; an aborted
+    request (a parked session's) frees its blocks in the engine core a moment after the
+    front end drops it, so refusals are retried for ``timeout_s``; a block held longer
+    is a live request, named in the failure."""
+    for service, its_engine in RUNNING_SERVICES:
+        if its_engine is engine:
+            await service.parking.park_idle(time.time() + 1, "requested")
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not await engine.reset_prefix_cache():
         assert asyncio.get_running_loop().time() < deadline, (
@@ -225,9 +234,12 @@ async def running_app(settings: Settings, engine: Any) -> AsyncIterator[str]:
             task.result()
         await asyncio.sleep(0.05)
     port = uv_server.servers[0].sockets[0].getsockname()[1]
+    running = (app.state.session_service, engine)
+    RUNNING_SERVICES.append(running)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        RUNNING_SERVICES.remove(running)
         uv_server.should_exit = True
         await asyncio.wait_for(task, 30)
 

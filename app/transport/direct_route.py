@@ -79,7 +79,7 @@ class DirectRoute:
         body = b"".join(chunks)
         request = self._validated(body)
         if request is None:
-            await self.app(scope, _replaying(body, receive), send)
+            await self.app(scope, replaying(body, receive), send)
             return
         try:
             response = await self.handler(scope, receive, param, request)
@@ -111,7 +111,7 @@ def _is_json(content_type: bytes) -> bool:
     return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
 
 
-def _replaying(body: bytes, receive: Receive) -> Receive:
+def replaying(body: bytes, receive: Receive) -> Receive:
     """``receive`` that gives the body already read once, then the client's next events."""
     sent = False
 
