@@ -38,6 +38,11 @@ GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}
 # server's (app.openai_schema_rules.MESSAGEPACK_VALUE).
 MESSAGEPACK_FIELDS = ("vllm_xargs", "kv_transfer_params", "ec_transfer_params")
 MESSAGEPACK_RANGE = (-(2**63), 2**64 - 1)
+# The free-form ones (vllm_xargs has vLLM's own typed model): their values nest at most
+# this many arrays or objects deep (a connector's block ids, a list of lists, take two),
+# so that the schema can state them without recursion (app.openai_schema_rules).
+FREE_FORM_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+FREE_FORM_DEPTH = 2
 
 
 def check_sampling(payload: dict[str, Any], max_model_len: int | None = None) -> None:
@@ -56,8 +61,12 @@ def check_sampling(payload: dict[str, Any], max_model_len: int | None = None) ->
         if ceiling is not None and value > ceiling:
             raise VLLMValidationError(f"{field} must be at most {ceiling}, got {value}.", parameter=field, value=value)
     for field in MESSAGEPACK_FIELDS:
-        if _outside_messagepack(payload.get(field)):
+        value = payload.get(field)
+        if _outside_messagepack(value):
             raise VLLMValidationError(f"Numbers in {field} must be between -2**63 and 2**64 - 1.", parameter=field)
+        if field in FREE_FORM_FIELDS and isinstance(value, dict) and _nesting(value) > FREE_FORM_DEPTH + 1:
+            raise VLLMValidationError(f"The values of {field} may nest at most {FREE_FORM_DEPTH} arrays or objects "
+                                      "deep.", parameter=field)
     # A chat request's deprecated max_tokens: vLLM refuses it below 1 or beyond the
     # model's length unless max_completion_tokens is set, a rule the chat schema has no
     # room left to state.
@@ -81,6 +90,20 @@ def check_sampling(payload: dict[str, Any], max_model_len: int | None = None) ->
         raise VLLMValidationError("allowed_token_ids cannot be combined with a structured output, a JSON response "
                                   "format or a forced tool call: the grammar may allow none of them.",
                                   parameter="allowed_token_ids")
+
+
+def _nesting(value: Any) -> int:
+    """How many arrays and objects deep ``value`` nests (itself counted; a scalar: 0),
+    walked without recursion."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _outside_messagepack(value: Any) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from app.openai_sampling import MESSAGEPACK_FIELDS, MESSAGEPACK_RANGE
+from app.openai_sampling import FREE_FORM_DEPTH, MESSAGEPACK_FIELDS, MESSAGEPACK_RANGE
 
 # Anthropic's tool_choice names its tool when its type is "tool"; a content block that
 # adds or removes a tool carries it (a removal, by reference).
@@ -202,29 +202,35 @@ def drop_refs(node: Any, *refs: str) -> None:
             drop_refs(value, *refs)
 
 
-# A value of a free-form field vLLM sends its engine core over MessagePack
-# (app.openai_sampling.MESSAGEPACK_FIELDS): numbers within its 64-bit range, at any depth.
-MESSAGEPACK_VALUE_NAME = "MessagePackValue"
-_MESSAGEPACK_REF = {"$ref": f"#/components/schemas/{MESSAGEPACK_VALUE_NAME}"}
-MESSAGEPACK_VALUE = {"anyOf": [
-    {"type": ["string", "boolean", "null"]},
-    {"type": "number", "minimum": MESSAGEPACK_RANGE[0], "maximum": MESSAGEPACK_RANGE[1]},
-    {"type": "array", "items": _MESSAGEPACK_REF}, {"type": "object", "additionalProperties": _MESSAGEPACK_REF}]}
+def _free_form_value(depth: int) -> dict[str, Any]:
+    """A value of a free-form transfer field (app.openai_sampling.FREE_FORM_FIELDS): a
+    number within MessagePack's range, any other scalar, or, ``depth`` more times, an
+    array or object of such values. Written out, not recursive: schemathesis cannot
+    generate bodies that break a recursive (or $ref-chained) one ("Cannot generate an
+    array with 1 demanded elements", every fresh seed over /v1/messages)."""
+    variants: list[dict[str, Any]] = [
+        {"type": ["string", "boolean", "null"]},
+        {"type": "number", "minimum": MESSAGEPACK_RANGE[0], "maximum": MESSAGEPACK_RANGE[1]}]
+    if depth > 0:
+        inner = _free_form_value(depth - 1)
+        variants += [{"type": "array", "items": inner}, {"type": "object", "additionalProperties": copy.deepcopy(inner)}]
+    return {"anyOf": variants}
 
 
 def declare_messagepack_values(components: dict[str, Any]) -> None:
     """Numbers in ``MESSAGEPACK_FIELDS`` within MessagePack's range: a free-form object's
-    values are ``MESSAGEPACK_VALUE``; vllm_xargs' own numbers (and its lists') bounded."""
-    objects = [variant for component in list(components.values()) for field in MESSAGEPACK_FIELDS
-               for variant in property_variants(component.get("properties", {}), field) if variant.get("type") == "object"]
-    for variant in objects:
-        values = variant.get("additionalProperties", True)
-        if values is True or values == {}:
-            variant["additionalProperties"] = dict(_MESSAGEPACK_REF)
-            continue
-        _bound_numbers(values)
-    if objects:
-        components[MESSAGEPACK_VALUE_NAME] = copy.deepcopy(MESSAGEPACK_VALUE)
+    values are ``_free_form_value`` (nested as deep as the server takes them);
+    vllm_xargs' own numbers (and its lists') bounded."""
+    for component in list(components.values()):
+        for field in MESSAGEPACK_FIELDS:
+            for variant in property_variants(component.get("properties", {}), field):
+                if variant.get("type") != "object":
+                    continue
+                values = variant.get("additionalProperties", True)
+                if values is True or values == {}:
+                    variant["additionalProperties"] = _free_form_value(FREE_FORM_DEPTH)
+                else:
+                    _bound_numbers(values)
 
 
 def _bound_numbers(node: dict[str, Any]) -> None:
