@@ -190,7 +190,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     if body_routes:
         app.add_middleware(
             OpenAIRequestMiddleware, routes=body_routes, salter=salter, limits=limits if limits.counts_tokens else None,
-            max_bytes=settings.max_request_body_bytes, default_max_tokens=settings.max_chunk_output_tokens,
+            default_max_tokens=settings.max_chunk_output_tokens,
         )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(RateLimitMiddleware, limits=limits)

@@ -26,11 +26,13 @@ from app.http_errors import (
 from app.limits import UNLIMITED_PATHS, KeyLimits, estimated_tokens
 from app.openai_routes import STATEFUL_FIELDS, OpenAIBodyRoute, strict_errors
 from app.openai_sampling import check_sampling
-from app.transport.direct_route import replaying
+from app.transport.body import body_too_large, read_body, replaying
 
 
 class BodySizeLimitMiddleware:
-    """Refuse request bodies over the limit with 413 before reading them."""
+    """Refuse request bodies over the limit with 413: by their ``Content-Length`` before
+    reading them; a body sent in chunked encoding (no length) is read here, up to the
+    limit, and handed on whole (every route reads its body whole anyway)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -40,15 +42,23 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        chunked = False
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                error = APIError(
-                    413, f"The request body exceeds {self.max_bytes} bytes.", code="request_too_large",
-                    type="invalid_request_error",
-                )
-                await send_http_error(send, error)
+                await send_http_error(send, body_too_large(self.max_bytes))
                 return
-        await self.app(scope, receive, send)
+            chunked = chunked or (name == b"transfer-encoding" and b"chunked" in value.lower())
+        if not chunked:
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await read_body(receive, self.max_bytes)
+        except APIError as error:
+            await send_http_error(send, error)
+            return
+        if body is not None:
+            await self.app(scope, replaying(body, receive), send)
+
 
 
 class ReplicaHeaderMiddleware:
@@ -129,13 +139,12 @@ class OpenAIRequestMiddleware:
 
     def __init__(
         self, app: ASGIApp, routes: Mapping[str, OpenAIBodyRoute], salter: CacheSalter | None,
-        limits: KeyLimits | None, max_bytes: int, default_max_tokens: int,
+        limits: KeyLimits | None, default_max_tokens: int,
     ):
         self.app = app
         self.routes = routes
         self.salter = salter
         self.limits = limits
-        self.max_bytes = max_bytes
         self.default_max_tokens = default_max_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -143,22 +152,9 @@ class OpenAIRequestMiddleware:
         if route is None:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                error = APIError(413, f"The request body exceeds {self.max_bytes} bytes.",
-                                 code="request_too_large", type="invalid_request_error")
-                await send_http_error(send, error)
-                return
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body = await read_body(receive)  # bounded by BodySizeLimitMiddleware, outside
+        if body is None:
+            return
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError):  # not JSON (nor UTF-8), or nested too deep: vLLM refuses it

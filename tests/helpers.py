@@ -182,17 +182,24 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     return predicate()
 
 
+async def park_idle_sessions_of_running_apps(engine: Any | None = None) -> None:
+    """Park the idle sessions of the apps ``running_app`` serves in this process (on
+    ``engine``, or on any), as their servers' idle reapers would: another module's open
+    session, such as a Responses chain, which stays live by design, holds device blocks
+    that a device-cache reset would be refused for (clean-clone CI runs found it)."""
+    for service, its_engine in RUNNING_SERVICES:
+        if engine is None or its_engine is engine:
+            await service.parking.park_idle(time.time() + 1, "idle")
+
+
 async def reset_device_prefix_cache(engine: Any, timeout_s: float = 10.0) -> None:
     """Reset the device prefix cache (the CPU tier keeps its blocks). vLLM refuses while
-    any block is in use. The idle sessions of the apps running on the shared engine
-    (another module's, such as a Responses chain, which stays live by design: clean-clone
-    CI runs found them) are parked first, as the server parks them itself; an aborted
+    any block is in use. The idle sessions of the apps running on the shared engine are
+    parked first (``park_idle_sessions_of_running_apps``); an aborted
     request (a parked session's) frees its blocks in the engine core a moment after the
     front end drops it, so refusals are retried for ``timeout_s``; a block held longer
     is a live request, named in the failure."""
-    for service, its_engine in RUNNING_SERVICES:
-        if its_engine is engine:
-            await service.parking.park_idle(time.time() + 1, "requested")
+    await park_idle_sessions_of_running_apps(engine)
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not await engine.reset_prefix_cache():
         assert asyncio.get_running_loop().time() < deadline, (

@@ -24,10 +24,11 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import APIError
 from app.http_errors import error_response
+from app.transport.body import read_body, replaying
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +69,9 @@ class DirectRoute:
         if param is None:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:  # the body size is bounded by BodySizeLimitMiddleware, outside
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before its body was read
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body = await read_body(receive)  # its size is bounded by BodySizeLimitMiddleware, outside
+        if body is None:
+            return  # the client left before its body was read
         request = self._validated(body)
         if request is None:
             await self.app(scope, replaying(body, receive), send)
@@ -110,16 +105,3 @@ def _is_json(content_type: bytes) -> bool:
     kind = content_type.split(b";", 1)[0].strip().lower()
     return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
 
-
-def replaying(body: bytes, receive: Receive) -> Receive:
-    """``receive`` that gives the body already read once, then the client's next events."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

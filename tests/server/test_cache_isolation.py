@@ -26,7 +26,7 @@ import pytest
 import websockets
 
 from tests.conftest import API_KEYS, auth, make_settings
-from tests.helpers import running_app
+from tests.helpers import park_idle_sessions_of_running_apps, running_app
 
 pytestmark = pytest.mark.server
 
@@ -146,6 +146,7 @@ async def test_a_key_sees_none_of_another_keys_cached_prompt(server: str) -> Non
         assert (await completion_on(http, by_completion, ALICE))["device_tokens"] >= 224
 
         # From the CPU tier, after the device cache is dropped: the same.
+        await park_idle_sessions_of_running_apps()  # open ones of this and other modules
         assert (await http.post("/v1/admin/reset_device_cache", headers=ALICE)).status_code == 200
         bob = await completion_on(http, from_tier[:224], BOB)
         assert bob["cached_tokens"] == bob["cpu_tier_tokens"] == 0, bob
@@ -170,6 +171,7 @@ async def test_negative_control_shared_caches_let_keys_probe_each_other(engine: 
         # And from the CPU tier, once the device cache is dropped.
         from_tier = prompt(3)
         await session_on(http, from_tier, ALICE)
+        await park_idle_sessions_of_running_apps()
         assert (await http.post("/v1/admin/reset_device_cache", headers=ALICE)).status_code == 200
         leaked = await completion_on(http, from_tier[:224], BOB)
         assert leaked["cpu_tier_tokens"] >= 192, leaked

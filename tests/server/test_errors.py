@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -89,6 +90,19 @@ async def test_limits(http: httpx.AsyncClient, server_settings: Any) -> None:
     assert_openai_error(
         await http.post(url, content=huge_body, headers={"content-type": "application/json"}), 413, "request_too_large"
     )
+
+    async def in_pieces(body: bytes) -> AsyncIterator[bytes]:
+        for start in range(0, len(body), 1 << 20):
+            yield body[start:start + (1 << 20)]
+
+    # Sent in chunked encoding, with no length to refuse it by: refused once the bytes
+    # read pass the limit (it was read whole before), and a small one still answered.
+    chunked = await http.post(url, content=in_pieces(huge_body), headers={"content-type": "application/json"})
+    assert chunked.request.headers.get("transfer-encoding") == "chunked"
+    assert_openai_error(chunked, 413, "request_too_large")
+    small = await http.post(url, content=in_pieces(b'{"input": [5], "max_tokens": 1}'),
+                            headers={"content-type": "application/json"})
+    assert small.status_code == 200, small.text
     # Fill the context to near the limit, then one chunk too many.
     for _ in range(2):
         assert (await http.post(url, json={"input": [7] * 2000, "max_tokens": 1})).status_code == 200
