@@ -79,6 +79,11 @@ def session_not_found(session_id: str) -> APIError:
     return APIError(404, f"No session with id {session_id!r}.", code="session_not_found", param="session_id")
 
 
+def internal_error() -> APIError:
+    """A bug (ours or vLLM's): the OpenAI shape, and no detail that could carry request text."""
+    return APIError(500, "The server failed on this request.", code="internal_error")
+
+
 def unauthorized(message: str = "Missing or invalid API key.") -> APIError:
     return APIError(401, message, code="invalid_api_key")
 

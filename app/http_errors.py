@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
-from app.errors import APIError, error_param, most_specific
+from app.errors import APIError, error_param, internal_error, most_specific
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -162,7 +162,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         # A bug (ours or vLLM's): still the OpenAI shape, and no detail that could
         # carry request text; the traceback goes to the log (Starlette re-raises it).
-        return error_response(APIError(500, "The server failed on this request.", code="internal_error"))
+        return error_response(internal_error())
 
     @app.exception_handler(json.JSONDecodeError)
     async def _bad_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:

@@ -60,7 +60,6 @@ class BodySizeLimitMiddleware:
             await self.app(scope, replaying(body, receive), send)
 
 
-
 class ReplicaHeaderMiddleware:
     """Name this replica on every HTTP response (X-Replica), so operators and tests
     behind a proxy can see which replica answered."""

@@ -305,7 +305,6 @@ def rebuild_middleware_stack(app: FastAPI, prebuilt: ASGIApp | None) -> None:
     instrumentator's middleware registers its metrics when it is built, and built a
     second time it finds them registered and records nothing. The new one is given the
     first one's instrumentations."""
-    app.middleware_stack = None
     app.middleware_stack = app.build_middleware_stack()
     first, second = _instrumentator_in(prebuilt), _instrumentator_in(app.middleware_stack)
     if first is not None and second is not None:

@@ -42,7 +42,7 @@ async def create_response(body: ResponsesCreateRequest, request: Request, servic
     pending = await service.start(owner, body)
     if body.stream:
         return EventStream(sse_frames(response_events(service, owner, pending)))
-    result = await unless_disconnected(request.receive, pending.run.result(), pending.run)
+    result = await unless_disconnected(request.receive, pending.run)
     response = await service.finish(owner, pending, result, None)
     return Response(response.model_dump_json(), media_type="application/json")
 

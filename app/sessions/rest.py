@@ -134,7 +134,7 @@ async def chunk_answer(
     chunk_id = f"chunk_{secrets.token_hex(12)}"
     if body.stream:
         return EventStream(_chunk_frames(run, chunk_id))
-    result = await unless_disconnected(receive, run.result(), run)
+    result = await unless_disconnected(receive, run)
     answer = ChunkResponse(
         id=chunk_id,
         session_id=session_id,

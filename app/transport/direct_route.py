@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.errors import APIError
+from app.errors import APIError, internal_error
 from app.http_errors import error_response
 from app.transport.body import read_body, replaying
 
@@ -83,7 +83,7 @@ class DirectRoute:
         except Exception:
             # As the app's handler for any exception: the OpenAI shape, no detail.
             logger.exception("%s %s failed", scope["method"], scope["path"])
-            response = error_response(APIError(500, "The server failed on this request.", code="internal_error"))
+            response = error_response(internal_error())
         await response(scope, receive, send)
 
     def _validated(self, body: bytes) -> Any:
@@ -104,4 +104,3 @@ class DirectRoute:
 def _is_json(content_type: bytes) -> bool:
     kind = content_type.split(b";", 1)[0].strip().lower()
     return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
-

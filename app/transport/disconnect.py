@@ -12,10 +12,17 @@ from typing import Any, Protocol, TypeVar
 from app.errors import APIError
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 class Cancellable(Protocol):
     def cancel(self) -> Any: ...
+
+
+class CancellableWork(Cancellable, Protocol[T_co]):
+    """Work that runs on its own and can be cancelled: a chunk's ``ChunkRun``."""
+
+    def result(self) -> Awaitable[T_co]: ...
 
 
 async def cancel_on_disconnect(
@@ -27,14 +34,14 @@ async def cancel_on_disconnect(
 
 
 async def unless_disconnected(
-    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], work: Awaitable[T], cancel: Cancellable
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], work: CancellableWork[T]
 ) -> T:
-    """Await ``work`` here, cancelling it (``cancel``: the chunk it waits for) if the client
-    disconnects first, so an abandoned chunk aborts its engine request instead of running
-    on. The work runs in this task: a listener is the only task this adds."""
-    listener = asyncio.create_task(cancel_on_disconnect(receive, cancel))
+    """Await ``work``'s result here, cancelling the work if the client disconnects first,
+    so an abandoned chunk aborts its engine request instead of running on. The result is
+    awaited in this task: a listener is the only task this adds."""
+    listener = asyncio.create_task(cancel_on_disconnect(receive, work))
     try:
-        return await work
+        return await work.result()
     except (APIError, asyncio.CancelledError):
         if listener.done() and not listener.cancelled():
             raise APIError(499, "The client closed the connection.", code="client_disconnected") from None
