@@ -245,8 +245,9 @@ class Conversation:
             else []
 
         chat_tools = parser.tools  # checked by _tools already
-        replies = {"structured_outputs": parser.structured_outputs(),
-                   "reply": lambda text: reply_message(parser.final(text))}
+
+        def reply(text: str) -> dict[str, Any]:
+            return reply_message(parser.final(text))
 
         retain = self.config.retain()
         truncation = Truncation(self.session.max_tokens, retain) if retain is not None else None
@@ -254,11 +255,13 @@ class Conversation:
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
             if conversation is None:
                 ids, start = plan_turn(tokenizer, None, head + messages, context_ids, chat_tools)
-                return Turn(ids, start, None, **replies)
+                ids, grammar = parser.answer(ids)
+                return Turn(ids, start, None, structured_outputs=grammar, reply=reply)
             wanted = ChatState(instructions, conversation.messages + messages, chat_tools)
             wanted, ids, start, earlier = continue_within(truncation, tokenizer, conversation, wanted, context_ids,
                                                           len(messages), max_tokens)
-            return Turn(ids, start, wanted, earlier, **replies)
+            ids, grammar = parser.answer(ids)
+            return Turn(ids, start, wanted, earlier, structured_outputs=grammar, reply=reply)
 
         return plan
 

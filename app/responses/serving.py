@@ -366,8 +366,8 @@ class _Options:
         wanted, ids, start, earlier = continue_within(self.truncation, tokenizer, have, wanted, context_ids,
                                                       self.new_messages, self.sampling.max_tokens or 0, self.generate)
         self.planned = wanted
-        return Turn(ids, start, wanted, earlier,
-                    structured_outputs=self.parser.structured_outputs() if self.generate else None,
+        ids, grammar = self.parser.answer(ids) if self.generate else (ids, None)  # a warm-up: no grammar
+        return Turn(ids, start, wanted, earlier, structured_outputs=grammar,
                     reply=lambda text: items.reply_message(self.parser.final(text)), generate=self.generate)
 
 

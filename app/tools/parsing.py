@@ -24,6 +24,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.parser.parser_manager import ParserManager
 
 from app.errors import APIError
+from app.tools.opening import forced_opening
 
 
 @dataclass
@@ -159,6 +160,13 @@ class OutputParser:
         self._final: dict[str, ParsedOutput] = {}
         self._grammar: Any = None
         self._call_ids: dict[int, str] = {}
+        # What the grammar forces the reply to open with, and its ids; read as the
+        # reply's start once a turn has taken it as input (``answer``).
+        self.tokenizer = tokenizer
+        self._rest: Any = None
+        self._opening: str = ""
+        self._opening_ids: list[int] = []
+        self._opened = ""
 
     def call_id(self, index: int) -> str:
         """The id of the output's ``index``-th call: the same in its stream and in its final reading."""
@@ -167,15 +175,29 @@ class OutputParser:
         return self._call_ids[index]
 
     def structured_outputs(self) -> Any:
-        """The grammar for the reply (None where no call is read), built once: a turn's
-        plan asks for it each time it is planned."""
+        """The grammar vLLM's chat completions would set for the reply (None where no
+        call is read), built once: a turn's plan asks for it each time it is planned."""
         if self._grammar is None and self._parser is not None and self.parses_calls:
             self._grammar = self._parser.adjust_request(self._request.model_copy(deep=True)).structured_outputs
+            self._rest, self._opening = forced_opening(self._grammar)
+            self._opening_ids = self.tokenizer.encode(self._opening, add_special_tokens=False) if self._opening else []
         return self._grammar
+
+    def answer(self, input_ids: list[int]) -> tuple[list[int], Any]:
+        """A generating turn's input ids and its reply's grammar. Where the grammar forces
+        how the reply opens (a required or named call), the opening ends the input,
+        prefilled instead of decoded, and the grammar takes the reply from there
+        (app/tools/opening.py); the reply is read as the opening and what follows it."""
+        if self.structured_outputs() is None:
+            return input_ids, None
+        self._opened = self._opening
+        return input_ids + self._opening_ids, self._rest
 
     def feed(self, delta_text: str, delta_ids: list[int], finished: bool = False) -> StreamDelta:
         if self._parser is None:
             return StreamDelta(text=delta_text)
+        if self._prompt_ids is not None and self._opened:  # the reply's first delta: after its opening
+            delta_text, delta_ids = self._opened + delta_text, self._opening_ids + list(delta_ids)
         message = self._parser.parse_delta(delta_text, list(delta_ids), self._request, self._prompt_ids,
                                            finished=finished)
         self._prompt_ids = None
@@ -192,6 +214,7 @@ class OutputParser:
         (``malformed``), as vLLM's routes leave it."""
         if self._parser is None:
             return ParsedOutput(text, None, [])
+        text, token_ids = self._opened + text, (self._opening_ids if self._opened else []) + list(token_ids or ())
         if (parsed := self._final.get(text)) is None:
             reasoning, content, calls = self._parser.parse(
                 text, self._request, enable_auto_tools=self.parses_calls, model_output_token_ids=token_ids or ())
