@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from typing import Any
 
@@ -54,12 +53,12 @@ def _rest_after_opening(form: dict[str, Any]) -> tuple[dict[str, Any] | None, st
             or not form.get("tags") or any(tag.get("type") != "tag" for tag in form["tags"]):
         return None, ""
     tags = form["tags"]
-    shared = os.path.commonprefix([tag["begin"] for tag in tags])
+    shared = _shared_begin(tags)
     first = tags[0]["begin"]
     if len(first) > len(shared):  # several spellings: the first tag's alone is opened
         spelling = first[:len(shared) + SPELLING_DIVERGES]
         tags = [tag for tag in tags if tag["begin"].startswith(spelling)]
-        shared = os.path.commonprefix([tag["begin"] for tag in tags])
+        shared = _shared_begin(tags)
     opening = _before_last_word(shared, tags)
     # The call the opening began, then (parallel calls) any more, in every spelling.
     opened = {**form, "tags": [{**tag, "begin": tag["begin"][len(opening):]} for tag in tags],
@@ -77,3 +76,11 @@ def _before_last_word(shared: str, tags: list[dict[str, Any]]) -> str:
     if any(len(tag["begin"]) > len(opening) and WORD_END.match(tag["begin"][len(opening)]) for tag in tags):
         opening = WORD_END.sub("", opening).rstrip()
     return opening
+
+
+def _shared_begin(tags: list[dict[str, Any]]) -> str:
+    """The longest text every tag's ``begin`` starts with."""
+    begins = [tag["begin"] for tag in tags]
+    low, high = min(begins), max(begins)  # what the least and the greatest share, all share
+    length = next((at for at, (a, b) in enumerate(zip(low, high, strict=False)) if a != b), len(low))
+    return low[:length]
