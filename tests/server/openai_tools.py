@@ -7,6 +7,7 @@ Oracles, greedy in float32:
   function and arguments;
 - the session's context is the model's chat template applied to the whole
   conversation with its tools (the call's arguments as the model wrote them), as text;
+- the call's opening, which the grammar forces, is the end of the turn's input (prefilled);
 - the round after the call computes only the tool's output and the turn's framing:
   ``usage.input_tokens_details`` shows the rest cached;
 - its answer is a salted recompute of the session's own context (/v1/completions on its
@@ -77,7 +78,12 @@ def check_tool_round_trip(base_url: str, tokenizer: Any) -> None:
     assert (call.name, json.loads(call.arguments)) == (expected["name"], json.loads(expected["arguments"]))
     messages.append({"role": "assistant", "content": "", "tool_calls": [
         {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]})
-    context_is(messages, first.id)
+    transcript, _ = context_is(messages, first.id)
+    # The call's opening (what the grammar forces) was prefilled with the turn, not
+    # decoded (app/tools/opening.py): the input ends with it. Fails with it decoded: the
+    # input then ends with the template's assistant prefix.
+    opening = tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments":', add_special_tokens=False)
+    assert transcript[first.usage.input_tokens - len(opening):first.usage.input_tokens] == opening, first.usage
 
     second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER],
                                      input=[{"type": "function_call_output", "call_id": call.call_id,
