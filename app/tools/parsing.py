@@ -163,6 +163,7 @@ class OutputParser:
         # What the grammar forces the reply to open with, and its ids; read as the
         # reply's start once a turn has taken it as input (``answer``).
         self.tokenizer = tokenizer
+        self._reasons = reasoning_parser is not None
         self._rest: Any = None
         self._opening: str = ""
         self._opening_ids: list[int] = []
@@ -179,7 +180,9 @@ class OutputParser:
         call is read), built once: a turn's plan asks for it each time it is planned."""
         if self._grammar is None and self._parser is not None and self.parses_calls:
             self._grammar = self._parser.adjust_request(self._request.model_copy(deep=True)).structured_outputs
-            self._rest, self._opening = forced_opening(self._grammar)
+            # With a reasoning parser, vLLM holds the grammar back until the reasoning ends:
+            # nothing is forced at the reply's start, so nothing is prefilled.
+            self._rest, self._opening = forced_opening(self._grammar) if not self._reasons else (self._grammar, "")
             self._opening_ids = self.tokenizer.encode(self._opening, add_special_tokens=False) if self._opening else []
         return self._grammar
 

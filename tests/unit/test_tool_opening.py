@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 import xgrammar as xgr
+from transformers import AutoTokenizer
 
+from app.models.builder import ensure_model
 from app.tools.opening import forced_opening
 from app.tools.parsing import OutputParser
 from tests.unit.test_tool_parsing import CET, PARIS, TOOLS, hermes, llama3, tokenizer  # noqa: F401
@@ -89,6 +91,17 @@ def test_grammars_that_force_no_opening_are_kept(tokenizer: Any) -> None:  # noq
     ids, grammar = OutputParser(tokenizer, "hermes", None, TOOLS, "none").answer([1])
     assert ids == [1] and grammar is None
     assert forced_opening(None) == (None, "")
+
+
+def test_with_a_reasoning_parser_nothing_is_prefilled() -> None:
+    """vLLM applies the grammar once the reasoning ends (the reply opens with it): the
+    call's opening is not the reply's start then."""
+    reasoner = AutoTokenizer.from_pretrained(str(ensure_model("tiny")))
+    reasoner.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>", "<think>", "</think>"]})
+    parser = OutputParser(reasoner, "hermes", "qwen3", TOOLS[:1], "required", "parameter")
+    ids, grammar = parser.answer([1])
+    assert ids == [1] and grammar is parser.structured_outputs() and grammar is not None
+    assert OutputParser(reasoner, "hermes", None, TOOLS[:1], "required", "parameter").answer([1])[0] != [1]
 
 
 def test_a_single_tag_grammar_opens_with_its_begin(tokenizer: Any, compiler: Any) -> None:  # noqa: F811
