@@ -128,6 +128,10 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
         # Files are named by block hash: a hash that is the same in every process and
         # Python version (vLLM's default sha256 pickles its input).
         args["prefix_caching_hash_algo"] = "sha256_cbor"
+    if settings.reasoning_parser:
+        # As `vllm serve --reasoning-parser` sets it: the engine then applies a request's
+        # grammar once its reasoning ends, not from the first token.
+        args["reasoning_parser"] = settings.reasoning_parser
     if settings.async_scheduling is not None:
         args["async_scheduling"] = settings.async_scheduling
     if worker_in_engine_core(settings):

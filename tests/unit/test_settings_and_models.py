@@ -59,6 +59,9 @@ def test_engine_arguments_carry_connector_and_tier() -> None:
     assert kv_transfer_config(Settings(_env_file=None, connector="none")) is None
     passthrough = build_engine_args(Settings(_env_file=None, engine_args='{"tensor_parallel_size": 2}'))
     assert passthrough.tensor_parallel_size == 2
+    # A reasoning parser reaches the engine (its grammars wait for the reasoning's end), as under vllm serve.
+    assert build_engine_args(Settings(_env_file=None, reasoning_parser="qwen3")).reasoning_parser == "qwen3"
+    assert not build_engine_args(Settings(_env_file=None)).reasoning_parser
 
 
 def test_the_cpu_worker_runs_in_the_engine_core_unless_asked_otherwise() -> None:
