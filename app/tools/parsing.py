@@ -160,14 +160,13 @@ class OutputParser:
         self._final: dict[str, ParsedOutput] = {}
         self._grammar: Any = None
         self._call_ids: dict[int, str] = {}
-        # What the grammar forces the reply to open with, and its ids; read as the
-        # reply's start once a turn has taken it as input (``answer``).
         self.tokenizer = tokenizer
         self._reasons = reasoning_parser is not None
+        # What the grammar forces the reply to open with (text, ids), and the grammar for
+        # the rest; ``_opened`` is the reply's start once a turn took the opening as input.
         self._rest: Any = None
-        self._opening: str = ""
-        self._opening_ids: list[int] = []
-        self._opened = ""
+        self._opening: tuple[str, list[int]] = ("", [])
+        self._opened: tuple[str, list[int]] = ("", [])
 
     def call_id(self, index: int) -> str:
         """The id of the output's ``index``-th call: the same in its stream and in its final reading."""
@@ -182,8 +181,8 @@ class OutputParser:
             self._grammar = self._parser.adjust_request(self._request.model_copy(deep=True)).structured_outputs
             # With a reasoning parser, vLLM holds the grammar back until the reasoning ends:
             # nothing is forced at the reply's start, so nothing is prefilled.
-            self._rest, self._opening = forced_opening(self._grammar) if not self._reasons else (self._grammar, "")
-            self._opening_ids = self.tokenizer.encode(self._opening, add_special_tokens=False) if self._opening else []
+            self._rest, opening = forced_opening(self._grammar) if not self._reasons else (self._grammar, "")
+            self._opening = (opening, self.tokenizer.encode(opening, add_special_tokens=False) if opening else [])
         return self._grammar
 
     def answer(self, input_ids: list[int]) -> tuple[list[int], Any]:
@@ -194,13 +193,13 @@ class OutputParser:
         if self.structured_outputs() is None:
             return input_ids, None
         self._opened = self._opening
-        return input_ids + self._opening_ids, self._rest
+        return input_ids + self._opening[1], self._rest
 
     def feed(self, delta_text: str, delta_ids: list[int], finished: bool = False) -> StreamDelta:
         if self._parser is None:
             return StreamDelta(text=delta_text)
-        if self._prompt_ids is not None and self._opened:  # the reply's first delta: after its opening
-            delta_text, delta_ids = self._opened + delta_text, self._opening_ids + list(delta_ids)
+        if self._prompt_ids is not None:  # the reply's first delta: after its opening
+            delta_text, delta_ids = self._opened[0] + delta_text, self._opened[1] + list(delta_ids)
         message = self._parser.parse_delta(delta_text, list(delta_ids), self._request, self._prompt_ids,
                                            finished=finished)
         self._prompt_ids = None
@@ -217,7 +216,7 @@ class OutputParser:
         (``malformed``), as vLLM's routes leave it."""
         if self._parser is None:
             return ParsedOutput(text, None, [])
-        text, token_ids = self._opened + text, (self._opening_ids if self._opened else []) + list(token_ids or ())
+        text, token_ids = self._opened[0] + text, self._opened[1] + list(token_ids or ())
         if (parsed := self._final.get(text)) is None:
             reasoning, content, calls = self._parser.parse(
                 text, self._request, enable_auto_tools=self.parses_calls, model_output_token_ids=token_ids or ())
