@@ -6,7 +6,9 @@ JSON answer (a session chunk's) costs two syscalls and wakes the client twice, o
 for headers that cannot be used without their body. Here a connection's writes wait
 for the end of the loop tick they are made in and go out together: the headers and
 body of a response sent at once leave in one send, and a streamed response's writes
-are not delayed past the tick that made them.
+are not delayed past the tick that made them. A response's last write goes out at once,
+not at the end of its tick: what the app does after answering (its middlewares
+returning, the request's listener cancelled) does not delay the answer.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ class CoalescingTransport:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self.flush)
         self._pending.append(bytes(data))
 
     def writelines(self, lines: Any) -> None:
         for data in lines:
             self.write(data)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send what this tick has written so far, now."""
         if not self._pending:
             return
         data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
@@ -44,11 +47,11 @@ class CoalescingTransport:
             self._transport.write(data)
 
     def close(self) -> None:
-        self._flush()  # what was written goes out before the close
+        self.flush()  # what was written goes out before the close
         self._transport.close()
 
     def write_eof(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.write_eof()
 
     def get_write_buffer_size(self) -> int:
@@ -63,4 +66,9 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     from it write through it too)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
+        self._coalescing = CoalescingTransport(transport)
+        super().connection_made(self._coalescing)  # type: ignore[arg-type]
+
+    def on_response_complete(self) -> None:
+        self._coalescing.flush()  # the response is whole: nothing more to wait for
+        super().on_response_complete()

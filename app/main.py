@@ -225,8 +225,12 @@ async def _exit_when_the_engine_dies(app: FastAPI, engine: Any) -> None:
 
 
 def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicorn.Config:
-    """How the app is served: its websocket message limit is uvicorn's (1009 over it)."""
+    """How the app is served: its websocket message limit is uvicorn's (1009 over it).
+    The lifespan is required ("on"): under uvicorn's "auto" an exception the app raises
+    outside Starlette's own lifespan handling reads as "lifespan unsupported", and the
+    server would answer with no engine behind it (seen once here, not reproduced)."""
     options: dict[str, Any] = {
+        "lifespan": "on",
         "host": settings.host, "port": settings.port, "log_level": settings.log_level,
         "ws": "websockets-sansio", "ws_max_size": settings.ws_max_message_bytes,
         "ws_per_message_deflate": settings.ws_per_message_deflate,

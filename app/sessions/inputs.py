@@ -211,6 +211,7 @@ def sampling_params(defaults: SessionDefaults, options: SamplingOptions, max_out
     chosen.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     try:
         # Streaming input needs n == 1, no stop strings and a non-final output kind.
-        return SamplingParams(output_kind=RequestOutputKind.DELTA, **chosen)
+        # Made for this chunk alone, so vLLM need not deep-copy it (as its own routes).
+        return SamplingParams(output_kind=RequestOutputKind.DELTA, skip_clone=True, **chosen)
     except (ValueError, TypeError) as exc:
         raise APIError(400, f"Invalid sampling parameters: {exc}", code="invalid_sampling_params") from exc

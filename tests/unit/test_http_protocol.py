@@ -80,3 +80,42 @@ async def test_close_sends_what_was_written_first() -> None:
     await asyncio.sleep(0)  # the flush scheduled by the write finds nothing left
     assert recording.writes == [b"bye"]
     peer.close()
+
+
+async def test_a_whole_response_goes_out_before_the_app_returns() -> None:
+    """The protocol sends a response as soon as its last body part is given, not at the
+    end of the tick: the app still running after answering does not hold it back.
+    Negative control: without ``on_response_complete``'s flush nothing is written yet
+    when the app's next statement runs."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from app.http_protocol import CoalescingHttpToolsProtocol
+
+    written_when_answered: list[list[bytes]] = []
+    recording_holder: list[RecordingTransport] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+        written_when_answered.append(list(recording_holder[0].writes))  # before any other tick
+
+    config = uvicorn.Config(app, http=CoalescingHttpToolsProtocol, lifespan="off", log_level="warning")
+    config.load()
+    protocol = CoalescingHttpToolsProtocol(config, ServerState(), app_state={})
+    ours, theirs = socket.socketpair()
+    transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, ours)
+    recording = RecordingTransport(transport)
+    recording_holder.append(recording)
+    protocol.connection_made(recording)  # type: ignore[arg-type]
+    protocol.data_received(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
+    theirs.setblocking(False)
+    reply = await _read(theirs, 5)
+    assert reply.startswith(b"HTTP/")
+    assert len(written_when_answered) == 1
+    [sent] = written_when_answered[0]  # headers and body in one write, already sent
+    assert sent.startswith(b"HTTP/1.1 200 OK\r\n") and sent.endswith(b"\r\n\r\n{}")
+    protocol.connection_lost(None)
+    recording.close()
+    theirs.close()
