@@ -453,8 +453,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+# The CPU features every figure depends on (machines differ: AMX, AVX-512 without it, AVX2).
+CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx512_vnni", "avx2")
+
+
 def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    cpu = {"cpu_model": None, "cpu_flags": []}
+    with contextlib.suppress(OSError):
+        info = Path("/proc/cpuinfo").read_text()
+        fields = {key.strip(): value.strip() for key, value in
+                  (line.split(":", 1) for line in info.splitlines() if ":" in line)}  # the last CPU's (all alike)
+        flags = set(fields.get("flags", "").split())
+        cpu = {"cpu_model": fields.get("model name") or None,
+               "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags]}
+    return {"cpus": os.cpu_count(), **cpu, "platform": platform.platform(), "python": platform.python_version()}
 
 
 def write_result(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:

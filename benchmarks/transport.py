@@ -7,7 +7,8 @@ round-robin rounds over the sides (a session per side and round, its first chunk
 unmeasured; the floor's engine and the server's run side by side, each idle while the
 other works, with a pause between them so that neither spins beside the other: see
 SWITCH_SETTLE_S); per side the p50 and p90 of the chunk's round trip (send to the
-chunk's end), the p50 over the floor in milliseconds, the client's own CPU time per
+chunk's end), the p50 over the floor in milliseconds (and per round, over the floor's
+p50 of the same round: this machine's speed drifts within a run), the client's own CPU time per
 chunk, and the API server process's CPU time per chunk (its engine's processes not
 counted). Clients: aiohttp for REST and SSE, websockets for the websocket (keep-alive,
 no wrapper of ours); ``rest-httpx`` and ``sse-httpx`` repeat REST and SSE with httpx,
@@ -202,6 +203,7 @@ async def main_async(args: Any) -> dict[str, Any]:
     warm = warmup[:WARM_CHUNKS]  # each side's unmeasured chunks in every round
     rounds = [measured[i::args.rounds] for i in range(args.rounds)]
     times: dict[str, list[float]] = {side: [] for side in SIDES}
+    by_round: dict[str, list[float]] = {side: [] for side in SIDES}  # each round's p50
     profiles: dict[str, Any] = {}
     # This process's CPU time while a side runs: the client's own work (the floor's
     # engine here is idle meanwhile), which the round trip includes; and the API
@@ -227,7 +229,9 @@ async def main_async(args: Any) -> dict[str, Any]:
             for round_inputs in rounds:
                 await asyncio.sleep(SWITCH_SETTLE_S)
                 cpu_before = time.process_time()
-                times["in-process"] += (await floor.run(warm + round_inputs))[len(warm):]
+                measured = (await floor.run(warm + round_inputs))[len(warm):]
+                times["in-process"] += measured
+                by_round["in-process"].append(percentile(measured, 50))
                 client_cpu["in-process"] += time.process_time() - cpu_before
                 await asyncio.sleep(SWITCH_SETTLE_S)
                 for side in SERVER_SIDES:
@@ -236,7 +240,9 @@ async def main_async(args: Any) -> dict[str, Any]:
                         if args.profile:
                             profile = stack.enter_context(py_spy_sampled(server.process.pid, Path(args.profile) / f"{side}.txt", PROFILE_RATE_HZ))
                         cpu_before, server_before = time.process_time(), process_cpu_s(server.process.pid)
-                        times[side] += (await run_side(server.base_url, side, warm + round_inputs))[len(warm):]
+                        measured = (await run_side(server.base_url, side, warm + round_inputs))[len(warm):]
+                        times[side] += measured
+                        by_round[side].append(percentile(measured, 50))
                         client_cpu[side] += time.process_time() - cpu_before
                         server_cpu[side] += process_cpu_s(server.process.pid) - server_before
                     if args.profile:
@@ -247,6 +253,10 @@ async def main_async(args: Any) -> dict[str, Any]:
     per_side = {
         side: {"p50_ms": 1000 * percentile(values, 50), "p90_ms": 1000 * percentile(values, 90),
                "p50_over_in_process_ms": 1000 * (percentile(values, 50) - floor_p50),
+               # Paired by round (the floor's p50 of the same round, seconds apart): this
+               # machine's speed drifts by more than a transport costs within a run.
+               "round_p50_over_in_process_ms": [round(1000 * (mine - floor), 3)
+                                                for mine, floor in zip(by_round[side], by_round["in-process"], strict=True)],
                "p50_over_in_process_and_bare_hop_ms": 1000 * (percentile(values, 50) - floor_p50 - percentile(times[hop], 50))
                if (hop := BARE_HOP_OF.get(side)) else None,
                # Warm-up chunks included: CPU is counted over a whole side.
@@ -328,8 +338,11 @@ async def run(name: str, args: argparse.Namespace) -> None:
     finish(name, result, args.out, plot)
     for side, row in result["per_side"].items():
         beyond_hop = row["p50_over_in_process_and_bare_hop_ms"]
+        paired = sorted(row["round_p50_over_in_process_ms"])
         print(f"{side}: p50 {row['p50_ms']:.2f} ms, over in-process {row['p50_over_in_process_ms']:+.2f} ms"
-              + (f", beyond the bare hop {beyond_hop:+.2f} ms" if beyond_hop is not None else ""))
+              + (f", beyond the bare hop {beyond_hop:+.2f} ms" if beyond_hop is not None else "")
+              + (f"; by round {percentile(paired, 50):+.2f} ms ({paired[0]:+.2f} to {paired[-1]:+.2f})"
+                 if side != "in-process" and paired else ""))
 
 
 def main() -> None:
