@@ -253,14 +253,15 @@ def stop_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def app_server(
-    name: str, log: Path, settings: dict[str, str], port: int | None = None, model: str = "embedded-tiny"
+    name: str, log: Path, settings: dict[str, str], port: int | None = None, model: str = "embedded-tiny",
+    command: list[str] | None = None,
 ) -> contextlib.AbstractContextManager[RunningServer]:
-    """``python -m app.main`` in a fresh process; ``settings`` are its STREAMSESS_*
+    """``python -m app.main`` (or ``command``) in a fresh process; ``settings`` are its STREAMSESS_*
     values (name: value), and nothing else of the caller's STREAMSESS_ environment;
     it serves the preset ``model`` names (``embedded-tiny`` by default) unless they say.
     Its sessions go to a fresh state directory unless ``state_dir`` or
     ``store_url`` is given."""
-    key = ("app", model, tuple(sorted(settings.items()))) if "state_dir" not in settings else None
+    key = ("app", model, tuple(command or ()), tuple(sorted(settings.items()))) if "state_dir" not in settings else None
     port = port or free_port()
     settings = dict(settings)
     if "model" not in settings:
@@ -269,11 +270,12 @@ def app_server(
         settings["state_dir"] = tempfile.mkdtemp(prefix=f"streamsess-{name}-state-")
     env = engine_env()
     env.update({f"STREAMSESS_{key.upper()}": value for key, value in {"port": str(port), **settings}.items()})
-    return serve(name, [sys.executable, "-m", "app.main"], env, port, model, log, key)
+    return serve(name, command or [sys.executable, "-m", "app.main"], env, port, model, log, key)
 
 
 def our_server(
-    setup: EngineSetup, log_dir: Path, connector: str = "offloading", name: str = "ours", **settings: str
+    setup: EngineSetup, log_dir: Path, connector: str = "offloading", name: str = "ours",
+    command: list[str] | None = None, **settings: str
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """Our server on ``setup``; ``settings`` are more STREAMSESS_* values (name=value);
     ``name`` names its log (two of ours side by side need two)."""
@@ -291,7 +293,8 @@ def our_server(
         "connector": connector,
         "log_level": "warning",
     }
-    return app_server(name, log_dir / f"{name}.log", {**values, **settings}, model=f"embedded-{setup.preset}")
+    return app_server(name, log_dir / f"{name}.log", {**values, **settings}, model=f"embedded-{setup.preset}",
+                      command=command)
 
 
 def vllm_server(
@@ -458,7 +461,7 @@ CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx512_vnni", "a
 
 
 def machine() -> dict[str, Any]:
-    cpu = {"cpu_model": None, "cpu_flags": []}
+    cpu: dict[str, Any] = {"cpu_model": None, "cpu_flags": []}
     with contextlib.suppress(OSError):
         info = Path("/proc/cpuinfo").read_text()
         fields = {key.strip(): value.strip() for key, value in

@@ -24,10 +24,10 @@ from typing import Any
 from benchmarks.common import pooled
 
 # bf16 first (resume's in-process engine, our server and vLLM's are the next four's),
-# then float32 (models' in-process engine is transport's); soak and capacity start
+# then float32 (models' in-process engine is transport's and chunk_timeline's); soak and capacity start
 # servers of their own settings; disk_index runs no engine.
-QUICK = ("resume", "concurrency", "park_resume", "store", "tier_reuse", "models", "transport", "soak", "capacity",
-         "disk_index")
+QUICK = ("resume", "concurrency", "park_resume", "store", "tier_reuse", "models", "transport", "chunk_timeline", "soak",
+         "capacity", "disk_index")
 
 
 async def run_all(names: list[str], out: Path) -> dict[str, Any]:

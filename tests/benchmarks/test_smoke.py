@@ -96,6 +96,16 @@ def test_transport_quick(quick_runs: tuple[Path, dict]) -> None:
     assert result["per_side"]["rest"]["p50_over_in_process_and_bare_hop_ms"] is not None
 
 
+def test_chunk_timeline_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("chunk_timeline", quick_runs)
+    # Every stamp was found along every chunk's path, in the server and the floor alike
+    # (a stamp that stopped firing, or fired out of order, leaves a segment empty: NaN).
+    assert len(result["rest_us"]) == 14 and len(result["floor_us"]) == 7
+    for segments in (result["rest_us"], result["floor_us"]):
+        assert all(value == value for value in segments.values()), segments
+    assert result["rest_us"]["add1->engine"] > 0 and result["floor_us"]["add1->engine"] > 0
+
+
 def test_soak_quick(quick_runs: tuple[Path, dict]) -> None:
     result = run_quick("soak", quick_runs)
     summary = result["summary"]
