@@ -44,9 +44,10 @@ from benchmarks.common import (
     API_HEADERS,
     SWITCH_SETTLE_S,
     EngineSetup,
+    app_server,
     benchmark_parser,
     finish,
-    our_server,
+    our_settings,
     percentile,
     pyplot,
     quick_engine,
@@ -205,7 +206,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     floor = InProcessSession(setup)
     try:
         command = [sys.executable, "-m", "benchmarks.chunk_timeline", "serve", str(server_stamps)]
-        with our_server(setup, Path(args.out) / "logs", command=command, store_url="none") as server:
+        settings = {**our_settings(setup), "store_url": "none"}
+        with app_server("ours", server_stamps.parent / "ours.log", settings, model=f"embedded-{setup.preset}",
+                        command=command) as server:
             await floor.run(inputs[:10])
             await rest_chunks(server.base_url, inputs[:10])
             for index in range(args.rounds):

@@ -274,12 +274,17 @@ def app_server(
 
 
 def our_server(
-    setup: EngineSetup, log_dir: Path, connector: str = "offloading", name: str = "ours",
-    command: list[str] | None = None, **settings: str
+    setup: EngineSetup, log_dir: Path, connector: str = "offloading", name: str = "ours", **settings: str
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """Our server on ``setup``; ``settings`` are more STREAMSESS_* values (name=value);
     ``name`` names its log (two of ours side by side need two)."""
-    values = {
+    return app_server(name, log_dir / f"{name}.log", {**our_settings(setup, connector), **settings},
+                      model=f"embedded-{setup.preset}")
+
+
+def our_settings(setup: EngineSetup, connector: str = "offloading") -> dict[str, str]:
+    """The STREAMSESS_* values (name: value) of our server on ``setup``."""
+    return {
         "model_preset": setup.preset,
         "api_keys": API_KEY,
         "kv_cache_gib": str(setup.kv_cache_gib),
@@ -293,8 +298,6 @@ def our_server(
         "connector": connector,
         "log_level": "warning",
     }
-    return app_server(name, log_dir / f"{name}.log", {**values, **settings}, model=f"embedded-{setup.preset}",
-                      command=command)
 
 
 def vllm_server(

@@ -229,9 +229,9 @@ async def main_async(args: Any) -> dict[str, Any]:
             for round_inputs in rounds:
                 await asyncio.sleep(SWITCH_SETTLE_S)
                 cpu_before = time.process_time()
-                measured = (await floor.run(warm + round_inputs))[len(warm):]
-                times["in-process"] += measured
-                by_round["in-process"].append(percentile(measured, 50))
+                round_times = (await floor.run(warm + round_inputs))[len(warm):]
+                times["in-process"] += round_times
+                by_round["in-process"].append(percentile(round_times, 50))
                 client_cpu["in-process"] += time.process_time() - cpu_before
                 await asyncio.sleep(SWITCH_SETTLE_S)
                 for side in SERVER_SIDES:
@@ -240,9 +240,9 @@ async def main_async(args: Any) -> dict[str, Any]:
                         if args.profile:
                             profile = stack.enter_context(py_spy_sampled(server.process.pid, Path(args.profile) / f"{side}.txt", PROFILE_RATE_HZ))
                         cpu_before, server_before = time.process_time(), process_cpu_s(server.process.pid)
-                        measured = (await run_side(server.base_url, side, warm + round_inputs))[len(warm):]
-                        times[side] += measured
-                        by_round[side].append(percentile(measured, 50))
+                        round_times = (await run_side(server.base_url, side, warm + round_inputs))[len(warm):]
+                        times[side] += round_times
+                        by_round[side].append(percentile(round_times, 50))
                         client_cpu[side] += time.process_time() - cpu_before
                         server_cpu[side] += process_cpu_s(server.process.pid) - server_before
                     if args.profile:
