@@ -106,6 +106,15 @@ def test_chunk_timeline_quick(quick_runs: tuple[Path, dict]) -> None:
     assert result["rest_us"]["add1->engine"] > 0 and result["floor_us"]["add1->engine"] > 0
 
 
+def test_idle_hop_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("idle_hop", quick_runs)
+    for side in ("rest", "websocket"):
+        hops = result["hop_p50_ms"][side]
+        assert set(hops) == {"0", "4"}
+        # The server's wait was taken off each round trip: what is left is a hop, not the wait.
+        assert all(0 < hop < 4 for hop in hops.values()), hops
+
+
 def test_soak_quick(quick_runs: tuple[Path, dict]) -> None:
     result = run_quick("soak", quick_runs)
     summary = result["summary"]
