@@ -92,22 +92,20 @@ async def test_a_whole_response_goes_out_before_the_app_returns() -> None:
 
     from app.http_protocol import CoalescingHttpToolsProtocol
 
+    ours, theirs = socket.socketpair()
+    transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, ours)
+    recording = RecordingTransport(transport)
     written_when_answered: list[list[bytes]] = []
-    recording_holder: list[RecordingTransport] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"{}"})
-        written_when_answered.append(list(recording_holder[0].writes))  # before any other tick
+        written_when_answered.append(list(recording.writes))  # before any other tick
 
     config = uvicorn.Config(app, http=CoalescingHttpToolsProtocol, lifespan="off", log_level="warning")
     config.load()
     protocol = CoalescingHttpToolsProtocol(config, ServerState(), app_state={})
-    ours, theirs = socket.socketpair()
-    transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, ours)
-    recording = RecordingTransport(transport)
-    recording_holder.append(recording)
     protocol.connection_made(recording)  # type: ignore[arg-type]
     protocol.data_received(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n")
     theirs.setblocking(False)
