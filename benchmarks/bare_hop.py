@@ -21,11 +21,22 @@ ANSWER = json.dumps({"id": "bare", "object": "session.chunk", "output": {"text":
                      "finish_reason": "length"}).encode()
 
 
+async def lifespan(receive: Any, send: Any) -> None:
+    """A lifespan with nothing to start or stop."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+def run(asgi: Any, port: int) -> None:
+    """``asgi`` on loopback, on the app's own uvicorn setup (its HTTP protocol, its websockets)."""
+    uvicorn.run(asgi, host="127.0.0.1", port=port, log_level="warning", ws="websockets-sansio",
+                http=CoalescingHttpToolsProtocol)
+
+
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+        await lifespan(receive, send)
     elif scope["type"] == "http":
         body = b""
         while True:
@@ -50,8 +61,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 def main() -> None:
-    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", ws="websockets-sansio",
-                http=CoalescingHttpToolsProtocol)
+    run(app, int(sys.argv[1]))
 
 
 if __name__ == "__main__":

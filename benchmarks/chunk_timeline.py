@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import bisect
 import itertools
 import json
 import os
@@ -164,11 +165,12 @@ def serve(out: str) -> None:
 def segments(path: tuple[str, ...], stamps: list[tuple[str, int]], spans: list[tuple[int, int]]) -> dict[str, float]:
     """Each segment's p50 in microseconds, over the chunks ``spans`` (start, end) bound."""
     stamps = sorted(stamps, key=lambda item: item[1])
+    times = [at for _, at in stamps]
     rows = []
     for start, end in spans:
         row = {"start": start, "end": end}
-        for name, at in stamps:
-            if start <= at <= end and name in path and (name in AFTER_ENGINE or name not in row):
+        for name, at in stamps[bisect.bisect_left(times, start):bisect.bisect_right(times, end)]:
+            if name in path and (name in AFTER_ENGINE or name not in row):
                 row[name] = at
         rows.append(row)
     return {f"{a}->{b}": percentile([(row[b] - row[a]) / 1e3 for row in rows if a in row and b in row], 50)

@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 import websockets
 
-from app.http_protocol import CoalescingHttpToolsProtocol
+from benchmarks import bare_hop
 from benchmarks.common import finish, free_port, percentile, pyplot, serve
 
 
@@ -47,9 +46,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             waited = await _wait(int(json.loads(message["text"])["wait_us"]))
             await send({"type": "websocket.send", "text": json.dumps({"waited_ns": waited})})
     elif scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+        await bare_hop.lifespan(receive, send)
 
 
 async def _wait(microseconds: int) -> int:
@@ -146,8 +143,7 @@ async def run(name: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["serve"]:
-        uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning", ws="websockets-sansio",
-                    http=CoalescingHttpToolsProtocol)
+        bare_hop.run(app, int(sys.argv[2]))
         return
     asyncio.run(run(*parse_args()))
 
