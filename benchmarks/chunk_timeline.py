@@ -45,6 +45,7 @@ from benchmarks.common import (
     API_HEADERS,
     SWITCH_SETTLE_S,
     EngineSetup,
+    add_loop_option,
     app_server,
     benchmark_parser,
     finish,
@@ -52,6 +53,7 @@ from benchmarks.common import (
     percentile,
     pyplot,
     quick_engine,
+    run_on_loop,
 )
 
 SERVER_PATH = ("start", "recv", "route", "admitted", "run", "add0", "add1", "engine", "out", "stats0", "stats1",
@@ -259,6 +261,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.set_defaults(preset="tiny", dtype="float32", cpu_tier_gib=0.5)
     parser.add_argument("--chunks", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
+    add_loop_option(parser)
     args = parser.parse_args(argv)
     if args.quick:
         quick_engine(args)
@@ -278,7 +281,8 @@ def main() -> None:
     if sys.argv[1:2] == ["serve"]:
         serve(sys.argv[2])
         return
-    asyncio.run(run(*parse_args()))
+    name, args = parse_args()
+    run_on_loop(run(name, args), args.loop)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ reserving a core, and "offload on vs off" would really be 2 threads against 1.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import concurrent.futures
 import contextlib
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -472,7 +473,35 @@ def machine() -> dict[str, Any]:
         flags = set(fields.get("flags", "").split())
         cpu = {"cpu_model": fields.get("model name") or None,
                "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags]}
-    return {"cpus": os.cpu_count(), **cpu, "platform": platform.platform(), "python": platform.python_version()}
+    return {"cpus": os.cpu_count(), **cpu, "platform": platform.platform(), "python": platform.python_version(),
+            "event_loop": _event_loop()}
+
+
+def _event_loop() -> str | None:
+    """The benchmark's own event loop (its clients', and an in-process floor's)."""
+    try:
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+    except RuntimeError:
+        return None
+
+
+# The latency benchmarks' loop: what the floor's AsyncLLM and the clients run on.
+EVENT_LOOPS = ("asyncio", "uvloop")
+
+
+def add_loop_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--loop", choices=EVENT_LOOPS, default="asyncio",
+        help="the event loop of this process (the clients, and an in-process floor): asyncio's own, as every "
+             "figure before session 29; or uvloop, which our server and vLLM's own run AsyncLLM on (on the EPYC, "
+             "10 to 20 us off a loopback hop and no difference in the transport gaps beyond the runs' spread)")
+
+
+def run_on_loop(main: Coroutine[Any, Any, T], loop: str) -> T:
+    if loop == "uvloop":
+        import uvloop
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def write_result(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:

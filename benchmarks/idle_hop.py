@@ -26,7 +26,15 @@ from typing import Any
 import websockets
 
 from benchmarks import bare_hop
-from benchmarks.common import finish, free_port, percentile, pyplot, serve
+from benchmarks.common import (
+    add_loop_option,
+    finish,
+    free_port,
+    percentile,
+    pyplot,
+    run_on_loop,
+    serve,
+)
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -126,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="a few requests (the test suite's smoke run)")
+    add_loop_option(parser)
     args = parser.parse_args(argv)
     name = "idle_hop"
     if args.quick:
@@ -145,7 +154,8 @@ def main() -> None:
     if sys.argv[1:2] == ["serve"]:
         bare_hop.run(app, int(sys.argv[2]))
         return
-    asyncio.run(run(*parse_args()))
+    name, args = parse_args()
+    run_on_loop(run(name, args), args.loop)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from benchmarks.common import (
     SWITCH_SETTLE_S,
     EngineSetup,
     RunningServer,
+    add_loop_option,
     benchmark_parser,
     finish,
     free_port,
@@ -62,6 +63,7 @@ from benchmarks.common import (
     pyplot,
     quick_engine,
     release_engine,
+    run_on_loop,
     serve,
     summarize_profile,
 )
@@ -324,6 +326,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.add_argument("--server-setting", metavar="NAME=VALUE", action="append", default=[],
                         type=lambda text: tuple(text.split("=", 1)),
                         help="a setting of the server (e.g. http_coalesce_writes=false); repeatable")
+    add_loop_option(parser)
     args = parser.parse_args(argv)
     name = "transport"
     if args.quick:
@@ -346,7 +349,8 @@ async def run(name: str, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(*parse_args()))
+    name, args = parse_args()
+    run_on_loop(run(name, args), args.loop)
 
 
 if __name__ == "__main__":
