@@ -16,7 +16,7 @@ tier hit), never later.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,10 +24,26 @@ from typing import Any, Protocol
 class HoldsDevice(Protocol):
     """What the estimate needs of a session."""
 
-    @property
-    def request_id(self) -> str: ...
-
     device_tokens: int
+
+
+class DeviceTokens:
+    """A session's ``device_tokens``: what its engine request holds on the device, or will
+    once the chunk being admitted runs (0 without a request). Setting it keeps the session
+    in its ``device_holders`` set while it is not 0, so that the estimate walks the few
+    sessions on the device, not every open session (thousands may be parked)."""
+
+    def __get__(self, session: Any, owner: type | None = None) -> Any:
+        if session is None:
+            return self  # read on the class
+        return session.__dict__.get("_device_tokens", 0)
+
+    def __set__(self, session: Any, tokens: int) -> None:
+        session.__dict__["_device_tokens"] = tokens
+        if tokens:
+            session.device_holders.add(session)
+        else:
+            session.device_holders.discard(session)
 
 
 @dataclass(frozen=True)
@@ -55,17 +71,20 @@ class DeviceCapacity:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def load(self, engine: Any, sessions: Iterable[HoldsDevice], exclude: HoldsDevice | None = None) -> DeviceLoad:
-        """Slots and blocks held by every live request but ``exclude``'s."""
+    def load(self, engine: Any, holders: Iterable[HoldsDevice], session_request_ids: Container[str],
+             exclude: HoldsDevice | None = None) -> DeviceLoad:
+        """Slots and blocks held by every live request but ``exclude``'s: our sessions'
+        reservations (``holders``: the sessions whose device_tokens are not 0, so the
+        walk is bounded by the device, not by how many sessions are open), and vLLM's
+        own request states for every request that is not a session's (any request id
+        in ``session_request_ids``)."""
         slots = blocks = 0
-        session_ids = set()
-        for session in sessions:
-            session_ids.add(session.request_id)
-            if session.device_tokens and session is not exclude:
+        for session in holders:
+            if session is not exclude:
                 slots += 1
                 blocks += self.blocks_for(session.device_tokens)
         for state in list(engine.output_processor.request_states.values()):
-            if (state.external_req_id or state.request_id) in session_ids:
+            if (state.external_req_id or state.request_id) in session_request_ids:
                 continue  # counted above, from the session's own reservation
             slots += 1
             blocks += self.blocks_for(int(state.prompt_len or 0) + int(state.max_tokens_param or 0))

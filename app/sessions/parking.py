@@ -24,7 +24,7 @@ from vllm.inputs.engine import tokens_input
 from app.metrics import SessionMetrics
 from app.provenance import ProvenanceRecorder
 from app.sessions import errors
-from app.sessions.admission import DeviceCapacity, SchedulerObserver
+from app.sessions.admission import DeviceCapacity, DeviceLoad, SchedulerObserver
 from app.sessions.registry import SessionRegistry
 from app.sessions.session import StreamingSession
 
@@ -52,6 +52,10 @@ class Parking:
         # Set whenever device capacity is freed: a chunk waiting for room re-checks.
         self.capacity_freed = asyncio.Event()
         self._barrier_ids = itertools.count()
+
+    def _load(self, exclude: StreamingSession | None = None) -> DeviceLoad:
+        # A session's engine request id is its id: the held sessions' ids are theirs.
+        return self.capacity.load(self._engine, self._registry.device_holders, self._registry.held, exclude)
 
     def _least_recently_used_idle(self, exclude: StreamingSession | None = None) -> StreamingSession | None:
         idle = [s for s in self._registry.held.values() if s.idle and s is not exclude]
@@ -110,12 +114,11 @@ class Parking:
         parking idle sessions as needed, and reserve it. Waits at most
         ``admission_timeout_s`` for room."""
         deadline = time.monotonic() + self._admission_timeout_s
-        held = self._registry.held
         while True:
             async with self._admission:
                 self.capacity_freed.clear()
                 if await self._park_until(
-                    lambda: self.capacity.fits(self.capacity.load(self._engine, held.values(), session), tokens),
+                    lambda: self.capacity.fits(self._load(exclude=session), tokens),
                     "admission", exclude=session,
                 ):
                     session.device_tokens = tokens  # reserved until the chunk ends
@@ -133,14 +136,13 @@ class Parking:
         reports requests waiting and none running at two checks in a row, whatever
         the estimate says, the least recently used idle session is parked."""
         stalled_checks = 0
-        held = self._registry.held
         while True:
             await asyncio.sleep(CAPACITY_CHECK_S)
             observer = self._observer
             stalled_checks = stalled_checks + 1 if observer is not None and observer.stalled else 0
             async with self._admission:
                 await self._park_until(
-                    lambda: not self.capacity.over(self.capacity.load(self._engine, held.values())), "capacity"
+                    lambda: not self.capacity.over(self._load()), "capacity"
                 )
                 if stalled_checks >= 2 and (victim := self._least_recently_used_idle()) is not None:
                     await self.park([victim], "stalled")

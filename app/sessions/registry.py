@@ -61,6 +61,9 @@ class SessionRegistry:
         self._on_freed = on_freed  # device capacity was freed: waiting chunks re-check
         self._replica = settings.resolved_replica_id()
         self.held: dict[str, StreamingSession] = {}
+        # The sessions that hold or have reserved room on the device: each keeps itself
+        # in it as its device_tokens change (the only place that changes it).
+        self.device_holders: set[StreamingSession] = set()
         self._closed: OrderedDict[str, SessionRecord] = OrderedDict()
         self._count_sessions_when_scraped()
 
@@ -75,6 +78,7 @@ class SessionRegistry:
             session_id=session_id or f"sess_{secrets.token_hex(12)}", owner=owner, model=self.model_name,
             engine=self._engine, defaults=request.defaults, metadata=dict(request.metadata),
             max_tokens=self.max_context, recorder=self._recorder, cache_salt=self._cache_salt(owner),
+            device_holders=self.device_holders,
         )
         try:
             async with self.store_errors():
@@ -144,7 +148,7 @@ class SessionRegistry:
         record, transcript = loaded
         session = StreamingSession.from_record(
             record, transcript, engine=self._engine, max_tokens=self.max_context, recorder=self._recorder,
-            cache_salt=self._cache_salt(record.owner),
+            cache_salt=self._cache_salt(record.owner), device_holders=self.device_holders,
         )
         if session.closed:
             self._remember_closed(session)

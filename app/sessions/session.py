@@ -26,6 +26,7 @@ from vllm.engine.protocol import StreamingInput
 from vllm.inputs.engine import tokens_input
 
 from app.provenance import PrefillSources, ProvenanceRecorder, chunk_usage, resume_source
+from app.sessions.admission import DeviceTokens
 from app.sessions.chat import ChatState
 from app.sessions.chunk import CANCELLED, ENGINE_ERROR, ChunkDelta, ChunkResult
 from app.sessions.errors import ChunkRefusedError, SessionFailedError, is_input_error
@@ -39,6 +40,8 @@ GRACEFUL_CLOSE_S = 10.0
 
 
 class StreamingSession:
+    device_tokens = DeviceTokens()  # what its engine request holds on the device (the admission estimate)
+
     def __init__(
         self,
         session_id: str,
@@ -50,6 +53,7 @@ class StreamingSession:
         max_tokens: int,
         recorder: ProvenanceRecorder | None = None,
         cache_salt: str | None = None,
+        device_holders: set[StreamingSession] | None = None,
     ):
         self.id = session_id
         self.owner = owner
@@ -63,9 +67,8 @@ class StreamingSession:
         self.last_activity = time.time()
         self.status: SessionStatus = "active"
         self.close_reason: str | None = None
-        # Tokens this session's engine request holds on the device, or will once the
-        # chunk being admitted runs; 0 without a request. The admission estimate.
-        self.device_tokens = 0
+        # The registry's sessions on the device, which device_tokens keeps this one in or out of.
+        self.device_holders: set[StreamingSession] = set() if device_holders is None else device_holders
         # The session's context: every chunk's input and every token of its output,
         # as the client received them.
         self.token_ids: list[int] = []
@@ -95,12 +98,13 @@ class StreamingSession:
     def from_record(
         cls, record: SessionRecord, transcript: list[int], engine: Any, max_tokens: int,
         recorder: ProvenanceRecorder | None = None, cache_salt: str | None = None,
+        device_holders: set[StreamingSession] | None = None,
     ) -> StreamingSession:
         """A session as the store keeps it: parked (no engine request), or closed."""
         session = cls(
             session_id=record.id, owner=record.owner, model=record.model, engine=engine,
             defaults=SessionDefaults(**record.defaults), metadata=dict(record.metadata),
-            max_tokens=max_tokens, recorder=recorder, cache_salt=cache_salt,
+            max_tokens=max_tokens, recorder=recorder, cache_salt=cache_salt, device_holders=device_holders,
         )
         session.created = int(record.created)
         session.last_activity = record.last_activity

@@ -134,3 +134,10 @@ def test_disk_index_quick(quick_runs: tuple[Path, dict]) -> None:
     result = run_quick("disk_index", quick_runs)
     assert result["settings"]["files"] == 2000
     assert all(result[key] > 0 for key in ("ready_s", "first_hit_s", "walk_s", "warm_walk_s"))
+
+
+def test_admission_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("admission", quick_runs)
+    assert set(result["per_open_sessions"]) == {"10", "1000"}
+    assert all(row["every_session_us"] > 0 and row["device_holders_us"] > 0
+               for row in result["per_open_sessions"].values())
