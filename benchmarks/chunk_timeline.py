@@ -1,5 +1,6 @@
 """Where a REST chunk's time goes: stamps along its path in the client, the API server
-and the engine core, beside the same chunks on the in-process floor (benchmarks.transport's).
+and the engine core, beside the same chunks on the floor driven inside the server's process,
+on the same engine (benchmarks/floor.py).
 
 Every process stamps one clock, CLOCK_MONOTONIC (``time.perf_counter_ns`` here, and
 vLLM's ``EngineCoreOutputs.timestamp``, ``time.monotonic`` in the engine core), so stamps
@@ -18,8 +19,8 @@ from different processes line up. The stamps, in the order a chunk passes them:
     written   the response goes to the socket
 
 The floor has add0 to stats1 and its own start and end. The server runs in a process of its
-own (``python -m benchmarks.chunk_timeline serve FILE``) with the same stamps patched in, and
-writes them to FILE. Per segment: the p50 over the chunks, in microseconds. A diagnostic: the
+own (``python -m benchmarks.chunk_timeline serve FILE``) with the stamps patched in and the
+floor's route added, and writes them to FILE; floor and REST chunks alternate by rounds. Per segment: the p50 over the chunks, in microseconds. A diagnostic: the
 patches cost a few microseconds each; benchmarks.transport measures the round trips.
 
     python -m benchmarks.chunk_timeline                # 200 chunks a side, in 5 rounds
@@ -37,13 +38,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import floor
 from benchmarks.common import (
     API_HEADERS,
-    SWITCH_SETTLE_S,
     EngineSetup,
     add_loop_option,
     app_server,
@@ -69,9 +69,8 @@ def stamp(name: str) -> None:
     STAMPS.append((name, time.perf_counter_ns()))
 
 
-def _around(owner: Any, name: str, before: str | None, after: str | None) -> Callable[[], None]:
-    """Stamp ``before`` and ``after`` around ``owner.name`` (a function or coroutine
-    function); returns what puts the original back."""
+def _around(owner: Any, name: str, before: str | None, after: str | None) -> None:
+    """Stamp ``before`` and ``after`` around ``owner.name`` (a function or coroutine function)."""
     original = getattr(owner, name)
     if asyncio.iscoroutinefunction(original):
         async def wrapped_async(*args: Any, **kwargs: Any) -> Any:
@@ -91,16 +90,15 @@ def _around(owner: Any, name: str, before: str | None, after: str | None) -> Cal
                 stamp(after)
             return result
         setattr(owner, name, wrapped)
-    return lambda: setattr(owner, name, original)
 
 
-def stamp_vllm() -> Callable[[], None]:
-    """vLLM's front end stamped (in this process); returns what undoes it."""
+def stamp_vllm() -> None:
+    """vLLM's front end stamped (in this process: the server's)."""
     from vllm.v1.engine.core_client import AsyncMPClient
     from vllm.v1.metrics.loggers import StatLoggerManager
 
-    undo = [_around(AsyncMPClient, "add_request_async", "add0", "add1"),
-            _around(StatLoggerManager, "record", "stats0", "stats1")]
+    _around(AsyncMPClient, "add_request_async", "add0", "add1")
+    _around(StatLoggerManager, "record", "stats0", "stats1")
     get_output = AsyncMPClient.get_output_async
 
     async def get_output_async(self: Any) -> Any:
@@ -111,14 +109,6 @@ def stamp_vllm() -> Callable[[], None]:
         return outputs
 
     AsyncMPClient.get_output_async = get_output_async
-    undo.append(lambda: setattr(AsyncMPClient, "get_output_async", get_output))
-
-    def undo_all() -> None:
-        for step in undo:
-            step()
-        STAMPS.clear()
-
-    return undo_all
 
 
 def stamp_server() -> None:
@@ -159,9 +149,7 @@ def serve(out: str) -> None:
     stamp_server()
     atexit.register(write)
     threading.Thread(target=keep_writing, daemon=True).start()
-    from app.main import cli
-
-    cli([])
+    floor.serve()
 
 
 def segments(path: tuple[str, ...], stamps: list[tuple[str, int]], spans: list[tuple[int, int]]) -> dict[str, float]:
@@ -192,13 +180,16 @@ async def rest_chunks(base: str, inputs: list[list[int]]) -> list[tuple[int, int
                 response.raise_for_status()
                 await response.read()
             spans.append((start, time.perf_counter_ns()))
+        # Closed as transport's sides close theirs: a session left open keeps its engine
+        # request, and the engine's steps then cost more beside the floor's single request.
+        async with http.delete(f"/v1/sessions/{session_id}"):
+            pass
     return spans
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.transport import InProcessSession, chunks
+    from benchmarks.transport import chunks, server_floor_spans
 
-    unstamp = stamp_vllm()
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
                         dtype=args.dtype)
     inputs = chunks(args.seed, args.chunks + 10)
@@ -207,32 +198,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     server_stamps.parent.mkdir(parents=True, exist_ok=True)
     floor_spans: list[tuple[int, int]] = []
     rest_spans: list[tuple[int, int]] = []
-    floor = InProcessSession(setup)
-    try:
-        command = [sys.executable, "-m", "benchmarks.chunk_timeline", "serve", str(server_stamps)]
-        settings = {**our_settings(setup), "store_url": "none"}
-        with app_server("ours", server_stamps.parent / "ours.log", settings, model=f"embedded-{setup.preset}",
-                        command=command) as server:
-            await floor.run(inputs[:10])
-            await rest_chunks(server.base_url, inputs[:10])
-            for index in range(args.rounds):
-                part = inputs[10 + index * per_round:10 + (index + 1) * per_round]
-                await asyncio.sleep(SWITCH_SETTLE_S)
-                for chunk in part:
-                    start = time.perf_counter_ns()
-                    await floor.run([chunk])
-                    floor_spans.append((start, time.perf_counter_ns()))
-                await asyncio.sleep(SWITCH_SETTLE_S)
-                rest_spans += await rest_chunks(server.base_url, part)
-            await asyncio.sleep(1.5)  # the server's next write of its stamps
-        floor_us = segments(FLOOR_PATH, STAMPS, floor_spans)
-    finally:
-        await floor.close()
-        unstamp()  # the process may run other benchmarks next (benchmarks.smoke)
+    command = [sys.executable, "-m", "benchmarks.chunk_timeline", "serve", str(server_stamps)]
+    settings = {**our_settings(setup), "store_url": "none"}
+    with app_server("ours", server_stamps.parent / "ours.log", settings, model=f"embedded-{setup.preset}",
+                    command=command) as server:
+        await server_floor_spans(server.base_url, inputs[:10])
+        await rest_chunks(server.base_url, inputs[:10])
+        for index in range(args.rounds):
+            part = inputs[10 + index * per_round:10 + (index + 1) * per_round]
+            floor_spans += await server_floor_spans(server.base_url, part)
+            rest_spans += await rest_chunks(server.base_url, part)
+        await asyncio.sleep(1.5)  # the server's next write of its stamps
     server_side = json.loads(server_stamps.read_text())
     return {
         "settings": {**setup.describe(), "chunks": args.chunks, "rounds": args.rounds, "max_tokens": 1},
-        "floor_us": floor_us,
+        "floor_us": segments(FLOOR_PATH, server_side, floor_spans),
         "rest_us": segments(SERVER_PATH, server_side, rest_spans),
     }
 

@@ -1,5 +1,10 @@
 """What each transport adds to a chunk: REST, SSE and websocket against the same
 session driven in process on AsyncLLM (the floor: the engine's own streaming input).
+Two floors (benchmarks/floor.py): ``in-server``, driven inside our server's process on
+its own engine, the one the transports use (the gap to it is what a transport adds);
+and ``in-process``, on an engine of the benchmark's own, as before session 29 (two
+engine processes of the same settings differ in speed from run to run by as much as
+a transport costs).
 
 --chunks chunks of one token each with max_tokens=1 (so the engine's work is as small
 as it gets and what is left is the transport), after --warmup chunks, in --rounds
@@ -53,11 +58,12 @@ from benchmarks.common import (
     EngineSetup,
     RunningServer,
     add_loop_option,
+    app_server,
     benchmark_parser,
     finish,
     free_port,
     in_process_engine,
-    our_server,
+    our_settings,
     percentile,
     py_spy_sampled,
     pyplot,
@@ -67,9 +73,14 @@ from benchmarks.common import (
     serve,
     summarize_profile,
 )
+from benchmarks.floor import FLOOR_PATH, EngineSession
 
-SIDES = ("in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx",
+# Two floors (benchmarks/floor.py): the session on an engine of this process's own, and
+# on the server's own engine, driven inside the server's process (``in-server``), which
+# the transports are compared with first: the same engine, so its speed is not the gap.
+SIDES = ("in-process", "in-server", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx",
          "rest-bare", "sse-bare", "websocket-bare")
+FLOORS = SIDES[:2]
 SERVER_SIDES = SIDES[1:]
 # The hop alone: the same client against benchmarks/bare_hop.py (uvicorn as the app
 # serves, an ASGI app that answers at once). A transport's own cost is what it adds
@@ -88,47 +99,6 @@ WARM_CHUNKS = 3
 def chunks(seed: int, count: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, 700)] for _ in range(count)]
-
-
-class InProcessSession:
-    """The floor: one streaming session on an in-process AsyncLLM, fed chunk by chunk,
-    kept open across rounds."""
-
-    def __init__(self, setup: EngineSetup):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        self.engine, _, _ = in_process_engine(setup, f"embedded-{setup.preset}")
-        # skip_clone as the server's chunks have it: vLLM's deep copy of the params
-        # per chunk (about 20 us) is not a transport's cost.
-        self.params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
-                                     skip_clone=True)
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.outputs = self.engine.generate(prompt=self._feed(), sampling_params=self.params, request_id="transport-floor")
-
-    async def _feed(self) -> Any:
-        while (item := await self.queue.get()) is not None:
-            yield item
-
-    async def run(self, inputs: list[list[int]]) -> list[float]:
-        from vllm.engine.protocol import StreamingInput
-        from vllm.inputs.engine import tokens_input
-
-        times = []
-        for chunk in inputs:
-            start = time.perf_counter()
-            self.queue.put_nowait(StreamingInput(prompt=tokens_input(list(chunk)), sampling_params=self.params))
-            async for output in self.outputs:
-                if output.outputs[0].finish_reason is not None:
-                    break
-            times.append(time.perf_counter() - start)
-        return times
-
-    async def close(self) -> None:
-        self.queue.put_nowait(None)
-        async for _ in self.outputs:
-            pass
-        release_engine(self.engine)
 
 
 async def rest(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
@@ -214,12 +184,14 @@ async def main_async(args: Any) -> dict[str, Any]:
     # server's CPU per chunk beyond it is what serving over a transport costs.
     client_cpu: dict[str, float] = dict.fromkeys(SIDES, 0.0)
     server_cpu: dict[str, float] = dict.fromkeys(SERVER_SIDES, 0.0)
-    floor = InProcessSession(setup)
+    floor = EngineSession(in_process_engine(setup, f"embedded-{setup.preset}")[0])
     try:
         # The per-connection event limit off: a long run's appends come faster than its default.
         settings = {"store_url": "none", "ws_per_message_deflate": "true", "ws_events_per_second": "0",
                     **dict(args.server_setting)}
-        with our_server(setup, Path(args.out) / "logs", **settings) as ours, bare_hop(Path(args.out) / "logs") as bare:
+        with (app_server("ours", Path(args.out) / "logs" / "ours.log", {**our_settings(setup), **settings},
+                         model=f"embedded-{setup.preset}", command=[sys.executable, "-m", "benchmarks.floor", "serve"])
+              as ours, bare_hop(Path(args.out) / "logs") as bare):
             def server_of(side: str) -> RunningServer:
                 return bare if side.endswith(BARE) else ours
 
@@ -251,16 +223,10 @@ async def main_async(args: Any) -> dict[str, Any]:
                         profiles.setdefault(side, []).append(summarize_profile(profile, per=len(round_inputs)))
     finally:
         await floor.close()
-    floor_p50 = percentile(times["in-process"], 50)
+        release_engine(floor.engine)
     per_side = {
         side: {"p50_ms": 1000 * percentile(values, 50), "p90_ms": 1000 * percentile(values, 90),
-               "p50_over_in_process_ms": 1000 * (percentile(values, 50) - floor_p50),
-               # Paired by round (the floor's p50 of the same round, seconds apart): this
-               # machine's speed drifts by more than a transport costs within a run.
-               "round_p50_over_in_process_ms": [round(1000 * (mine - floor), 3)
-                                                for mine, floor in zip(by_round[side], by_round["in-process"], strict=True)],
-               "p50_over_in_process_and_bare_hop_ms": 1000 * (percentile(values, 50) - floor_p50 - percentile(times[hop], 50))
-               if (hop := BARE_HOP_OF.get(side)) else None,
+               **{key: value for name in FLOORS for key, value in over_floor(name, side, times, by_round).items()},
                # Warm-up chunks included: CPU is counted over a whole side.
                "client_cpu_ms_per_chunk": 1000 * client_cpu[side] / (len(values) + args.rounds * len(warm)),
                "server_cpu_ms_per_chunk": 1000 * server_cpu[side] / (len(values) + args.rounds * len(warm))
@@ -274,6 +240,29 @@ async def main_async(args: Any) -> dict[str, Any]:
         "samples_ms": {side: [round(1000 * t, 3) for t in values] for side, values in times.items()},
         "profiles": profiles,
     }
+
+
+def over_floor(floor: str, side: str, times: dict[str, list[float]], by_round: dict[str, list[float]]) -> dict[str, Any]:
+    """``side``'s p50 over ``floor``'s, in milliseconds: over the whole run, paired by
+    round (the floor's p50 of the same round, seconds apart: this machine's speed drifts
+    by more than a transport costs within a run), and beyond the bare hop of its client."""
+    key = floor.replace("-", "_")
+    mine, floor_p50 = percentile(times[side], 50), percentile(times[floor], 50)
+    hop = BARE_HOP_OF.get(side)
+    return {
+        f"p50_over_{key}_ms": 1000 * (mine - floor_p50),
+        f"round_p50_over_{key}_ms": [round(1000 * (a - b), 3) for a, b in zip(by_round[side], by_round[floor], strict=True)],
+        f"p50_over_{key}_and_bare_hop_ms": 1000 * (mine - floor_p50 - percentile(times[hop], 50)) if hop else None,
+    }
+
+
+async def server_floor_spans(base: str, inputs: list[list[int]]) -> list[tuple[int, int]]:
+    """The floor inside our server's process, on its engine (benchmarks/floor.py): each
+    chunk's (start, end) as the server measured it."""
+    async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=120) as http:
+        response = await http.post(FLOOR_PATH, json={"inputs": inputs})
+        response.raise_for_status()
+        return [(int(start), int(end)) for start, end in response.json()["spans"]]
 
 
 def process_cpu_s(pid: int) -> float:
@@ -296,6 +285,8 @@ def bare_hop(log_dir: Path) -> Iterator[RunningServer]:
 
 async def run_side(base: str, side: str, inputs: list[list[int]]) -> list[float]:
     side = side.removesuffix(BARE)
+    if side == "in-server":
+        return [(end - start) / 1e9 for start, end in await server_floor_spans(base, inputs)]
     if side.startswith("websocket"):
         return await websocket(base, inputs, deflate=side == "websocket-deflate")
     if side.endswith("-httpx"):
@@ -340,12 +331,14 @@ async def run(name: str, args: argparse.Namespace) -> None:
     result = await main_async(args)
     finish(name, result, args.out, plot)
     for side, row in result["per_side"].items():
-        beyond_hop = row["p50_over_in_process_and_bare_hop_ms"]
-        paired = sorted(row["round_p50_over_in_process_ms"])
-        print(f"{side}: p50 {row['p50_ms']:.2f} ms, over in-process {row['p50_over_in_process_ms']:+.2f} ms"
-              + (f", beyond the bare hop {beyond_hop:+.2f} ms" if beyond_hop is not None else "")
-              + (f"; by round {percentile(paired, 50):+.2f} ms ({paired[0]:+.2f} to {paired[-1]:+.2f})"
-                 if side != "in-process" and paired else ""))
+        gaps = []
+        for floor in FLOORS if side not in FLOORS else ():
+            key = floor.replace("-", "_")
+            beyond_hop, paired = row[f"p50_over_{key}_and_bare_hop_ms"], sorted(row[f"round_p50_over_{key}_ms"])
+            gaps.append(f"over {floor} {row[f'p50_over_{key}_ms']:+.2f} ms"
+                        + (f" ({beyond_hop:+.2f} beyond the bare hop)" if beyond_hop is not None else "")
+                        + f", by round {percentile(paired, 50):+.2f} ({paired[0]:+.2f} to {paired[-1]:+.2f})")
+        print(f"{side}: p50 {row['p50_ms']:.2f} ms" + "".join(f"; {gap}" for gap in gaps))
 
 
 def main() -> None:

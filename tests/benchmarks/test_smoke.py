@@ -88,12 +88,15 @@ def test_store_quick(quick_runs: tuple[Path, dict]) -> None:
 
 def test_transport_quick(quick_runs: tuple[Path, dict]) -> None:
     result = run_quick("transport", quick_runs)
-    assert set(result["per_side"]) == {"in-process", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx",
-                                       "sse-httpx", "rest-bare", "sse-bare", "websocket-bare"}
+    assert set(result["per_side"]) == {"in-process", "in-server", "rest", "sse", "websocket", "websocket-deflate",
+                                       "rest-httpx", "sse-httpx", "rest-bare", "sse-bare", "websocket-bare"}
     assert all(len(samples) == 8 for samples in result["samples_ms"].values())
     # Each side's own CPU was counted, and the bare hop's beside ours.
     assert all(row["client_cpu_ms_per_chunk"] > 0 for row in result["per_side"].values())
-    assert result["per_side"]["rest"]["p50_over_in_process_and_bare_hop_ms"] is not None
+    for floor in ("in_process", "in_server"):
+        assert result["per_side"]["rest"][f"p50_over_{floor}_and_bare_hop_ms"] is not None
+    # The floor inside the server ran on its engine and counted the server's CPU.
+    assert result["per_side"]["in-server"]["server_cpu_ms_per_chunk"] > 0
 
 
 def test_chunk_timeline_quick(quick_runs: tuple[Path, dict]) -> None:
