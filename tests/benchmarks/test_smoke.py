@@ -99,6 +99,14 @@ def test_transport_quick(quick_runs: tuple[Path, dict]) -> None:
     assert result["per_side"]["in-server"]["server_cpu_ms_per_chunk"] > 0
 
 
+def test_transport_paired_quick(quick_runs: tuple[Path, dict]) -> None:
+    result = run_quick("transport_paired", quick_runs)
+    assert set(result["per_side"]) == {"rest", "sse", "websocket"}
+    # Every measured chunk of every side was paired with the floor's around it.
+    assert all(len(gaps) == 8 for gaps in result["gaps_ms"].values())
+    assert result["floor_p50_ms"] > 0
+
+
 def test_chunk_timeline_quick(quick_runs: tuple[Path, dict]) -> None:
     result = run_quick("chunk_timeline", quick_runs)
     # Every stamp was found along every chunk's path, in the server and the floor alike
