@@ -61,8 +61,8 @@ class SessionRegistry:
         self._on_freed = on_freed  # device capacity was freed: waiting chunks re-check
         self._replica = settings.resolved_replica_id()
         self.held: dict[str, StreamingSession] = {}
-        # The sessions that hold or have reserved room on the device: each keeps itself
-        # in it as its device_tokens change (the only place that changes it).
+        # The sessions that hold or have reserved room on the device: each adds and
+        # removes itself as its device_tokens change (admission.DeviceTokens), nowhere else.
         self.device_holders: set[StreamingSession] = set()
         self._closed: OrderedDict[str, SessionRecord] = OrderedDict()
         self._count_sessions_when_scraped()
