@@ -4,7 +4,8 @@ Two floors (benchmarks/floor.py): ``in-server``, driven inside our server's proc
 its own engine, the one the transports use (the gap to it is what a transport adds);
 and ``in-process``, on an engine of the benchmark's own, as before session 29 (two
 engine processes of the same settings differ in speed from run to run by as much as
-a transport costs).
+a transport costs). benchmarks/transport_paired.py pairs each chunk with the floor's
+around it instead of p50 with p50: the figure that holds still between runs.
 
 --chunks chunks of one token each with max_tokens=1 (so the engine's work is as small
 as it gets and what is left is the transport), after --warmup chunks, in --rounds
@@ -12,7 +13,7 @@ round-robin rounds over the sides (a session per side and round, its first chunk
 unmeasured; the floor's engine and the server's run side by side, each idle while the
 other works, with a pause between them so that neither spins beside the other: see
 SWITCH_SETTLE_S); per side the p50 and p90 of the chunk's round trip (send to the
-chunk's end), the p50 over the floor in milliseconds (and per round, over the floor's
+chunk's end), the p50 over each floor in milliseconds (and per round, over the floor's
 p50 of the same round: this machine's speed drifts within a run), the client's own CPU time per
 chunk, and the API server process's CPU time per chunk (its engine's processes not
 counted). Clients: aiohttp for REST and SSE, websockets for the websocket (keep-alive,
