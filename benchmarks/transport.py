@@ -46,7 +46,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,36 +102,50 @@ def chunks(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(1, 700)] for _ in range(count)]
 
 
+# One chunk's round trip, in seconds, on a session a client holds open.
+Chunk = Callable[[list[int]], Awaitable[float]]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
 async def rest(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
     """REST or SSE chunks with aiohttp's client (keep-alive)."""
     import aiohttp
 
-    times = []
     async with aiohttp.ClientSession(base, headers=API_HEADERS, timeout=aiohttp.ClientTimeout(total=60)) as http:
-        async with http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}}) as response:
-            session_id = (await response.json())["id"]
-        for chunk in inputs:
-            body = {"input": chunk, "max_tokens": 1, "stream": stream}
-            start = time.perf_counter()
-            async with http.post(f"/v1/sessions/{session_id}/chunks", json=body) as response:
-                response.raise_for_status()
-                if stream:
-                    async for line in response.content:
-                        if line.rstrip() == b"data: [DONE]":
-                            break
-                else:
-                    await response.read()
-            times.append(time.perf_counter() - start)
+        session_id, chunk = await http_session(http, stream)
+        times = [await chunk(ids) for ids in inputs]
         async with http.delete(f"/v1/sessions/{session_id}"):
             pass
     return times
+
+
+async def http_session(http: Any, stream: bool) -> tuple[str, Chunk]:
+    """A new session's id, and its chunks over REST (SSE with ``stream``) on ``http``, an
+    aiohttp session (keep-alive)."""
+    async with http.post("/v1/sessions", json={"defaults": GREEDY}) as response:
+        session_id = (await response.json())["id"]
+
+    async def chunk(ids: list[int]) -> float:
+        start = time.perf_counter()
+        async with http.post(f"/v1/sessions/{session_id}/chunks",
+                             json={"input": ids, "max_tokens": 1, "stream": stream}) as response:
+            response.raise_for_status()
+            if stream:
+                async for line in response.content:
+                    if line.rstrip() == b"data: [DONE]":
+                        break
+            else:
+                await response.read()
+        return time.perf_counter() - start
+
+    return session_id, chunk
 
 
 async def rest_httpx(base: str, inputs: list[list[int]], stream: bool) -> list[float]:
     """The same with httpx's client, to show what a client library costs."""
     times = []
     async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=60) as http:
-        session_id = (await http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}})).json()["id"]
+        session_id = (await http.post("/v1/sessions", json={"defaults": GREEDY})).json()["id"]
         for chunk in inputs:
             body = {"input": chunk, "max_tokens": 1, "stream": stream}
             start = time.perf_counter()
@@ -149,23 +163,31 @@ async def rest_httpx(base: str, inputs: list[list[int]], stream: bool) -> list[f
 
 
 async def websocket(base: str, inputs: list[list[int]], deflate: bool) -> list[float]:
-    times = []
     url = base.replace("http://", "ws://") + "/v1/sessions/ws"
     async with websockets.connect(
         url, additional_headers=API_HEADERS, compression="deflate" if deflate else None
     ) as ws:
-        json.loads(await ws.recv())  # session.created
-        await ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0, "ignore_eos": True}}))
-        json.loads(await ws.recv())
-        for chunk in inputs:
-            start = time.perf_counter()
-            await ws.send(json.dumps({"type": "input.append", "input": chunk, "max_tokens": 1}))
-            while (event := json.loads(await ws.recv()))["type"] != "response.done":
-                if event["type"] == "error":  # a refused append has no response.done: fail, not wait
-                    raise RuntimeError(f"websocket chunk refused: {event['error']}")
-            times.append(time.perf_counter() - start)
+        chunk = await websocket_session(ws)
+        times = [await chunk(ids) for ids in inputs]
         await ws.send(json.dumps({"type": "session.close"}))
     return times
+
+
+async def websocket_session(ws: Any) -> Chunk:
+    """The chunks of the session a new ``/v1/sessions/ws`` connection opened."""
+    json.loads(await ws.recv())  # session.created
+    await ws.send(json.dumps({"type": "session.update", "session": GREEDY}))
+    json.loads(await ws.recv())
+
+    async def chunk(ids: list[int]) -> float:
+        start = time.perf_counter()
+        await ws.send(json.dumps({"type": "input.append", "input": ids, "max_tokens": 1}))
+        while (event := json.loads(await ws.recv()))["type"] != "response.done":
+            if event["type"] == "error":  # a refused append has no response.done: fail, not wait
+                raise RuntimeError(f"websocket chunk refused: {event['error']}")
+        return time.perf_counter() - start
+
+    return chunk
 
 
 async def main_async(args: Any) -> dict[str, Any]:

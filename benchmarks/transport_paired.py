@@ -17,10 +17,7 @@ benchmarks.transport's (aiohttp for REST and SSE, websockets for the websocket).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +37,9 @@ from benchmarks.common import (
     run_on_loop,
 )
 from benchmarks.floor import FLOOR_PATH
-from benchmarks.transport import chunks
+from benchmarks.transport import chunks, http_session, websocket_session
 
 SIDES = ("rest", "sse", "websocket")
-GREEDY = {"temperature": 0, "ignore_eos": True}
-Chunk = Callable[[list[int]], Awaitable[float]]
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,8 +60,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         async with aiohttp.ClientSession(server.base_url, headers=API_HEADERS) as http:
             url = server.base_url.replace("http://", "ws://") + "/v1/sessions/ws"
             async with websockets.connect(url, additional_headers=API_HEADERS, compression=None) as ws:
-                sides = {"rest": await http_side(http, stream=False), "sse": await http_side(http, stream=True),
-                         "websocket": await websocket_side(ws)}
+                sides = {"rest": (await http_session(http, stream=False))[1],
+                         "sse": (await http_session(http, stream=True))[1], "websocket": await websocket_session(ws)}
 
                 async def floor(chunk: list[int]) -> float:
                     async with http.post(FLOOR_PATH, json={"inputs": [chunk]}) as response:
@@ -90,43 +85,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                             "paired_gap_p75_ms": 1000 * percentile(values, 75)} for side, values in gaps.items()},
         "gaps_ms": {side: [round(1000 * value, 3) for value in values] for side, values in gaps.items()},
     }
-
-
-async def http_side(http: Any, stream: bool) -> Chunk:
-    """A session's chunks over REST (or SSE with ``stream``) on ``http``'s keep-alive connection."""
-    async with http.post("/v1/sessions", json={"defaults": GREEDY}) as response:
-        session_id = (await response.json())["id"]
-
-    async def chunk(ids: list[int]) -> float:
-        start = time.perf_counter()
-        async with http.post(f"/v1/sessions/{session_id}/chunks",
-                             json={"input": ids, "max_tokens": 1, "stream": stream}) as response:
-            response.raise_for_status()
-            if stream:
-                async for line in response.content:
-                    if line.rstrip() == b"data: [DONE]":
-                        break
-            else:
-                await response.read()
-        return time.perf_counter() - start
-
-    return chunk
-
-
-async def websocket_side(ws: Any) -> Chunk:
-    json.loads(await ws.recv())  # session.created
-    await ws.send(json.dumps({"type": "session.update", "session": GREEDY}))
-    json.loads(await ws.recv())
-
-    async def chunk(ids: list[int]) -> float:
-        start = time.perf_counter()
-        await ws.send(json.dumps({"type": "input.append", "input": ids, "max_tokens": 1}))
-        while (event := json.loads(await ws.recv()))["type"] != "response.done":
-            if event["type"] == "error":
-                raise RuntimeError(f"websocket chunk refused: {event['error']}")
-        return time.perf_counter() - start
-
-    return chunk
 
 
 def plot(result: dict[str, Any]) -> Any:
