@@ -188,7 +188,9 @@ async def rest_chunks(base: str, inputs: list[list[int]]) -> list[tuple[int, int
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.transport import chunks, server_floor_spans
+    import aiohttp
+
+    from benchmarks.transport import chunks
 
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
                         dtype=args.dtype)
@@ -202,12 +204,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     settings = {**our_settings(setup), "store_url": "none"}
     with app_server("ours", server_stamps.parent / "ours.log", settings, model=f"embedded-{setup.preset}",
                     command=command) as server:
-        await server_floor_spans(server.base_url, inputs[:10])
-        await rest_chunks(server.base_url, inputs[:10])
-        for index in range(args.rounds):
-            part = inputs[10 + index * per_round:10 + (index + 1) * per_round]
-            floor_spans += await server_floor_spans(server.base_url, part)
-            rest_spans += await rest_chunks(server.base_url, part)
+        async with aiohttp.ClientSession(server.base_url, headers=API_HEADERS) as http:
+            await floor.spans_in_server(http, inputs[:10])
+            await rest_chunks(server.base_url, inputs[:10])
+            for index in range(args.rounds):
+                part = inputs[10 + index * per_round:10 + (index + 1) * per_round]
+                floor_spans += await floor.spans_in_server(http, part)
+                rest_spans += await rest_chunks(server.base_url, part)
         await asyncio.sleep(1.5)  # the server's next write of its stamps
     server_side = json.loads(server_stamps.read_text())
     return {

@@ -22,7 +22,9 @@ import sys
 import time
 from typing import Any
 
-FLOOR_PATH = "/bench/floor"
+FLOOR_ROUTE = "/bench/floor"
+# Our server with the floor's route (``serve`` below).
+SERVE_COMMAND = [sys.executable, "-m", "benchmarks.floor", "serve"]
 
 
 class EngineSession:
@@ -91,8 +93,16 @@ def with_floor_route(app: Any) -> Any:
             sessions.append(EngineSession(request.app.state.engine_client, request_id="server-floor"))
         return JSONResponse({"spans": await sessions[0].spans((await request.json())["inputs"])})
 
-    app.router.routes.insert(0, Route(FLOOR_PATH, floor, methods=["POST"]))
+    app.router.routes.insert(0, Route(FLOOR_ROUTE, floor, methods=["POST"]))
     return app
+
+
+async def spans_in_server(http: Any, inputs: list[list[int]]) -> list[tuple[int, int]]:
+    """The floor's chunks run by the server ``http`` talks to (an aiohttp session with the
+    API key): each chunk's (start, end) as the server measured it."""
+    async with http.post(FLOOR_ROUTE, json={"inputs": inputs}) as response:
+        response.raise_for_status()
+        return [(int(start), int(end)) for start, end in (await response.json())["spans"]]
 
 
 def serve() -> None:

@@ -74,7 +74,7 @@ from benchmarks.common import (
     serve,
     summarize_profile,
 )
-from benchmarks.floor import FLOOR_PATH, EngineSession
+from benchmarks.floor import SERVE_COMMAND, EngineSession, spans_in_server
 
 # Two floors (benchmarks/floor.py): the session on an engine of this process's own, and
 # on the server's own engine, driven inside the server's process (``in-server``), which
@@ -209,12 +209,8 @@ async def main_async(args: Any) -> dict[str, Any]:
     server_cpu: dict[str, float] = dict.fromkeys(SERVER_SIDES, 0.0)
     floor = EngineSession(in_process_engine(setup, f"embedded-{setup.preset}")[0])
     try:
-        # The per-connection event limit off: a long run's appends come faster than its default.
-        settings = {"store_url": "none", "ws_per_message_deflate": "true", "ws_events_per_second": "0",
-                    **dict(args.server_setting)}
-        with (app_server("ours", Path(args.out) / "logs" / "ours.log", {**our_settings(setup), **settings},
-                         model=f"embedded-{setup.preset}", command=[sys.executable, "-m", "benchmarks.floor", "serve"])
-              as ours, bare_hop(Path(args.out) / "logs") as bare):
+        log_dir = Path(args.out) / "logs"
+        with transport_server(setup, log_dir, extra=dict(args.server_setting)) as ours, bare_hop(log_dir) as bare:
             def server_of(side: str) -> RunningServer:
                 return bare if side.endswith(BARE) else ours
 
@@ -279,13 +275,16 @@ def over_floor(floor: str, side: str, times: dict[str, list[float]], by_round: d
     }
 
 
-async def server_floor_spans(base: str, inputs: list[list[int]]) -> list[tuple[int, int]]:
-    """The floor inside our server's process, on its engine (benchmarks/floor.py): each
-    chunk's (start, end) as the server measured it."""
-    async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=120) as http:
-        response = await http.post(FLOOR_PATH, json={"inputs": inputs})
-        response.raise_for_status()
-        return [(int(start), int(end)) for start, end in response.json()["spans"]]
+def transport_server(setup: EngineSetup, log_dir: Path, name: str = "ours",
+                     extra: dict[str, str] | None = None) -> contextlib.AbstractContextManager[RunningServer]:
+    """Our server as the transport benchmarks run it, with the floor's route
+    (benchmarks/floor.py): no store, websocket compression offered, no per-connection
+    event limit (a long run's appends come faster than its default). The same settings
+    for every such benchmark, so the smoke run starts it once."""
+    settings = {**our_settings(setup), "store_url": "none", "ws_per_message_deflate": "true",
+                "ws_events_per_second": "0", **(extra or {})}
+    return app_server(name, log_dir / f"{name}.log", settings, model=f"embedded-{setup.preset}",
+                      command=SERVE_COMMAND)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -309,7 +308,10 @@ def bare_hop(log_dir: Path) -> Iterator[RunningServer]:
 async def run_side(base: str, side: str, inputs: list[list[int]]) -> list[float]:
     side = side.removesuffix(BARE)
     if side == "in-server":
-        return [(end - start) / 1e9 for start, end in await server_floor_spans(base, inputs)]
+        import aiohttp
+
+        async with aiohttp.ClientSession(base, headers=API_HEADERS) as http:
+            return [(end - start) / 1e9 for start, end in await spans_in_server(http, inputs)]
     if side.startswith("websocket"):
         return await websocket(base, inputs, deflate=side == "websocket-deflate")
     if side.endswith("-httpx"):

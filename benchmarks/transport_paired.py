@@ -17,7 +17,6 @@ benchmarks.transport's (aiohttp for REST and SSE, websockets for the websocket).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +26,15 @@ from benchmarks.common import (
     API_HEADERS,
     EngineSetup,
     add_loop_option,
-    app_server,
     benchmark_parser,
     finish,
-    our_settings,
     percentile,
     pyplot,
     quick_engine,
     run_on_loop,
 )
-from benchmarks.floor import FLOOR_PATH
-from benchmarks.transport import chunks, http_session, websocket_session
+from benchmarks.floor import spans_in_server
+from benchmarks.transport import chunks, http_session, transport_server, websocket_session
 
 SIDES = ("rest", "sse", "websocket")
 
@@ -47,16 +44,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
                         dtype=args.dtype)
-    # benchmarks.transport's server settings (the smoke run shares its server); this
-    # websocket client offers no compression, so none is used.
-    settings = {**our_settings(setup), "store_url": "none", "ws_per_message_deflate": "true",
-                "ws_events_per_second": "0"}
     inputs = chunks(args.seed, args.warmup + args.groups)
     floors: list[float] = []
     gaps: dict[str, list[float]] = {side: [] for side in SIDES}
-    command = [sys.executable, "-m", "benchmarks.floor", "serve"]
-    with app_server("ours-paired", Path(args.out) / "logs" / "ours-paired.log", settings,
-                    model=f"embedded-{setup.preset}", command=command) as server:
+    # benchmarks.transport's server (the smoke run shares it); this websocket client
+    # offers no compression, so none is used.
+    with transport_server(setup, Path(args.out) / "logs", name="ours-paired") as server:
         async with aiohttp.ClientSession(server.base_url, headers=API_HEADERS) as http:
             url = server.base_url.replace("http://", "ws://") + "/v1/sessions/ws"
             async with websockets.connect(url, additional_headers=API_HEADERS, compression=None) as ws:
@@ -64,8 +57,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                          "sse": (await http_session(http, stream=True))[1], "websocket": await websocket_session(ws)}
 
                 async def floor(chunk: list[int]) -> float:
-                    async with http.post(FLOOR_PATH, json={"inputs": [chunk]}) as response:
-                        ((start, end),) = (await response.json())["spans"]
+                    ((start, end),) = await spans_in_server(http, [chunk])
                     return (end - start) / 1e9
 
                 for index, chunk in enumerate(inputs):
