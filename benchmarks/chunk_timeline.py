@@ -168,20 +168,19 @@ def segments(path: tuple[str, ...], stamps: list[tuple[str, int]], spans: list[t
 
 
 async def rest_chunks(base: str, inputs: list[list[int]]) -> list[tuple[int, int]]:
+    """REST chunks on a new session, with benchmarks.transport's client: each one's (start, end)."""
     import aiohttp
+
+    from benchmarks.transport import http_session
 
     spans = []
     async with aiohttp.ClientSession(base, headers=API_HEADERS) as http:
-        async with http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}}) as response:
-            session_id = (await response.json())["id"]
-        for chunk in inputs:
+        session_id, chunk = await http_session(http, stream=False)
+        for ids in inputs:
             start = time.perf_counter_ns()
-            async with http.post(f"/v1/sessions/{session_id}/chunks", json={"input": chunk, "max_tokens": 1}) as response:
-                response.raise_for_status()
-                await response.read()
+            await chunk(ids)
             spans.append((start, time.perf_counter_ns()))
-        # Closed as transport's sides close theirs: a session left open keeps its engine
-        # request, and the engine's steps then cost more beside the floor's single request.
+        # Closed as transport's sides close theirs (an open session keeps its engine request).
         async with http.delete(f"/v1/sessions/{session_id}"):
             pass
     return spans

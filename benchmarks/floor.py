@@ -52,7 +52,7 @@ class EngineSession:
 
     async def run(self, inputs: list[list[int]]) -> list[float]:
         """Each chunk's time, in seconds."""
-        return [(end - start) / 1e9 for start, end in await self.spans(inputs)]
+        return seconds(await self.spans(inputs))
 
     async def spans(self, inputs: list[list[int]]) -> list[tuple[int, int]]:
         """Each chunk's (start, end) on ``time.perf_counter_ns`` (CLOCK_MONOTONIC: the
@@ -95,6 +95,11 @@ def with_floor_route(app: Any) -> Any:
 
     app.router.routes.insert(0, Route(FLOOR_ROUTE, floor, methods=["POST"]))
     return app
+
+
+def seconds(spans: list[tuple[int, int]]) -> list[float]:
+    """Each (start, end) span in nanoseconds as its length in seconds."""
+    return [(end - start) / 1e9 for start, end in spans]
 
 
 async def spans_in_server(http: Any, inputs: list[list[int]]) -> list[tuple[int, int]]:

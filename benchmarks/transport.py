@@ -74,7 +74,7 @@ from benchmarks.common import (
     serve,
     summarize_profile,
 )
-from benchmarks.floor import SERVE_COMMAND, EngineSession, spans_in_server
+from benchmarks.floor import SERVE_COMMAND, EngineSession, seconds, spans_in_server
 
 # Two floors (benchmarks/floor.py): the session on an engine of this process's own, and
 # on the server's own engine, driven inside the server's process (``in-server``), which
@@ -311,7 +311,7 @@ async def run_side(base: str, side: str, inputs: list[list[int]]) -> list[float]
         import aiohttp
 
         async with aiohttp.ClientSession(base, headers=API_HEADERS) as http:
-            return [(end - start) / 1e9 for start, end in await spans_in_server(http, inputs)]
+            return seconds(await spans_in_server(http, inputs))
     if side.startswith("websocket"):
         return await websocket(base, inputs, deflate=side == "websocket-deflate")
     if side.endswith("-httpx"):

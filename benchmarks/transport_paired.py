@@ -33,7 +33,7 @@ from benchmarks.common import (
     quick_engine,
     run_on_loop,
 )
-from benchmarks.floor import spans_in_server
+from benchmarks.floor import seconds, spans_in_server
 from benchmarks.transport import chunks, http_session, transport_server, websocket_session
 
 SIDES = ("rest", "sse", "websocket")
@@ -57,8 +57,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                          "sse": (await http_session(http, stream=True))[1], "websocket": await websocket_session(ws)}
 
                 async def floor(chunk: list[int]) -> float:
-                    ((start, end),) = await spans_in_server(http, [chunk])
-                    return (end - start) / 1e9
+                    (floor_seconds,) = seconds(await spans_in_server(http, [chunk]))
+                    return floor_seconds
 
                 for index, chunk in enumerate(inputs):
                     before = await floor(chunk)
@@ -66,8 +66,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     around = (before + await floor(chunk)) / 2
                     if index >= args.warmup:
                         floors.append(around)
-                        for side, seconds in times.items():
-                            gaps[side].append(seconds - around)
+                        for side, elapsed in times.items():
+                            gaps[side].append(elapsed - around)
     return {
         "settings": {**setup.describe(), "groups": args.groups, "warmup": args.warmup, "chunk_tokens": 1,
                      "max_tokens": 1},
