@@ -2,7 +2,7 @@
 
 from fastapi import APIRouter
 
-from app import admin
+from app import admin, probes
 from app.conversations import api_router as conversations
 from app.realtime import api_router as realtime
 from app.responses import api_router as responses
@@ -15,3 +15,4 @@ api_router.include_router(realtime.router)
 api_router.include_router(responses.router)
 api_router.include_router(conversations.router)
 api_router.include_router(admin.router)
+api_router.include_router(probes.router)

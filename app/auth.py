@@ -17,7 +17,7 @@ from app.errors import unauthorized
 from app.http_errors import send_refusal
 
 ANONYMOUS = "anonymous"
-ALWAYS_OPEN_PATHS = frozenset({"/health"})
+ALWAYS_OPEN_PATHS = frozenset({"/health", "/ready"})
 
 
 def key_owner(key: str) -> str:

@@ -15,6 +15,7 @@ from starlette.requests import HTTPConnection
 from app.conversations.serving import ConversationsService
 from app.middleware import owner_of
 from app.responses.serving import ResponsesService
+from app.routing import ROUTE_KEY_HEADER, valid_key
 from app.sessions.service import SessionService
 
 
@@ -35,6 +36,12 @@ async def get_owner(connection: HTTPConnection) -> str:
     return owner_of(connection.scope)
 
 
+async def get_route_key(connection: HTTPConnection) -> str | None:
+    """The key a session-affine proxy routed this request by, for the ids of the
+    conversation it may open (``app.routing``); None without one."""
+    return valid_key(connection.headers.get(ROUTE_KEY_HEADER))
+
+
 async def get_engine(connection: HTTPConnection) -> Any:
     return connection.app.state.engine_client
 
@@ -44,3 +51,4 @@ ResponsesDep = Annotated[ResponsesService, Depends(get_responses_service)]
 ConversationsDep = Annotated[ConversationsService, Depends(get_conversations_service)]
 OwnerDep = Annotated[str, Depends(get_owner)]
 EngineDep = Annotated[Any, Depends(get_engine)]
+RouteKeyDep = Annotated[str | None, Depends(get_route_key)]

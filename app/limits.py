@@ -29,7 +29,7 @@ from app.errors import APIError
 from app.settings import Settings
 
 # Probes and scrapes are never limited.
-UNLIMITED_PATHS = frozenset({"/health", "/metrics", "/ping"})
+UNLIMITED_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping"})
 
 
 def rate_limited(what: str, kind: str, limit: int, retry_after_s: float) -> APIError:

@@ -234,15 +234,45 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicor
         "host": settings.host, "port": settings.port, "log_level": settings.log_level,
         "ws": "websockets-sansio", "ws_max_size": settings.ws_max_message_bytes,
         "ws_per_message_deflate": settings.ws_per_message_deflate,
-        "http": CoalescingHttpToolsProtocol if settings.http_coalesce_writes else "auto", **overrides,
+        "http": CoalescingHttpToolsProtocol if settings.http_coalesce_writes else "auto",
+        # After the drain, requests still open (vLLM's own) get as long again.
+        "timeout_graceful_shutdown": settings.drain_timeout_s, **overrides,
     }
     return uvicorn.Config(app, **options)
 
 
 class AppServer(uvicorn.Server):
-    """uvicorn's server, with the status the process exits with once it stops."""
+    """uvicorn's server, with the status the process exits with once it stops, and a
+    drain before uvicorn's own shutdown: on the first SIGTERM (or SIGINT) the server
+    keeps listening while ``/ready`` answers 503 and new work is refused, so a proxy
+    moves its conversations elsewhere without a refused connection; chunks in flight
+    finish (``drain_timeout_s``); then uvicorn stops: it closes the listener and every
+    websocket (1012, "service restart": reconnect), and the lifespan parks every
+    session. A second signal skips what is left of the drain."""
 
     exit_status = 0
+    _drain: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        app = self.config.app
+        state = app.state if isinstance(app, FastAPI) else None
+        service = getattr(state, "session_service", None)
+        if self._drain is not None or self.should_exit or service is None:
+            super().handle_exit(sig, frame)
+            return
+        # In a signal handler: the drain starts on the loop, at its next turn.
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(self._start_drain, service, state.settings.drain_timeout_s)  # type: ignore[union-attr]
+
+    def _start_drain(self, service: SessionService, timeout_s: float) -> None:
+        if self._drain is None and not self.should_exit:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit(service, timeout_s))
+
+    async def _drain_then_exit(self, service: SessionService, timeout_s: float) -> None:
+        logger.warning("draining: /ready answers 503, new work is refused; chunks in flight have %.0f s", timeout_s)
+        if not await service.drain(timeout_s):
+            logger.warning("drain: chunks still running after %.0f s are undone", timeout_s)
+        self.should_exit = True
 
 
 # The exit status when the model or the engine cannot be had (a one-line reason on stderr).

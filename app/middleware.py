@@ -61,20 +61,20 @@ class BodySizeLimitMiddleware:
 
 
 class ReplicaHeaderMiddleware:
-    """Name this replica on every HTTP response (X-Replica), so operators and tests
-    behind a proxy can see which replica answered."""
+    """Name this replica on every HTTP response and websocket handshake (X-Replica), so
+    operators and tests behind a proxy can see which replica answered."""
 
     def __init__(self, app: ASGIApp, replica_name: str):
         self.app = app
         self._header = (b"x-replica", replica_name.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
 
         async def send_with_header(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] in ("http.response.start", "websocket.accept"):
                 message = {**message, "headers": [*message.get("headers", ()), self._header]}
             await send(message)
 
@@ -82,7 +82,7 @@ class ReplicaHeaderMiddleware:
 
 
 # Routes that answer without the engine (health says it is dead; metrics, docs).
-ENGINE_FREE_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/redoc", "/ping"})
+ENGINE_FREE_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs", "/redoc", "/ping"})
 
 
 def engine_dead_error() -> APIError:

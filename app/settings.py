@@ -281,9 +281,17 @@ class Settings(BaseSettings):
         "database, the same across restarts of one. Default: host name and port.",
     )
     session_lease_s: float = Field(
-        default=30.0, gt=0,
-        description="A chunk's lease in the store lasts this long and is renewed while the chunk runs; "
-        "a lost replica's lease expires after it, and another replica may extend the session.",
+        default=6.0, gt=0,
+        description="A chunk's lease in the store lasts this long and is renewed every third of it while "
+        "the chunk runs; a killed replica's lease expires after it, and another replica may then extend "
+        "the session (until then: 409 chunk_in_flight). A server that stops releases its leases at once.",
+    )
+    drain_timeout_s: float = Field(
+        default=20.0, ge=0,
+        description="On SIGTERM the server drains: /ready answers 503 and new work is refused (503 "
+        "server_draining, retried elsewhere by the proxy) while chunks in flight finish, for at most "
+        "this long; then they are undone, every session is parked and websockets are closed with 1012. "
+        "A second signal stops at once. Keep a supervisor's grace period longer.",
     )
     closed_session_retention_s: float = Field(
         default=86400.0, ge=0, description="Closed sessions (and their transcripts) are deleted from the store after this."

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
-from app.deps import ConversationsDep, OwnerDep
+from app.deps import ConversationsDep, OwnerDep, RouteKeyDep
 from app.responses.api_router import ERRORS, page
 from app.responses.protocol import (
     ConversationCreateRequest,
@@ -19,10 +19,10 @@ router = APIRouter(prefix="/v1/conversations", tags=["conversations"])
 
 
 @router.post("", responses=ERRORS)
-async def create_conversation(service: ConversationsDep, owner: OwnerDep,
+async def create_conversation(service: ConversationsDep, owner: OwnerDep, route_key: RouteKeyDep,
                               body: ConversationCreateRequest | None = None) -> JSONResponse:
     body = body or ConversationCreateRequest()
-    return JSONResponse(await service.create(owner, body.items, body.metadata))
+    return JSONResponse(await service.create(owner, body.items, body.metadata, route_key))
 
 
 @router.get("/{conversation_id}", responses=ERRORS)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from app import routing
 from app.errors import APIError
 from app.responses import items
 from app.responses.serving import ITEM, ResponsesService
@@ -22,10 +23,10 @@ class ConversationsService:
         self.sessions = responses.sessions
 
     async def create(self, owner: str, raw_items: Sequence[Any] | None,
-                     metadata: dict[str, str] | None) -> dict[str, Any]:
+                     metadata: dict[str, str] | None, route_key: str | None = None) -> dict[str, Any]:
         new = items.input_items(raw_items or [], param="items")
         session = await self.sessions.create(owner, SessionCreateRequest(metadata=metadata or {}),
-                                             session_id=items.new_id("conv"))
+                                             session_id=routing.mint("conv", route_key))
         await self.responses.add_items(owner, session.id, new)
         return _conversation(session)
 

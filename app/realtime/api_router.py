@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter, WebSocket
 from openai.types import realtime as rt
 
-from app.deps import OwnerDep, ServiceDep
+from app.deps import OwnerDep, RouteKeyDep, ServiceDep
 from app.errors import APIError
 from app.realtime.connection import RealtimeConnection
 from app.realtime.protocol import dump
@@ -21,7 +21,7 @@ router = APIRouter(tags=["realtime"])
 
 
 @router.websocket("/v1/realtime")
-async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep) -> None:
+async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep, route_key: RouteKeyDep) -> None:
     await websocket.accept()
     query = websocket.query_params
     try:
@@ -33,7 +33,7 @@ async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep) -
             session = await service.attach(owner, session_id)
             owns_session = False
         else:
-            session = await service.create(owner, SessionCreateRequest())
+            session = await service.create(owner, SessionCreateRequest(), route_key=route_key)
             owns_session = True
     except APIError as exc:
         event = rt.RealtimeErrorEvent(type="error", event_id="event_refused", error=rt.RealtimeError(

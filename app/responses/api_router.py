@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from vllm.entrypoints.openai.responses import api_router as vllm_responses
 
-from app.deps import OwnerDep, ResponsesDep
+from app.deps import OwnerDep, ResponsesDep, RouteKeyDep
 from app.errors import APIError, OpenAIErrorBody
 from app.http_errors import vllm_answer
 from app.responses.protocol import ResponsesCreateRequest
@@ -34,12 +34,12 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 @router.post("/v1/responses", responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}})
 async def create_response(body: ResponsesCreateRequest, request: Request, service: ResponsesDep,
-                          owner: OwnerDep) -> Response:
+                          owner: OwnerDep, route_key: RouteKeyDep) -> Response:
     """Create a model response. Stored responses, ``previous_response_id`` and
     ``conversation`` run on sessions: each turn computes only its new input."""
     if body.store is False and body.previous_response_id is None and body.conversation is None and body.generate:
         return await vllm_answer(vllm_responses.create_responses(body, request), request)
-    pending = await service.start(owner, body)
+    pending = await service.start(owner, body, route_key=route_key)
     if body.stream:
         return EventStream(sse_frames(response_events(service, owner, pending)))
     result = await unless_disconnected(request.receive, pending.run)
@@ -48,10 +48,11 @@ async def create_response(body: ResponsesCreateRequest, request: Request, servic
 
 
 @router.websocket("/v1/responses")
-async def responses_websocket(websocket: WebSocket, service: ResponsesDep, owner: OwnerDep) -> None:
+async def responses_websocket(websocket: WebSocket, service: ResponsesDep, owner: OwnerDep,
+                              route_key: RouteKeyDep) -> None:
     """The Responses API over a websocket (``client.responses.connect()``)."""
     await websocket.accept()
-    await ResponsesConnection(websocket, service, owner).run()
+    await ResponsesConnection(websocket, service, owner, route_key).run()
 
 
 @router.get("/v1/responses/{response_id}", responses=ERRORS)

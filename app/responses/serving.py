@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.responses.protocol import (
     ResponseUsage,
 )
 
+from app import routing
 from app.errors import APIError
 from app.responses import items
 from app.responses.errors import (
@@ -90,10 +91,13 @@ class ResponsesService:
 
     # ------------------------------------------------------------------ create
     async def start(self, owner: str, request: ResponsesCreateRequest,
-                    unstored: dict[str, ContextPoint] | None = None) -> PendingResponse:
+                    unstored: dict[str, ContextPoint] | None = None, route_key: str | None = None) -> PendingResponse:
         """Check the request, plan its turn and start its chunk; every refusal is raised
         here. ``unstored``: responses a websocket connection keeps although they are not
-        stored (its latest), which ``previous_response_id`` may name."""
+        stored (its latest), which ``previous_response_id`` may name. ``route_key``: the
+        proxy's key for a new chain (``app.routing``); a turn of a chain or a
+        conversation takes its key from the id it continues, so that every response id
+        of one conversation routes to the replica that holds it."""
         check_supported(request)
         self.sessions.check_model(request.model)
         tools = self.sessions.parsers.declared_tools(
@@ -103,8 +107,9 @@ class ResponsesService:
         new_messages = items.as_messages(new_items)
         truncation = Truncation(self.sessions.registry.max_context) if request.truncation == "auto" else None
         options = _Options(self._options(request), parser, request.generate, len(new_messages), truncation)
-        response_id = items.new_id("resp")
         conversation_id = request.conversation_id
+        key = routing.key_of(conversation_id or request.previous_response_id) or route_key
+        response_id = routing.mint("resp", key)
         if conversation_id is not None:
             stored = await self.conversation_items(owner, conversation_id)
             wanted = ChatState(request.instructions, items.as_messages([o.data for o in stored]) + new_messages,
@@ -153,7 +158,8 @@ class ResponsesService:
             kept = prefix if turn.start is None else prefix[:turn.start]
             return replace(turn, input_ids=kept + turn.input_ids, start=None, replayed=len(kept) + turn.replayed)
 
-        session_id = await self._new_session(owner, items.new_id("resp"))
+        # The fork keeps its chain's key: the prefix it replays is on that replica.
+        session_id = await self._new_session(owner, routing.mint("resp", routing.key_of(point.session_id)))
         return await self._start(owner, session_id, plan, options, opened=True), session_id, wanted
 
     async def _context_at(self, owner: str, point: ContextPoint) -> tuple[list[int], ChatState]:

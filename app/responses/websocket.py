@@ -53,8 +53,10 @@ class _Lane:
 
 
 class ResponsesConnection:
-    def __init__(self, websocket: WebSocket, service: ResponsesService, owner: str) -> None:
+    def __init__(self, websocket: WebSocket, service: ResponsesService, owner: str,
+                 route_key: str | None = None) -> None:
         self.service, self.owner = service, owner
+        self.route_key = route_key  # the proxy's, for the chains this connection starts
         self.channel = EventChannel(websocket, service.sessions.limits, owner, self._refuse)
         self.numbers = itertools.count()
         self.lanes: dict[str | None, _Lane] = {}
@@ -133,7 +135,7 @@ class ResponsesConnection:
 
     async def _respond(self, lane: _Lane, request: ResponsesCreateRequest) -> ResponsesCreateRequest | None:
         try:
-            pending = await self.service.start(self.owner, request, self.latest)
+            pending = await self.service.start(self.owner, request, self.latest, self.route_key)
         except APIError as error:
             await self.send_error(error, lane.stream_id)
             return None

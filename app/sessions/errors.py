@@ -39,6 +39,15 @@ def chunk_undone() -> APIError:
     )
 
 
+def server_draining() -> APIError:
+    """New work on a server that is stopping: nothing was done, so a proxy (or the
+    client) sends it again at once, and another replica takes the session up."""
+    return APIError(
+        503, "This server is draining for a restart and takes no new work; retry: another replica "
+        "goes on with the session.", code="server_draining", headers={"Retry-After": "1"},
+    )
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model {model!r} does not exist.", code="model_not_found", param="model")
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from app import routing
 from app.errors import APIError, session_not_found
 from app.metrics import SessionMetrics
 from app.provenance import ProvenanceRecorder
@@ -68,14 +68,15 @@ class SessionRegistry:
         self._count_sessions_when_scraped()
 
     # ------------------------------------------------------------------ lookup
-    async def create(self, owner: str, request: SessionCreateRequest, session_id: str | None) -> StreamingSession:
+    async def create(self, owner: str, request: SessionCreateRequest, session_id: str | None,
+                     route_key: str | None = None) -> StreamingSession:
         if session_id is not None:
             check_session_id(session_id)
             if session_id in self.held or session_id in self._closed:
                 raise errors.session_exists(session_id)
         self._check_room()
         session = StreamingSession(
-            session_id=session_id or f"sess_{secrets.token_hex(12)}", owner=owner, model=self.model_name,
+            session_id=session_id or routing.mint("sess", route_key), owner=owner, model=self.model_name,
             engine=self._engine, defaults=request.defaults, metadata=dict(request.metadata),
             max_tokens=self.max_context, recorder=self._recorder, cache_salt=self._cache_salt(owner),
             device_holders=self.device_holders,

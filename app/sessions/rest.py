@@ -12,7 +12,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 from starlette.types import Receive, Scope
 
-from app.deps import OwnerDep, ServiceDep
+from app.deps import OwnerDep, RouteKeyDep, ServiceDep
 from app.errors import APIError, OpenAIErrorBody
 from app.middleware import owner_of
 from app.sessions import errors
@@ -58,6 +58,7 @@ T = TypeVar("T")
 async def create_session(
     service: ServiceDep,
     owner: OwnerDep,
+    route_key: RouteKeyDep,
     body: SessionCreateRequest | None = None,
     x_session_id: Annotated[
         str | None,
@@ -65,7 +66,8 @@ async def create_session(
     ] = None,
 ) -> SessionObject:
     """Open a streaming-input session. Optional body: per-session sampling defaults and metadata."""
-    session = await service.create(owner, body or SessionCreateRequest(), session_id=x_session_id)
+    session = await service.create(owner, body or SessionCreateRequest(), session_id=x_session_id,
+                                   route_key=route_key)
     return service.describe(session)
 
 

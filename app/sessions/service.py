@@ -38,7 +38,7 @@ from app.sessions.registry import SessionRegistry
 from app.sessions.run import ChunkEvent, ChunkRun
 from app.sessions.session import StreamingSession
 from app.settings import Settings
-from app.store import NullStore, SessionStore
+from app.store import NullStore, SessionStore, StoreUnavailableError
 from app.tools.parsing import ReplyParsers
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ class SessionService:
         self._tasks: list[asyncio.Task[None]] = []
         # Set once the server stops: connections that end then are not clients leaving.
         self.stopping = False
+        # Set when the server starts draining: new work is refused, chunks in flight finish.
+        self.draining = False
 
     @classmethod
     def on_engine(
@@ -150,6 +152,36 @@ class SessionService:
         await asyncio.gather(*(s.close("server_shutdown") for s in sessions), return_exceptions=True)
         await self.store.close()
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new work from now on (503 ``server_draining``, which a proxy retries
+        on another replica) and let the chunks in flight finish, for at most
+        ``timeout_s``; ``stop`` then undoes any still running and parks every session.
+        True if every chunk finished in time."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._runs:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            await asyncio.wait([asyncio.ensure_future(run.released) for run in list(self._runs)], timeout=left)
+        return True
+
+    async def not_ready(self) -> list[str]:
+        """Why this server should get no new work now (empty: ready): draining, its
+        engine dead, its store unreachable, or every session slot taken."""
+        reasons = []
+        if self.draining or self.stopping:
+            reasons.append("draining")
+        if getattr(self._engine, "errored", False):
+            reasons.append("engine_dead")
+        try:
+            await self.store.ping()
+        except StoreUnavailableError:
+            reasons.append("store_unavailable")
+        if len(self.registry.held) >= self._settings.max_sessions:
+            reasons.append("at_session_capacity")
+        return reasons
+
     async def _reap_idle(self) -> None:
         close_after = self._settings.session_idle_timeout_s
         park_after = self._settings.session_park_after_s
@@ -178,14 +210,17 @@ class SessionService:
             raise
 
     # ------------------------------------------------------------------ sessions
-    async def create(self, owner: str, request: SessionCreateRequest, session_id: str | None = None) -> StreamingSession:
+    async def create(self, owner: str, request: SessionCreateRequest, session_id: str | None = None,
+                     route_key: str | None = None) -> StreamingSession:
         """Open a session. ``session_id`` lets the client choose the id (the
-        ``X-Session-ID`` header), so a proxy can route creation and every later
-        request of the session to the same replica by hashing it."""
+        ``X-Session-ID`` header); otherwise the id is minted under ``route_key`` (the
+        proxy's, ``app.routing``), so a proxy routes creation and every later request
+        of the session to the same replica by hashing it."""
         with self._counted():
+            self._refuse_if_draining()
             self.check_model(request.model)
             inputs.check_sampling(request.defaults, "defaults", self.max_chunk_output_tokens, self.vocab_size)
-            return await self.registry.create(owner, request, session_id)
+            return await self.registry.create(owner, request, session_id, route_key)
 
     async def get(self, owner: str, session_id: str, *, include_closed: bool = False) -> StreamingSession:
         return await self.registry.get(owner, session_id, include_closed=include_closed)
@@ -205,6 +240,10 @@ class SessionService:
 
     async def list_sessions(self, owner: str) -> list[SessionObject]:
         return await self.registry.list_sessions(owner)
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise errors.server_draining()
 
     def check_model(self, model: str | None) -> None:
         """A request that names a model names the one served (vLLM's routes answer the same 404)."""
@@ -259,6 +298,7 @@ class SessionService:
         charged to its key already (an OpenAI route's body, by OpenAIRequestMiddleware).
         ``generate`` False: a warm-up, computed with no answer (inputs.Turn)."""
         with self._counted():
+            self._refuse_if_draining()
             session = await self.registry.open_session(owner, session_id)
             turn = self._plan(session, chunk_input, generate)
             params = self._chunk_params(session, options, turn)
@@ -271,7 +311,9 @@ class SessionService:
             await session.lock.acquire()
             renewal: asyncio.Task[None] | None = None
             try:
-                # Re-check after waiting: the session may have closed or grown meanwhile.
+                # Re-check after waiting: the session may have closed or grown meanwhile,
+                # or the server begun to drain.
+                self._refuse_if_draining()
                 if session.closed:
                     raise errors.session_closed(session.id, session.close_reason)
                 # Renewed from now on: waiting for room on the device can outlast a lease.

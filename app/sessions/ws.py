@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, WebSocket
 
-from app.deps import OwnerDep, ServiceDep
+from app.deps import OwnerDep, RouteKeyDep, ServiceDep
 from app.errors import APIError
 from app.sessions.connection import SessionConnection
 from app.sessions.protocol import ErrorDetail, ErrorEvent, SessionCreateRequest
@@ -13,11 +13,12 @@ router = APIRouter(tags=["sessions"])
 
 
 @router.websocket("/v1/sessions/ws")
-async def new_session_ws(websocket: WebSocket, service: ServiceDep, owner: OwnerDep) -> None:
+async def new_session_ws(websocket: WebSocket, service: ServiceDep, owner: OwnerDep, route_key: RouteKeyDep) -> None:
     """Open a new session for this connection; it closes when the connection does."""
     await websocket.accept()
     try:
-        session = await service.create(owner, SessionCreateRequest(), session_id=websocket.headers.get("x-session-id"))
+        session = await service.create(owner, SessionCreateRequest(), session_id=websocket.headers.get("x-session-id"),
+                                       route_key=route_key)
     except APIError as exc:
         await _refuse(websocket, exc)
         return

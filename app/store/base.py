@@ -77,6 +77,9 @@ class SessionStore(abc.ABC):
     async def close(self) -> None:  # noqa: B027
         """Release connections."""
 
+    async def ping(self) -> None:  # noqa: B027 (a store with no connection is always reachable)
+        """Raise ``StoreUnavailableError`` if the store cannot be reached now (readiness)."""
+
     @abc.abstractmethod
     async def create(self, record: SessionRecord) -> None:
         """Insert a new session; ``SessionExistsError`` if the id is taken."""

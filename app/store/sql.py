@@ -198,6 +198,10 @@ class SQLSessionStore(SessionStore):
             if engine is not None:
                 await engine.dispose()
 
+    async def ping(self) -> None:
+        async with self._transaction(write=False) as conn:
+            await conn.execute(sa.text("SELECT 1"))
+
     @contextlib.asynccontextmanager
     async def _transaction(self, write: bool = True, synced: bool = True) -> AsyncIterator[AsyncConnection]:
         """One transaction; any failure of the database or its disk becomes

@@ -84,8 +84,18 @@ def test_compose_file_is_valid() -> None:
     targets = {v["target"] if isinstance(v, dict) else v.split(":")[1] for v in server["volumes"]}
     assert targets == {"/models", "/var/lib/streamsess"}
     assert set(rendered["volumes"]) == {"models", "state", "state-2", "pgdata"}
-    proxy_env = services["proxy"]["environment"]
-    assert "replica-2:8000" in proxy_env["STREAMSESS_UPSTREAM_SERVERS"]
+    # The proxy's configuration names both replicas by their compose service names.
+    assert any(v.endswith("/usr/local/etc/haproxy/haproxy.cfg:ro") or
+               (isinstance(v, dict) and v["target"] == "/usr/local/etc/haproxy/haproxy.cfg")
+               for v in services["proxy"]["volumes"])
+    haproxy_cfg = (DOCKER / "haproxy" / "haproxy.cfg").read_text()
+    assert {"server server server:8000", "server replica-2 replica-2:8000"} <= {
+        line.strip() for line in haproxy_cfg.splitlines()}
+    # A stop drains before it exits: compose waits longer than the default drain.
+    from app.settings import Settings
+
+    grace = server["stop_grace_period"]
+    assert float(str(grace).rstrip("s")) > Settings.model_fields["drain_timeout_s"].default, grace
     # Sessions are durable by default (SQLite in the state volume); the scale
     # profile's replicas share the database named by STREAMSESS_STORE_URL.
     assert server["environment"]["STREAMSESS_STATE_DIR"] == "/var/lib/streamsess"

@@ -1,9 +1,10 @@
-"""The scale profile, for real: Debian's nginx on loopback with the repo's own nginx
-template, in front of two app replicas (embedded model, real engines, float32)
+"""The scale profile, for real: Debian's HAProxy on loopback with the repo's own
+configuration, in front of two app replicas (embedded model, real engines, float32)
 that share one PostgreSQL database (Debian's server, started here on loopback).
 
-The proxy hashes on the session id, so every chunk of a session lands on one
-replica while it is up (cache locality). Any replica can resume any session from
+The proxy hashes on each conversation's routing key, so every chunk of a session, every
+turn of a Responses chain or a conversation and a Realtime connection attached to a
+session land on one replica while it is up (cache locality). Any replica can resume any session from
 the database: stopping one loses no session, its sessions go on on the replica
 that inherits their ids, with outputs equal to an uninterrupted run; and two
 appends to one session through two replicas at once get one answer and one 409.
@@ -14,8 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
-import subprocess
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -28,20 +28,16 @@ import pytest_asyncio
 import websockets
 
 from benchmarks.common import RunningServer, app_server, enter_together, free_port, stop_group
+from tests.deploy import haproxy
 from tests.helpers import paused_engine
 from tests.postgres import needs_postgres, postgres_server
 
-REPO = Path(__file__).resolve().parents[2]
-TEMPLATE = REPO / "docker" / "nginx" / "streamsess.conf.template"
 KEY = "replicas-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 pytestmark = [
     pytest.mark.server,
-    pytest.mark.skipif(
-        shutil.which("nginx") is None,
-        reason="nginx (Debian package nginx-light) is not installed; scripts/test installs it when run as root",
-    ),
+    haproxy.needs_haproxy,
     needs_postgres,
 ]
 # One conversation: the control runs it uninterrupted, the others are moved about.
@@ -68,40 +64,11 @@ def replica_settings(name: str, store_url: str) -> dict[str, str]:
     }
 
 
-def render_nginx(replicas: list[Replica], port: int, workdir: Path) -> Path:
-    """The template as the nginx image's envsubst renders it, in a minimal main config."""
-    upstreams = " ".join(f"server 127.0.0.1:{r.port} max_fails=1 fail_timeout=10s;" for r in replicas)
-    site = TEMPLATE.read_text()
-    site = site.replace("${STREAMSESS_UPSTREAM_SERVERS}", upstreams).replace("${STREAMSESS_PROXY_PORT}", f"127.0.0.1:{port}")
-    (workdir / "streamsess.conf").write_text(site)
-    temp = workdir / "temp"
-    temp.mkdir(mode=0o777)
-    temp.chmod(0o777)  # nginx workers run as an unprivileged user
-    main = workdir / "nginx.conf"
-    main.write_text(
-        f"""daemon off;
-worker_processes 1;
-pid {workdir}/nginx.pid;
-error_log {workdir}/error.log warn;
-events {{ worker_connections 256; }}
-http {{
-    access_log off;
-    client_body_temp_path {temp}/body;
-    proxy_temp_path {temp}/proxy;
-    fastcgi_temp_path {temp}/fastcgi;
-    uwsgi_temp_path {temp}/uwsgi;
-    scgi_temp_path {temp}/scgi;
-    include {workdir}/streamsess.conf;
-}}
-"""
-    )
-    return main
-
-
 @dataclass
 class Cluster:
     proxy: str
     replicas: dict[str, Replica]
+    workdir: Path
 
 
 @pytest.fixture(scope="module")
@@ -115,35 +82,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             for name, port in zip(names, ports)
         ])
         replicas = [Replica(name, port, server) for name, port, server in zip(names, ports, servers)]
-        port = free_port()
-        config = render_nginx(replicas, port, workdir)
-        check = subprocess.run(["nginx", "-t", "-c", str(config)], capture_output=True, text=True)
-        assert check.returncode == 0, check.stderr
-        nginx = subprocess.Popen(["nginx", "-c", str(config)], stderr=subprocess.PIPE)
-        stack.callback(stop_process, nginx)
-        proxy = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while not proxy_healthy(proxy):
-            assert nginx.poll() is None, f"nginx exited: {nginx.stderr.read() if nginx.stderr else b''!r}"
-            assert time.monotonic() < deadline, "nginx never answered /health within 10 s"
-            time.sleep(0.1)
-        yield Cluster(proxy, {r.name: r for r in replicas})
-
-
-def proxy_healthy(proxy: str) -> bool:
-    try:
-        return httpx.get(f"{proxy}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise RuntimeError(f"process {process.pid} ignored SIGTERM for 30 s and was killed") from None
+        proxy = stack.enter_context(haproxy.running({r.name: r.port for r in replicas}, workdir))
+        yield Cluster(proxy, {r.name: r for r in replicas}, workdir)
 
 
 @pytest_asyncio.fixture
@@ -325,11 +265,146 @@ async def test_a_responses_chain_and_a_conversation_go_on_through_either_replica
         assert [item.role for item in items] == ["user", "assistant"] * len(turns)
 
 
+# --- affinity: every API that names a conversation stays on the replica that holds it
+
+AFFINITY_TURNS = 10
+
+
+@dataclass
+class Turn:
+    replica: str
+    computed: int  # prompt tokens computed (usage's computed_tokens)
+    added: int  # what the turn added to the context: its input and the template's framing
+
+
+def turn_of(replica: str, prompt: int, computed: int, before: tuple[int, int] | None) -> Turn:
+    """``before``: the previous turn's (prompt, output) tokens; the context grew by this
+    turn's prompt less those."""
+    return Turn(replica, computed, prompt if before is None else prompt - sum(before))
+
+
+def off_affinity(turns: list[Turn]) -> list[str]:
+    """Each turn after the first that another replica answered, or that computed more
+    than it added (+1: the last sampled token of the turn before, which has no KV yet
+    and is sent again). Oracle: usage's own split of the prompt, and X-Replica."""
+    home = turns[0].replica
+    return [f"turn {index}: {turn.replica} (home {home}), computed {turn.computed} of {turn.added} added"
+            for index, turn in enumerate(turns[1:], 2) if turn.replica != home or turn.computed > turn.added + 1]
+
+
+def words(index: int, tag: str) -> str:
+    """A turn's input; ``tag`` differs between conversations, so that no replica's
+    prefix cache holds another run's turns."""
+    return f"Turn {index} of {tag}: a few more words of the conversation, about twenty tokens, number {index}."
+
+
+async def responses_turns(proxy: str, *, conversation: bool) -> list[Turn]:
+    """A 10-turn Responses chain (``previous_response_id``) or conversation through
+    ``proxy``, by the official SDK."""
+    import openai
+
+    turns: list[Turn] = []
+    tag = secrets.token_hex(4)
+    async with openai.AsyncOpenAI(base_url=f"{proxy}/v1", api_key=KEY, max_retries=0) as client:
+        link: dict[str, Any] = {}
+        if conversation:
+            link["conversation"] = (await client.conversations.create()).id
+        before = None
+        for index in range(AFFINITY_TURNS):
+            raw = await client.responses.with_raw_response.create(
+                model="embedded-tiny", input=words(index, tag), max_output_tokens=6, temperature=0, **link)
+            response = raw.parse()
+            assert response.usage is not None
+            usage = response.usage
+            computed = usage.input_tokens_details.model_dump()["computed_tokens"]
+            turns.append(turn_of(raw.headers["x-replica"], usage.input_tokens, computed, before))
+            before = (usage.input_tokens, usage.output_tokens)
+            if not conversation:
+                link["previous_response_id"] = response.id
+    return turns
+
+
+async def session_turns(proxy: str) -> list[Turn]:
+    """A REST session's 10 chunks of 20 token ids through ``proxy``."""
+    turns: list[Turn] = []
+    async with httpx.AsyncClient(base_url=proxy, headers=HEADERS, timeout=120) as http:
+        session_id = (await open_session(http)).json()["id"]
+        before, salt = None, secrets.randbelow(500)
+        for index in range(AFFINITY_TURNS):
+            chunk = [(7 * index + offset + salt) % 500 + 3 for offset in range(20)]
+            answer = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": chunk, "max_tokens": 4})
+            assert answer.status_code == 200, answer.text
+            usage = answer.json()["usage"]
+            turns.append(turn_of(answer.headers["x-replica"], usage["prompt_tokens"],
+                                 usage["prompt_tokens_details"]["computed_tokens"], before))
+            before = (usage["prompt_tokens"], usage["completion_tokens"])
+    return turns
+
+
+async def realtime_turns(proxy: str) -> list[Turn]:
+    """A session opened over REST, then two Realtime connections attached to it
+    (``?session_id=``), five turns each, through ``proxy``."""
+    async with httpx.AsyncClient(base_url=proxy, headers=HEADERS, timeout=120) as http:
+        created = await open_session(http)
+    session_id = created.json()["id"]
+    turns: list[Turn] = []
+    before, tag = None, secrets.token_hex(4)
+    url = proxy.replace("http://", "ws://") + f"/v1/realtime?model=embedded-tiny&session_id={session_id}"
+    for _ in range(2):
+        async with websockets.connect(url, additional_headers=HEADERS) as ws:
+            replica = ws.response.headers["x-replica"]
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            for _ in range(AFFINITY_TURNS // 2):
+                item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words(len(turns), tag)}]}
+                await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+                await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 6}}))
+                while (event := json.loads(await ws.recv()))["type"] != "response.done":
+                    assert event["type"] != "error", event
+                usage = event["response"]["usage"]
+                turns.append(turn_of(replica, usage["input_tokens"],
+                                     usage["input_token_details"]["computed_tokens"], before))
+                before = (usage["input_tokens"], usage["output_tokens"])
+    # The session was created on its home: the REST answer names it.
+    assert turns[0].replica == created.headers["x-replica"]
+    return turns
+
+
+async def test_every_stateful_api_stays_on_the_replica_that_holds_its_kv(cluster: Cluster) -> None:
+    """A Responses chain, a conversation, a Realtime connection attached to a session
+    and a REST session, 10 turns each through the proxy only: each turn after the first
+    is answered by the first turn's replica and computes only what it added. Oracles:
+    X-Replica on every answer (and the websocket handshake), and usage's computed_tokens
+    against the turn's growth of the context."""
+    found = {
+        "responses chain": await responses_turns(cluster.proxy, conversation=False),
+        "conversation": await responses_turns(cluster.proxy, conversation=True),
+        "realtime": await realtime_turns(cluster.proxy),
+        "session": await session_turns(cluster.proxy),
+    }
+    print({api: [(t.replica, t.computed, t.added) for t in turns] for api, turns in found.items()})
+    assert {api: off_affinity(turns) for api, turns in found.items()} == {api: [] for api in found}
+
+
+async def test_without_the_key_rules_chains_and_conversations_scatter(cluster: Cluster) -> None:
+    """Negative control: the same proxy hashing only the session API's paths (what the
+    nginx configuration before it did): a Responses chain and a conversation go to the
+    least busy replica each turn, and the check above catches it."""
+    with haproxy.running({r.name: r.port for r in cluster.replicas.values()}, cluster.workdir,
+                         affinity=False) as old_proxy:
+        chain = await responses_turns(old_proxy, conversation=False)
+        conversation = await responses_turns(old_proxy, conversation=True)
+    print("chain:", off_affinity(chain), "conversation:", off_affinity(conversation))
+    assert off_affinity(chain) and off_affinity(conversation)
+    # And a turn that changed replica recomputed history, not only what it added.
+    for turns in (chain, conversation):
+        assert any(turn.computed > turn.added + 1 for turn in turns), [(t.replica, t.computed, t.added) for t in turns]
+
+
 async def test_a_stopped_replicas_sessions_go_on_elsewhere(
     cluster: Cluster, http: httpx.AsyncClient, expected: list[list[int]]
 ) -> None:
     homes: dict[str, str] = {}
-    # nginx hashes new session ids over both replicas; 40 sessions all landing on one
+    # The proxy hashes new sessions' keys over both replicas; 40 sessions all landing on one
     # replica (a chance of 2 in 2**40) would mean the proxy does not spread them.
     while set(homes.values()) != {"replica-a", "replica-b"} or len(homes) < 6:
         assert len(homes) < 40, f"the proxy sent every new session to one replica: {set(homes.values())}"

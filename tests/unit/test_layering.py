@@ -3,7 +3,7 @@
 - session logic (``app/sessions`` but its transports) reaches, through every module of
   ours it imports, neither FastAPI nor Starlette, nor the engine's builder or the server;
 - ``connectors/`` (loaded by vLLM's own processes by module path) imports nothing of ``app``;
-- no file in ``app/`` is over 400 lines.
+- no file in ``app/`` is over 600 lines (those over 400 are named in the test's output).
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def test_the_check_sees_a_forbidden_import() -> None:
     assert "fastapi" in reached_from("app.sessions.rest")
 
 
-def test_no_file_in_app_is_over_400_lines() -> None:
-    """A file a newcomer can hold in mind: one that grows past this is split along its
-    responsibilities (issue 24's rule)."""
-    long = {str(p.relative_to(REPO)): n for p in (REPO / "app").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
-    assert long == {}, long
+def test_no_file_in_app_is_over_600_lines() -> None:
+    """A file a newcomer can hold in mind. Past 400 lines a file is named (a place to
+    look for a responsibility to split out); past 600 the test fails. A hard 400 made
+    files be cut to fit rather than by responsibility."""
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in (REPO / "app").rglob("*.py")}
+    print("over 400 lines:", {name: n for name, n in sizes.items() if n > 400})
+    assert {name: n for name, n in sizes.items() if n > 600} == {}
