@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import pytest
 import pytest_asyncio
 import websockets
 
-from benchmarks.common import RunningServer, app_server, enter_together, free_port, stop_group
+from benchmarks.common import RunningServer, app_server, enter_together, free_port
 from tests.deploy import haproxy
 from tests.helpers import paused_engine
 from tests.postgres import needs_postgres, postgres_server
@@ -400,6 +401,43 @@ async def test_without_the_key_rules_chains_and_conversations_scatter(cluster: C
         assert any(turn.computed > turn.added + 1 for turn in turns), [(t.replica, t.computed, t.added) for t in turns]
 
 
+async def drain_with_a_chunk_in_flight(
+    http: httpx.AsyncClient, victim: Replica, heir: Replica, session_id: str, expected: list[list[int]],
+) -> None:
+    """SIGTERM (to the server process alone, as a container runtime sends it) while a
+    chunk of ``session_id`` runs on ``victim``, whose engine is paused so that the
+    chunk is surely in flight: /ready answers 503 at once, new work sent to the victim
+    is refused with 503 server_draining and Retry-After, new work through the proxy
+    lands on ``heir``; the chunk in flight completes with the uninterrupted run's
+    tokens; the victim exits 0; the session's next chunk goes on on the heir."""
+    async with httpx.AsyncClient(base_url=victim.url, headers=HEADERS, timeout=120) as direct:
+        with paused_engine(victim.server.process):
+            in_flight = asyncio.create_task(send(direct, session_id, CHUNKS[2]))
+            deadline = time.monotonic() + 30
+            while (await direct.get(f"/v1/sessions/{session_id}")).json()["status"] != "generating":
+                assert not in_flight.done() and time.monotonic() < deadline, "the chunk never started"
+                await asyncio.sleep(0.05)
+            victim.server.process.send_signal(signal.SIGTERM)
+            while (ready := await direct.get("/ready")).status_code == 200:
+                assert time.monotonic() < deadline + 10, "/ready never failed"
+                await asyncio.sleep(0.05)
+            assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining", ready.text
+            assert (await direct.get("/health")).status_code == 200  # alive: liveness is not readiness
+            refused = await direct.post("/v1/sessions", json={})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_draining", refused.text
+            assert refused.headers["retry-after"] == "1"
+            moved = await http.post("/v1/sessions", json={})
+            assert moved.status_code == 201 and moved.headers["x-replica"] == heir.name, moved.text
+            assert not in_flight.done()
+        answer = await in_flight
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output"]["token_ids"] == expected[2]
+    assert await asyncio.to_thread(victim.server.process.wait, 60) == 0
+    following = await send(http, session_id, CHUNKS[3])
+    assert following.status_code == 200 and following.headers["x-replica"] == heir.name, following.text
+    assert following.json()["output"]["token_ids"] == expected[3]
+
+
 async def test_a_stopped_replicas_sessions_go_on_elsewhere(
     cluster: Cluster, http: httpx.AsyncClient, expected: list[list[int]]
 ) -> None:
@@ -414,11 +452,13 @@ async def test_a_stopped_replicas_sessions_go_on_elsewhere(
         for chunk in CHUNKS[:2]:
             response = await send(http, session_id, chunk)
             assert response.status_code == 200 and response.headers["x-replica"] == homes[session_id]
-    victim = cluster.replicas["replica-a"]
-    await asyncio.to_thread(stop_group, victim.server.process)
-    # The proxy fails over at once (the dead replica refuses connections), so no
-    # request sees a 503 or a 404: each session's next chunk resumes on replica-b
-    # from the database, with the outputs of the uninterrupted run.
+    victim, heir = cluster.replicas["replica-a"], cluster.replicas["replica-b"]
+    draining = next(session_id for session_id, home in homes.items() if home == victim.name)
+    await drain_with_a_chunk_in_flight(http, victim, heir, draining, expected)
+    homes.pop(draining)
+    # The proxy fails over at once (the drained replica is marked down, then refuses
+    # connections), so no request sees a 503 or a 404: each session's next chunk
+    # resumes on replica-b from the database, with the outputs of the uninterrupted run.
     for session_id, home in homes.items():
         for index in (2, 3):
             response = await send(http, session_id, CHUNKS[index])
