@@ -193,15 +193,29 @@ def append_event(chunk: ChunkInput, options: dict[str, Any]) -> str:
 
 
 # -- retries -----------------------------------------------------------------------------
-# A chunk append is never retried once sent: the server may already have applied it.
-# Reads and deletes are idempotent; any request may be retried if it never left.
+# A chunk append is never retried once sent: the server may already have applied it,
+# unless the server says it did nothing (a draining replica's refusal, an undone chunk):
+# then another replica takes the session up. Reads and deletes are idempotent; any
+# request may be retried if it never left.
 
 SAFE_METHODS = frozenset({"GET", "DELETE"})
 RETRY_STATUSES = frozenset({502, 503, 504})
+NOTHING_DONE_CODES = frozenset({"server_draining", "chunk_undone", "replica_unavailable", "store_unavailable"})
 
 
-def should_retry(method: str, error: Exception | None, status: int | None) -> bool:
+def error_code(response: httpx.Response) -> str | None:
+    """The OpenAI error shape's code, if the response has one."""
+    try:
+        code = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
+def should_retry(method: str, error: Exception | None, status: int | None, code: str | None = None) -> bool:
     if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return True
+    if status == 503 and code in NOTHING_DONE_CODES:
         return True
     if method not in SAFE_METHODS:
         return False

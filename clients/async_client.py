@@ -35,6 +35,7 @@ from clients._common import (
     chunk_payload,
     connection_error,
     create_payload,
+    error_code,
     error_from_response,
     reply_from_rest,
     should_retry,
@@ -73,7 +74,8 @@ class AsyncSessionsClient:
                     attempt += 1
                     continue
                 raise connection_error(exc) from exc
-            if attempt < self.config.max_retries and should_retry(method, None, response.status_code):
+            code = error_code(response) if response.status_code == 503 else None
+            if attempt < self.config.max_retries and should_retry(method, None, response.status_code, code):
                 await asyncio.sleep(backoff_s(attempt))
                 attempt += 1
                 continue

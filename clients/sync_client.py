@@ -34,6 +34,7 @@ from clients._common import (
     chunk_payload,
     connection_error,
     create_payload,
+    error_code,
     error_from_response,
     reply_from_rest,
     should_retry,
@@ -71,7 +72,8 @@ class SessionsClient:
                     attempt += 1
                     continue
                 raise connection_error(exc) from exc
-            if attempt < self.config.max_retries and should_retry(method, None, response.status_code):
+            code = error_code(response) if response.status_code == 503 else None
+            if attempt < self.config.max_retries and should_retry(method, None, response.status_code, code):
                 time.sleep(backoff_s(attempt))
                 attempt += 1
                 continue
