@@ -16,6 +16,7 @@ from app.errors import APIError
 from app.realtime.connection import RealtimeConnection
 from app.realtime.protocol import dump
 from app.sessions.protocol import SessionCreateRequest
+from app.transport.websocket import refusal_close_code
 
 router = APIRouter(tags=["realtime"])
 
@@ -30,6 +31,7 @@ async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep, r
                            "protocol (openai>=2: client.realtime.connect).", code="beta_protocol_unsupported")
         service.check_model(query.get("model"))
         if (session_id := query.get("session_id")) is not None:
+            service.refuse_if_draining()  # it would be closed before its next response
             session = await service.attach(owner, session_id)
             owns_session = False
         else:
@@ -39,6 +41,6 @@ async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep, r
         event = rt.RealtimeErrorEvent(type="error", event_id="event_refused", error=rt.RealtimeError(
             type=exc.type, code=exc.code, message=exc.message, param=exc.param))
         await websocket.send_text(dump(event))
-        await websocket.close(code=1008 if exc.status < 500 else 1011, reason=exc.code)
+        await websocket.close(code=refusal_close_code(exc), reason=exc.code)
         return
     await RealtimeConnection(websocket, service, owner, session, owns_session).run()

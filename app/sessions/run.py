@@ -14,6 +14,7 @@ session stays), and ``stop()`` ends the answer early and keeps what it generated
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Final
@@ -48,6 +49,9 @@ class ChunkRun:
         self._task = asyncio.create_task(self._drive(produce(self)), name=f"chunk-{session.id}")
         # Set once the resources are released; the service waits on it at shutdown.
         self.released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Set once the consumer is done with the events (its last one sent on): a drain
+        # waits for it, so that a websocket is not closed between the end and its event.
+        self.delivered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._task.add_done_callback(self._on_done)
 
     async def _drive(self, produce: AsyncIterator[ChunkEvent]) -> None:
@@ -126,10 +130,13 @@ class ChunkRun:
         finally:
             if not finished:
                 self.cancel()
+            if not self.delivered.done():
+                self.delivered.set_result(None)
 
     async def result(self) -> ChunkResult:
         """The chunk's result, once it has run; cancelling the caller cancels the chunk."""
-        async for event in self.events():
-            if isinstance(event, ChunkResult):
-                return event
+        async with contextlib.aclosing(self.events()) as events:
+            async for event in events:
+                if isinstance(event, ChunkResult):
+                    return event
         raise AssertionError("events() ends with the result or raises")

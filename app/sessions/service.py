@@ -71,6 +71,7 @@ class SessionService:
         )
         self.parking = Parking(engine, self.registry, metrics, settings.admission_timeout_s, observer, recorder)
         self._runs: set[ChunkRun] = set()
+        self._undelivered: set[ChunkRun] = set()  # runs whose consumer has not had their end
         self._tasks: list[asyncio.Task[None]] = []
         # Set once the server stops: connections that end then are not clients leaving.
         self.stopping = False
@@ -154,16 +155,16 @@ class SessionService:
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new work from now on (503 ``server_draining``, which a proxy retries
-        on another replica) and let the chunks in flight finish, for at most
-        ``timeout_s``; ``stop`` then undoes any still running and parks every session.
-        True if every chunk finished in time."""
+        on another replica) and let the chunks in flight finish and their ends reach
+        their clients, for at most ``timeout_s``; ``stop`` then undoes any still running
+        and parks every session. True if every chunk finished in time."""
         self.draining = True
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while self._runs:
+        while waits := [run.released for run in self._runs] + [run.delivered for run in self._undelivered]:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return False
-            await asyncio.wait([asyncio.ensure_future(run.released) for run in list(self._runs)], timeout=left)
+            await asyncio.wait([asyncio.ensure_future(wait) for wait in waits], timeout=left)
         return True
 
     async def not_ready(self) -> list[str]:
@@ -217,7 +218,7 @@ class SessionService:
         proxy's, ``app.routing``), so a proxy routes creation and every later request
         of the session to the same replica by hashing it."""
         with self._counted():
-            self._refuse_if_draining()
+            self.refuse_if_draining()
             self.check_model(request.model)
             inputs.check_sampling(request.defaults, "defaults", self.max_chunk_output_tokens, self.vocab_size)
             return await self.registry.create(owner, request, session_id, route_key)
@@ -241,7 +242,8 @@ class SessionService:
     async def list_sessions(self, owner: str) -> list[SessionObject]:
         return await self.registry.list_sessions(owner)
 
-    def _refuse_if_draining(self) -> None:
+    def refuse_if_draining(self) -> None:
+        """New work (a session, a chunk, a connection) is refused while the server drains."""
         if self.draining:
             raise errors.server_draining()
 
@@ -298,7 +300,7 @@ class SessionService:
         charged to its key already (an OpenAI route's body, by OpenAIRequestMiddleware).
         ``generate`` False: a warm-up, computed with no answer (inputs.Turn)."""
         with self._counted():
-            self._refuse_if_draining()
+            self.refuse_if_draining()
             session = await self.registry.open_session(owner, session_id)
             turn = self._plan(session, chunk_input, generate)
             params = self._chunk_params(session, options, turn)
@@ -313,7 +315,7 @@ class SessionService:
             try:
                 # Re-check after waiting: the session may have closed or grown meanwhile,
                 # or the server begun to drain.
-                self._refuse_if_draining()
+                self.refuse_if_draining()
                 if session.closed:
                     raise errors.session_closed(session.id, session.close_reason)
                 # Renewed from now on: waiting for room on the device can outlast a lease.
@@ -339,6 +341,8 @@ class SessionService:
             lambda run: self._release_chunk(run, renewal),
         )
         self._runs.add(run)
+        self._undelivered.add(run)
+        run.delivered.add_done_callback(lambda _: self._undelivered.discard(run))
         return run
 
     def sampling_params(self, session: StreamingSession, options: SamplingOptions) -> Any:

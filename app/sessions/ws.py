@@ -8,6 +8,7 @@ from app.deps import OwnerDep, RouteKeyDep, ServiceDep
 from app.errors import APIError
 from app.sessions.connection import SessionConnection
 from app.sessions.protocol import ErrorDetail, ErrorEvent, SessionCreateRequest
+from app.transport.websocket import refusal_close_code
 
 router = APIRouter(tags=["sessions"])
 
@@ -30,6 +31,7 @@ async def attach_session_ws(websocket: WebSocket, session_id: str, service: Serv
     """Attach to an existing session; it stays open when the connection ends."""
     await websocket.accept()
     try:
+        service.refuse_if_draining()  # it would be closed before its next chunk
         session = await service.attach(owner, session_id)
     except APIError as exc:
         await _refuse(websocket, exc)
@@ -43,4 +45,4 @@ async def _refuse(websocket: WebSocket, error: APIError) -> None:
         error=ErrorDetail(type=error.type, code=error.code, message=error.message, param=error.param),
     )
     await websocket.send_text(event.model_dump_json())
-    await websocket.close(code=1008 if error.status < 500 else 1011, reason=error.code)
+    await websocket.close(code=refusal_close_code(error), reason=error.code)

@@ -23,6 +23,15 @@ logger = logging.getLogger(__name__)
 SERVER_STOPPING = 1012
 
 
+def refusal_close_code(error: APIError) -> int:
+    """How a connection refused on accept is closed: 1012 (service restart: reconnect,
+    another replica takes the session) for a draining server, 1008 (policy) for the
+    client's error, 1011 for the server's."""
+    if error.code == "server_draining":
+        return SERVER_STOPPING
+    return 1008 if error.status < 500 else 1011
+
+
 class EventChannel:
     def __init__(self, websocket: WebSocket, limits: KeyLimits, owner: str,
                  refuse: Callable[[APIError], Awaitable[None]]) -> None:
