@@ -26,11 +26,12 @@ SECRET_FILE = "cache_salt_secret"
 
 class CacheSalter:
     def __init__(self, secret: bytes):
-        self._secret = secret
+        # Replaced once at start by the cluster's, where replicas share a store (app/cluster.py).
+        self.secret = secret
 
     def salt(self, owner: str, client_salt: str | None = None) -> str:
         message = owner.encode() + b"\0" + (client_salt or "").encode()
-        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:32]
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()[:32]
 
 
 def load_secret(configured: str | None, state_dir: str) -> bytes:

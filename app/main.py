@@ -25,6 +25,7 @@ from app import vllm_fixes
 from app.api import api_router
 from app.auth import APIKeyMiddleware
 from app.cache_salt import cache_salter
+from app.cluster import ReplicaConflict
 from app.conversations.serving import ConversationsService
 from app.engine import EngineConfigError, flush_disk_tier, kv_transfer_config, shutdown_engine
 from app.http_errors import declare_error_codes, install_error_handlers
@@ -122,6 +123,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.description = "Streaming-input LLM sessions over REST and websocket, beside vLLM's OpenAI API."
     vllm_lifespan = app.router.lifespan_context
     limits = KeyLimits(settings)
+    salter = cache_salter(settings)  # one for the middleware and the sessions
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -131,13 +133,17 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         llm = engine if engine is not None else build_engine(settings)
         await init_app_state(llm, app.state, args, SUPPORTED_TASKS)
         drop_routes_the_model_cannot_serve(app)
-        service = SessionService.on_engine(llm, settings, limits=limits)
+        service = SessionService.on_engine(llm, settings, limits=limits, salter=salter)
         app.state.settings = settings
         app.state.provenance = service.recorder
         app.state.session_service = service
         app.state.responses_service = ResponsesService(service)
         app.state.conversations_service = ConversationsService(app.state.responses_service)
-        await service.start()
+        try:
+            await service.start()
+        except ReplicaConflict as conflict:
+            logger.error("cannot start beside the other replicas: %s", conflict)  # one line that names the fix
+            raise
         watchdog = asyncio.create_task(_exit_when_the_engine_dies(app, llm)) if owns_engine else None
         try:
             async with vllm_lifespan(app):
@@ -182,7 +188,6 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
                            handler=rest.direct_chunk_answer)
     app.add_middleware(UsageProvenanceMiddleware)
     app.add_middleware(EngineDeadMiddleware)
-    salter = cache_salter(settings)
     body_routes = openai_body_routes(
         app, strict=settings.openai_strict_validation, generating=salter is not None or limits.counts_tokens,
     )
@@ -277,6 +282,8 @@ class AppServer(uvicorn.Server):
 
 # The exit status when the model or the engine cannot be had (a one-line reason on stderr).
 MODEL_UNAVAILABLE_EXIT = 2
+# The exit status when the start failed after the engine was built (uvicorn's own).
+STARTUP_FAILED_EXIT = 4
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -295,7 +302,8 @@ def cli(argv: list[str] | None = None) -> None:
         sys.exit(MODEL_UNAVAILABLE_EXIT)
     app.state.uvicorn_server = server = AppServer(uvicorn_config(app, settings))
     server.run()
-    sys.exit(server.exit_status)
+    # A start that failed (the lifespan raised: a replica conflict, the store) is not a clean stop.
+    sys.exit(server.exit_status if server.started else STARTUP_FAILED_EXIT)
 
 
 if __name__ == "__main__":

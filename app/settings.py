@@ -286,6 +286,11 @@ class Settings(BaseSettings):
         "the chunk runs; a killed replica's lease expires after it, and another replica may then extend "
         "the session (until then: 409 chunk_in_flight). A server that stops releases its leases at once.",
     )
+    shared_store_required: bool = Field(
+        default=False,
+        description="This server is one of several replicas: refuse to start unless the session store is "
+        "one they share (PostgreSQL). Compose's scale profile and the Kubernetes manifests set it.",
+    )
     drain_timeout_s: float = Field(
         default=20.0, ge=0,
         description="On SIGTERM the server drains: /ready answers 503 and new work is refused (503 "

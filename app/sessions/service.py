@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 from app.cache_salt import CacheSalter, cache_salter
+from app.cluster import ClusterMembership
 from app.errors import APIError
 from app.limits import KeyLimits
 from app.metrics import SessionMetrics, session_metrics
@@ -70,6 +71,7 @@ class SessionService:
             on_freed=lambda: self.parking.capacity_freed.set(),
         )
         self.parking = Parking(engine, self.registry, metrics, settings.admission_timeout_s, observer, recorder)
+        self.membership = ClusterMembership(self.registry.store, settings, salter)
         self._runs: set[ChunkRun] = set()
         self._undelivered: set[ChunkRun] = set()  # runs whose consumer has not had their end
         self._tasks: list[asyncio.Task[None]] = []
@@ -82,11 +84,12 @@ class SessionService:
     def on_engine(
         cls, engine: Any, settings: Settings, recorder: ProvenanceRecorder | None = None,
         store: SessionStore | None = None, limits: KeyLimits | None = None,
+        salter: CacheSalter | None = None,
     ) -> SessionService:
         """The service as the server builds it: the served model's name, the engine's
         tokenizer, the process-wide metrics, the store of the settings (or ``store``),
-        and a provenance recorder attached to the engine (pass one already attached
-        to reuse it)."""
+        a provenance recorder attached to the engine (pass one already attached
+        to reuse it), and the server's cache salter (or the settings')."""
         from app.store import open_store
 
         if recorder is None:
@@ -100,8 +103,7 @@ class SessionService:
         return cls(
             engine=engine, settings=settings, model_name=settings.resolved_served_model_name(),
             tokenizer=tokenizer, metrics=session_metrics(), recorder=recorder,
-            store=store if store is not None else open_store(settings), salter=cache_salter(settings),
-            limits=limits, observer=observer_of(engine),
+            store=store if store is not None else open_store(settings), salter=salter or cache_salter(settings), limits=limits, observer=observer_of(engine),
         )
 
     def cache_salt(self, owner: str) -> str | None:
@@ -129,7 +131,9 @@ class SessionService:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         await self.store.start()
+        await self.membership.join()
         self._tasks = [
+            asyncio.create_task(self.membership.beat(), name="replica-heartbeat"),
             asyncio.create_task(self._reap_idle(), name="session-reaper"),
             asyncio.create_task(self.parking.keep_device_within_capacity(), name="session-capacity"),
         ]
@@ -151,6 +155,7 @@ class SessionService:
         with contextlib.suppress(Exception):
             await self.parking.park(sessions, "shutdown")
         await asyncio.gather(*(s.close("server_shutdown") for s in sessions), return_exceptions=True)
+        await self.membership.leave()
         await self.store.close()
 
     async def drain(self, timeout_s: float) -> bool:

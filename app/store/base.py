@@ -70,6 +70,7 @@ class SessionStore(abc.ABC):
     """Every method is one transaction; failures raise ``StoreUnavailableError``."""
 
     durable: bool = True
+    shared = False  # other replicas can reach it (a database server, not a local file)
 
     async def start(self) -> None:  # noqa: B027 (optional: a store may need no connection)
         """Connect and bring the schema to the newest version."""
@@ -79,6 +80,24 @@ class SessionStore(abc.ABC):
 
     async def ping(self) -> None:  # noqa: B027 (a store with no connection is always reachable)
         """Raise ``StoreUnavailableError`` if the store cannot be reached now (readiness)."""
+
+    # Replicas sharing the store (app/cluster.py). A store of one server (none, memory)
+    # has no other replica: everyone joins, and a proposed value is the value.
+    async def join(self, replica_id: str, instance: str, ttl_s: float) -> float | None:
+        """Hold ``replica_id`` for ``instance``; refused (the other holder's heartbeat
+        age, in seconds) while another instance holds it and beat within ``ttl_s``."""
+        return None
+
+    async def heartbeat(self, replica_id: str, instance: str) -> bool:
+        """Still holding ``replica_id`` (False: another instance took it over)."""
+        return True
+
+    async def leave(self, replica_id: str, instance: str) -> None:  # noqa: B027
+        """Give ``replica_id`` up (a stop)."""
+
+    async def shared_value(self, name: str, proposed: str) -> str:
+        """The cluster's value of ``name``: ``proposed`` if it is the first to ask."""
+        return proposed
 
     @abc.abstractmethod
     async def create(self, record: SessionRecord) -> None:

@@ -79,6 +79,17 @@ api_objects = sa.Table(
     sa.Column("created", sa.Float, nullable=False),
     sa.Column("data", sa.Text, nullable=False),
 )
+replicas = sa.Table(
+    "replicas", metadata,
+    sa.Column("id", sa.String(256), primary_key=True),
+    sa.Column("instance", sa.String(64), nullable=False),
+    sa.Column("heartbeat", sa.Float, nullable=False),
+)
+cluster = sa.Table(
+    "cluster", metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+)
 RECORD_COLUMNS = [c for c in sessions.c if not c.name.startswith("lease_")]
 
 
@@ -154,6 +165,10 @@ class SQLSessionStore(SessionStore):
     @property
     def dialect(self) -> str:
         return sa.make_url(self.url).get_backend_name()
+
+    @property
+    def shared(self) -> bool:  # type: ignore[override]
+        return self.dialect == "postgresql"
 
     async def start(self) -> None:
         if self.dialect == "sqlite":
@@ -276,6 +291,42 @@ class SQLSessionStore(SessionStore):
                 fields[name] = json.dumps(fields[name])
         async with self._transaction() as conn:
             await conn.execute(sessions.update().where(sessions.c.id == session_id).values(**fields))
+
+    # ------------------------------------------------------------------ replicas
+    async def join(self, replica_id: str, instance: str, ttl_s: float) -> float | None:
+        now = time.time()
+        c = replicas.c
+        async with self._transaction() as conn:
+            row = (await conn.execute(sa.select(c.instance, c.heartbeat).where(c.id == replica_id))).first()
+            if row is not None and row.instance != instance and row.heartbeat > now - ttl_s:
+                return now - float(row.heartbeat)
+            if row is None:
+                await conn.execute(replicas.insert().values(id=replica_id, instance=instance, heartbeat=now))
+            else:
+                await conn.execute(replicas.update().where(c.id == replica_id)
+                                   .values(instance=instance, heartbeat=now))
+        return None
+
+    async def heartbeat(self, replica_id: str, instance: str) -> bool:
+        c = replicas.c
+        async with self._transaction(synced=False) as conn:
+            result = await conn.execute(replicas.update().where(c.id == replica_id, c.instance == instance)
+                                        .values(heartbeat=time.time()))
+        return result.rowcount == 1
+
+    async def leave(self, replica_id: str, instance: str) -> None:
+        c = replicas.c
+        async with self._transaction() as conn:
+            await conn.execute(replicas.delete().where(c.id == replica_id, c.instance == instance))
+
+    async def shared_value(self, name: str, proposed: str) -> str:
+        try:
+            async with self._transaction() as conn:
+                await conn.execute(cluster.insert().values(name=name, value=proposed))
+        except IntegrityError:
+            pass  # another replica's came first: it is the one
+        async with self._transaction(write=False) as conn:
+            return str((await conn.execute(sa.select(cluster.c.value).where(cluster.c.name == name))).scalar())
 
     # ------------------------------------------------------------------ leases
     async def acquire_lease(self, session_id: str, holder: str, ttl_s: float) -> SessionRecord | LeaseRefused:
