@@ -267,15 +267,17 @@ class AppServer(uvicorn.Server):
             return
         # In a signal handler: the drain starts on the loop, at its next turn.
         loop = asyncio.get_event_loop()
-        loop.call_soon_threadsafe(self._start_drain, service, state.settings.drain_timeout_s)  # type: ignore[union-attr]
+        loop.call_soon_threadsafe(self._start_drain, service, state.settings)  # type: ignore[union-attr]
 
-    def _start_drain(self, service: SessionService, timeout_s: float) -> None:
+    def _start_drain(self, service: SessionService, settings: Settings) -> None:
         if self._drain is None and not self.should_exit:
-            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit(service, timeout_s))
+            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit(service, settings))
 
-    async def _drain_then_exit(self, service: SessionService, timeout_s: float) -> None:
-        logger.warning("draining: /ready answers 503, new work is refused; chunks in flight have %.0f s", timeout_s)
-        if not await service.drain(timeout_s):
+    async def _drain_then_exit(self, service: SessionService, settings: Settings) -> None:
+        timeout_s = settings.drain_timeout_s
+        logger.warning("draining: /ready answers 503, new work is refused in %.1f s; chunks in flight have %.0f s",
+                       settings.drain_notice_s, timeout_s)
+        if not await service.drain(timeout_s, settings.drain_notice_s):
             logger.warning("drain: chunks still running after %.0f s are undone", timeout_s)
         self.should_exit = True
 

@@ -291,6 +291,12 @@ class Settings(BaseSettings):
         description="This server is one of several replicas: refuse to start unless the session store is "
         "one they share (PostgreSQL). Compose's scale profile and the Kubernetes manifests set it.",
     )
+    drain_notice_s: float = Field(
+        default=2.0, ge=0,
+        description="On SIGTERM, /ready answers 503 at once but new work is still taken for this long, so "
+        "that proxies checking /ready (HAProxy: every second) stop sending before the server refuses; "
+        "it counts within drain_timeout_s.",
+    )
     drain_timeout_s: float = Field(
         default=20.0, ge=0,
         description="On SIGTERM the server drains: /ready answers 503 and new work is refused (503 "

@@ -303,12 +303,12 @@ def our_settings(setup: EngineSetup, connector: str = "offloading") -> dict[str,
 
 def vllm_server(
     setup: EngineSetup, log_dir: Path, prefix_caching: bool, extra_args: list[str] | None = None,
-    label: str | None = None, env: dict[str, str] | None = None,
+    label: str | None = None, env: dict[str, str] | None = None, port: int | None = None,
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """vLLM's own OpenAI server, as a user would run it, with the same engine settings
     (``extra_args``: more of its flags, e.g. a --kv-transfer-config; ``env``: more of
     its environment, e.g. VLLM_ENABLE_RESPONSES_API_STORE)."""
-    port = free_port()
+    port = port or free_port()
     name = f"embedded-{setup.preset}"
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",

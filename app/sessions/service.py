@@ -77,7 +77,9 @@ class SessionService:
         self._tasks: list[asyncio.Task[None]] = []
         # Set once the server stops: connections that end then are not clients leaving.
         self.stopping = False
-        # Set when the server starts draining: new work is refused, chunks in flight finish.
+        # Set when the server starts draining: /ready fails at once (unready), new work is
+        # refused a notice later (draining), chunks in flight finish.
+        self.unready = False
         self.draining = False
 
     @classmethod
@@ -158,13 +160,16 @@ class SessionService:
         await self.membership.leave()
         await self.store.close()
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Refuse new work from now on (503 ``server_draining``, which a proxy retries
-        on another replica) and let the chunks in flight finish and their ends reach
-        their clients, for at most ``timeout_s``; ``stop`` then undoes any still running
-        and parks every session. True if every chunk finished in time."""
-        self.draining = True
+    async def drain(self, timeout_s: float, notice_s: float = 0.0) -> bool:
+        """Fail readiness at once; ``notice_s`` later (time for a proxy's health checks to
+        see it and stop sending), refuse new work (503 ``server_draining``, which a proxy
+        retries on another replica); and let the chunks in flight finish and their ends
+        reach their clients, for at most ``timeout_s`` in all; ``stop`` then undoes any
+        still running and parks every session. True if every chunk finished in time."""
+        self.unready = True
         deadline = asyncio.get_running_loop().time() + timeout_s
+        await asyncio.sleep(min(notice_s, timeout_s))
+        self.draining = True
         while waits := [run.released for run in self._runs] + [run.delivered for run in self._undelivered]:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
@@ -176,7 +181,7 @@ class SessionService:
         """Why this server should get no new work now (empty: ready): draining, its
         engine dead, its store unreachable, or every session slot taken."""
         reasons = []
-        if self.draining or self.stopping:
+        if self.unready or self.draining or self.stopping:
             reasons.append("draining")
         if getattr(self._engine, "errored", False):
             reasons.append("engine_dead")

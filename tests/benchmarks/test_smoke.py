@@ -152,3 +152,21 @@ def test_admission_quick(quick_runs: tuple[Path, dict]) -> None:
     assert set(result["per_open_sessions"]) == {"10", "1000"}
     assert all(row["every_session_us"] > 0 and row["device_holders_us"] > 0
                for row in result["per_open_sessions"].values())
+
+
+def test_cluster_quick(tmp_path: Path) -> None:
+    """The cluster benchmark restarts replicas, so it runs in a process of its own
+    (the smoke run's pool would keep a stopped server)."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.cluster", "--quick", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads((tmp_path / "cluster-quick.json").read_text())
+    assert (tmp_path / "cluster-quick.png").stat().st_size > 10_000
+    sides = written["sides"]
+    assert set(sides) == {"ours-keyed", "ours-old-routing", "vllm-least-busy"}
+    settings = written["settings"]
+    for side in sides.values():
+        assert side["turns"] == settings["agents"] * settings["turns"]  # every turn answered
+        assert len(side["per_turn"]) == settings["turns"] and side["computed_per_turn"] > 0
+    # Our replicas drain and exit cleanly when restarted.
+    assert sides["ours-keyed"]["restarted_exit_status"] == sides["ours-old-routing"]["restarted_exit_status"] == 0

@@ -391,7 +391,7 @@ async def test_without_the_key_rules_chains_and_conversations_scatter(cluster: C
     nginx configuration before it did): a Responses chain and a conversation go to the
     least busy replica each turn, and the check above catches it."""
     with haproxy.running({r.name: r.port for r in cluster.replicas.values()}, cluster.workdir,
-                         affinity=False) as old_proxy:
+                         routing="session-paths") as old_proxy:
         chain = await responses_turns(old_proxy, conversation=False)
         conversation = await responses_turns(old_proxy, conversation=True)
     print("chain:", off_affinity(chain), "conversation:", off_affinity(conversation))
@@ -407,7 +407,7 @@ async def drain_with_a_chunk_in_flight(
     """SIGTERM (to the server process alone, as a container runtime sends it) while a
     chunk of ``session_id`` runs on ``victim``, whose engine is paused so that the
     chunk is surely in flight: /ready answers 503 at once, new work sent to the victim
-    is refused with 503 server_draining and Retry-After, new work through the proxy
+    is refused (after the drain's notice) with 503 server_draining and Retry-After, new work through the proxy
     lands on ``heir``; the chunk in flight completes with the uninterrupted run's
     tokens; the victim exits 0; the session's next chunk goes on on the heir."""
     async with httpx.AsyncClient(base_url=victim.url, headers=HEADERS, timeout=120) as direct:
@@ -423,7 +423,11 @@ async def drain_with_a_chunk_in_flight(
                 await asyncio.sleep(0.05)
             assert ready.status_code == 503 and ready.json()["error"]["code"] == "draining", ready.text
             assert (await direct.get("/health")).status_code == 200  # alive: liveness is not readiness
-            refused = await direct.post("/v1/sessions", json={})
+            # New work is still taken for drain_notice_s (the proxy's checks see /ready
+            # meanwhile), then refused.
+            while (refused := await direct.post("/v1/sessions", json={})).status_code == 201:
+                assert time.monotonic() < deadline + 20, "new work was never refused"
+                await asyncio.sleep(0.2)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_draining", refused.text
             assert refused.headers["retry-after"] == "1"
             moved = await http.post("/v1/sessions", json={})

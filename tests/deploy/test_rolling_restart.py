@@ -28,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -42,7 +40,8 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from benchmarks.common import RunningServer, app_server, enter_together, free_port
+from benchmarks.common import app_server, enter_together
+from benchmarks.replicas import Restartable
 from clients._common import NOTHING_DONE_CODES, error_code
 from tests.deploy import haproxy
 from tests.helpers import paused_engine
@@ -61,47 +60,20 @@ PAUSE_S = 0.1
 pytestmark = [pytest.mark.server, haproxy.needs_haproxy, needs_postgres]
 
 
-class Replica:
-    """A replica that can be stopped and started again on its port."""
-
-    def __init__(self, name: str, store_url: str, workdir: Path) -> None:
-        self.name, self.port, self.workdir = name, free_port(), workdir
-        self.settings = {
-            "api_keys": KEY, "replica_name": name, "replica_id": name, "store_url": store_url,
-            "dtype": "float32", "kv_cache_gib": "0.25", "cpu_tier_gib": "0.5", "max_num_seqs": "32",
-            "max_sessions": "128", "log_level": "warning", "drain_timeout_s": "30",
-        }
-        self.starts = 0
-        self._stack = contextlib.ExitStack()
-        self.server: RunningServer | None = None
-
-    def starting(self) -> contextlib.AbstractContextManager[RunningServer]:
-        self.starts += 1
-        return app_server(self.name, self.workdir / f"{self.name}-{self.starts}.log", self.settings, port=self.port)
-
-    def started(self, server: RunningServer) -> None:
-        self.server = server
-
-    def start(self) -> None:
-        self._stack = contextlib.ExitStack()
-        self.server = self._stack.enter_context(self.starting())
-
-    def sigterm_and_wait(self) -> int:
-        """SIGTERM to the server process alone, as a container runtime sends it."""
-        assert self.server is not None
-        self.server.process.send_signal(signal.SIGTERM)
-        status = self.server.process.wait(timeout=120)
-        self._stack.close()
-        return status
-
-    def close(self) -> None:
-        self._stack.close()
+def replica(name: str, store_url: str, workdir: Path) -> Restartable:
+    settings = {
+        "api_keys": KEY, "replica_name": name, "replica_id": name, "store_url": store_url,
+        "dtype": "float32", "kv_cache_gib": "0.25", "cpu_tier_gib": "0.5", "max_num_seqs": "32",
+        "max_sessions": "128", "log_level": "warning", "drain_timeout_s": "30",
+    }
+    return Restartable(name, lambda port, start: app_server(name, workdir / f"{name}-{start}.log", settings,
+                                                            port=port))
 
 
 @dataclass
 class Cluster:
     proxy: str
-    replicas: dict[str, Replica]
+    replicas: dict[str, Restartable]
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +81,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("rolling")
     with contextlib.ExitStack() as stack:
         database = stack.enter_context(postgres_server())
-        replicas = [Replica(name, database.url, workdir) for name in ("replica-a", "replica-b")]
-        for replica in replicas:
-            stack.callback(replica.close)
-        for replica, server in zip(replicas, enter_together(stack, [r.starting() for r in replicas])):
-            replica.started(server)
+        replicas = [replica(name, database.url, workdir) for name in ("replica-a", "replica-b")]
+        for each in replicas:
+            stack.callback(each.close)
+        for each, server in zip(replicas, enter_together(stack, [r.starting() for r in replicas])):
+            each.started(server)
         proxy = stack.enter_context(haproxy.running({r.name: r.port for r in replicas}, workdir))
         yield Cluster(proxy, {r.name: r for r in replicas})
 
@@ -325,9 +297,9 @@ async def test_a_rolling_restart_under_load_loses_nothing(cluster: Cluster) -> N
     stopped = {}
     try:
         await asyncio.sleep(5)
-        for replica in cluster.replicas.values():
-            stopped[replica.name] = await asyncio.to_thread(replica.sigterm_and_wait)
-            await asyncio.to_thread(replica.start)
+        for each in cluster.replicas.values():
+            stopped[each.name] = await asyncio.to_thread(each.sigterm_and_wait)
+            await asyncio.to_thread(each.start)
             await asyncio.sleep(3)  # HAProxy's checks see it up (rise 2, every 1 s)
         await asyncio.sleep(5)
     finally:
@@ -372,7 +344,7 @@ async def test_a_killed_replicas_session_goes_on_once_its_lease_expires(cluster:
             while (await direct.get(f"/v1/sessions/{session_id}")).json()["status"] != "generating":
                 assert time.monotonic() < deadline, "the chunk never started"
                 await asyncio.sleep(0.05)
-            os.killpg(victim.server.process.pid, signal.SIGKILL)
+            victim.kill()
             killed_at = time.monotonic()
         with pytest.raises(httpx.TransportError):
             await in_flight
