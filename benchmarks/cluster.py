@@ -43,7 +43,6 @@ from benchmarks.common import (
     RunningServer,
     app_server,
     benchmark_parser,
-    enter_together,
     finish,
     our_settings,
     plot_ttft_per_turn,
@@ -51,7 +50,7 @@ from benchmarks.common import (
     vllm_server,
 )
 from benchmarks.postgres import postgres_server
-from benchmarks.replicas import Restartable, Routing, haproxy
+from benchmarks.replicas import Restartable, Routing, haproxy, start_together
 
 SIDES: dict[str, tuple[str, Routing]] = {
     "ours-keyed": ("ours", "keyed"),
@@ -215,6 +214,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     sides: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         database = stack.enter_context(postgres_server())
+
         def our_replica(name: str) -> Restartable:
             settings = replica_settings(setup, name, database.url)
 
@@ -224,10 +224,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             return Restartable(name, starting)
 
         ours = [our_replica(name) for name in ("replica-a", "replica-b")]
-        for replica in ours:
-            stack.callback(replica.close)
-        for replica, server in zip(ours, enter_together(stack, [r.starting() for r in ours])):
-            replica.started(server)
+        start_together(stack, ours)
         for label in ("ours-keyed", "ours-old-routing"):
             conversations = [[text() for _ in range(args.turns)] for _ in range(args.agents)]
             with haproxy({r.name: r.port for r in ours}, workdir, SIDES[label][1]) as proxy:
@@ -242,10 +239,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             return Restartable(name, starting)
 
         peers = [vllm_peer(name) for name in ("vllm-a", "vllm-b")]
-        for peer in peers:
-            stack.callback(peer.close)
-        for peer, server in zip(peers, enter_together(stack, [p.starting() for p in peers])):
-            peer.started(server)
+        start_together(stack, peers)
         conversations = [[text() for _ in range(args.turns)] for _ in range(args.agents)]
         with haproxy({p.name: p.port for p in peers}, workdir, "least-busy", check_path="/health") as proxy:
             sides["vllm-least-busy"] = await run_side("vllm-least-busy", proxy, model, peers[1], args, conversations)
@@ -271,8 +265,8 @@ def plot(result: dict[str, Any]) -> Any:
     settings = result["settings"]
     return plot_ttft_per_turn(
         {side: data["per_turn"] for side, data in result["sides"].items()},
-        f"{settings['agents']} agents x {settings['turns']} turns on two replicas, one restarted midway "
-        f"({settings['model_preset']} model; median over agents)")
+        f"{settings['agents']} agents x {settings['turns']} turns, 2 replicas, one restarted midway\n"
+        f"({settings['model_preset']} model; TTFT median over agents)")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:

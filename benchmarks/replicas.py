@@ -16,7 +16,7 @@ from typing import Literal
 
 import httpx
 
-from benchmarks.common import REPO, RunningServer, free_port
+from benchmarks.common import REPO, RunningServer, enter_together, free_port
 
 HAPROXY_CONFIG = REPO / "docker" / "haproxy" / "haproxy.cfg"
 # The rule that routes every request naming a conversation by its key.
@@ -135,3 +135,12 @@ class Restartable:
 
     def close(self) -> None:
         self._stack.close()
+
+
+def start_together(stack: contextlib.ExitStack, servers: list[Restartable]) -> None:
+    """Start ``servers`` side by side (benchmarks.common.enter_together); ``stack``
+    stops them, whichever start each is at by then."""
+    for server in servers:
+        stack.callback(server.close)
+    for server, running in zip(servers, enter_together(stack, [s.starting() for s in servers])):
+        server.started(running)

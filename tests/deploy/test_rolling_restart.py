@@ -40,8 +40,8 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from benchmarks.common import app_server, enter_together
-from benchmarks.replicas import Restartable
+from benchmarks.common import app_server
+from benchmarks.replicas import Restartable, start_together
 from clients._common import NOTHING_DONE_CODES, error_code
 from tests.deploy import haproxy
 from tests.helpers import paused_engine
@@ -82,10 +82,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with contextlib.ExitStack() as stack:
         database = stack.enter_context(postgres_server())
         replicas = [replica(name, database.url, workdir) for name in ("replica-a", "replica-b")]
-        for each in replicas:
-            stack.callback(each.close)
-        for each, server in zip(replicas, enter_together(stack, [r.starting() for r in replicas])):
-            each.started(server)
+        start_together(stack, replicas)
         proxy = stack.enter_context(haproxy.running({r.name: r.port for r in replicas}, workdir))
         yield Cluster(proxy, {r.name: r for r in replicas})
 
@@ -325,29 +322,41 @@ async def test_a_rolling_restart_under_load_loses_nothing(cluster: Cluster) -> N
 
 async def test_a_killed_replicas_session_goes_on_once_its_lease_expires(cluster: Cluster) -> None:
     """``kill -9`` of a replica's whole process group while a chunk of one of its sessions
-    runs (its engine paused, so the chunk surely holds the session's lease): the chunk is
-    not in the transcript; through the proxy the session's next chunk lands on the other
-    replica, which answers 409 chunk_in_flight while the dead replica's lease lasts and
-    then takes the session up. The time until then is printed (bounded by
-    session_lease_s after the last renewal), not asserted."""
+    runs through the proxy (the engine paused, so the chunk surely holds the session's
+    lease and has not committed): the client gets 502 ``replica_failed`` naming the
+    session, and the proxy does not send the chunk again; the chunk is not in the
+    transcript. The session's next chunk lands on the other replica, which answers 409
+    chunk_in_flight while the dead replica's lease lasts and then takes the session up.
+    The time until then is printed (bounded by session_lease_s after the last
+    renewal), not asserted."""
     victim, heir = cluster.replicas["replica-a"], cluster.replicas["replica-b"]
     assert victim.server is not None
     async with httpx.AsyncClient(base_url=victim.server.base_url, headers=HEADERS, timeout=120) as direct, \
             httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120) as http:
-        session_id = (await direct.post("/v1/sessions", json={})).json()["id"]
-        assert (await direct.post(f"/v1/sessions/{session_id}/chunks", json={"input": "one", "max_tokens": 2})
+        for _ in range(40):  # a session the proxy homes on the victim (a chance of 2**-40 to miss)
+            created = await http.post("/v1/sessions", json={})
+            if created.headers["x-replica"] == victim.name:
+                break
+        assert created.headers["x-replica"] == victim.name
+        session_id = created.json()["id"]
+        assert (await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": "one", "max_tokens": 2})
                 ).status_code == 200
+        # On a connection of its own: HAProxy answers 502 for a connection's first request
+        # (on a later one it closes the connection instead, its keep-alive rule).
+        fresh = httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120)
         with paused_engine(victim.server.process):
             in_flight = asyncio.create_task(
-                direct.post(f"/v1/sessions/{session_id}/chunks", json={"input": "two", "max_tokens": 2}))
+                fresh.post(f"/v1/sessions/{session_id}/chunks", json={"input": "two", "max_tokens": 2}))
             deadline = time.monotonic() + 30
             while (await direct.get(f"/v1/sessions/{session_id}")).json()["status"] != "generating":
                 assert time.monotonic() < deadline, "the chunk never started"
                 await asyncio.sleep(0.05)
             victim.kill()
             killed_at = time.monotonic()
-        with pytest.raises(httpx.TransportError):
-            await in_flight
+        cut = await in_flight
+        await fresh.aclose()
+        assert cut.status_code == 502 and cut.json()["error"]["code"] == "replica_failed", cut.text
+        assert session_id in cut.json()["error"]["message"]
         refused = 0
         while True:
             answer = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": "three", "max_tokens": 2})
