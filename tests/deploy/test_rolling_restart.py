@@ -357,6 +357,9 @@ async def test_a_killed_replicas_session_goes_on_once_its_lease_expires(cluster:
         await fresh.aclose()
         assert cut.status_code == 502 and cut.json()["error"]["code"] == "replica_failed", cut.text
         assert session_id in cut.json()["error"]["message"]
+    # New connections from here on: HAProxy closes the client connections it held to the
+    # dead replica, and a pooled one may already be closed (no request is lost: none left).
+    async with httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120) as http:
         refused = 0
         while True:
             answer = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": "three", "max_tokens": 2})
