@@ -38,7 +38,6 @@ import httpx
 
 from benchmarks.common import (
     API_HEADERS,
-    WORDS,
     EngineSetup,
     RunningServer,
     app_server,
@@ -48,6 +47,7 @@ from benchmarks.common import (
     plot_ttft_per_turn,
     quick_engine,
     vllm_server,
+    word_text,
 )
 from benchmarks.postgres import postgres_server
 from benchmarks.replicas import Restartable, Routing, haproxy, start_together
@@ -205,8 +205,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         dtype=args.dtype)
     rng = random.Random(args.seed)
 
-    def text() -> str:  # the embedded models' tokenizer spends about 4.4 tokens on each of these words
-        return " ".join(rng.choice(WORDS) for _ in range(max(1, round(args.chunk / 4.44))))
+    def text() -> str:
+        return word_text(rng, args.chunk)
 
     model = f"embedded-{setup.preset}"
     workdir = Path(tempfile.mkdtemp(prefix="streamsess-cluster-"))

@@ -423,6 +423,12 @@ def pyplot() -> Any:
 WORDS = ("amber", "basalt", "cobalt", "dune", "ember", "fjord", "glacier", "harbor", "island", "jade", "kelp",
          "lagoon", "meadow", "nebula", "orchid", "prairie", "quartz", "river", "summit", "tundra")
 PerTurn = list[dict[str, float]]
+TOKENS_PER_WORD = 4.44  # the embedded models' tokenizer on WORDS
+
+
+def word_text(rng: random.Random, tokens: int) -> str:
+    """Filler text of about ``tokens`` tokens (at least one word)."""
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, round(tokens / TOKENS_PER_WORD))))
 
 
 def median_per_turn(runs: list[PerTurn]) -> PerTurn:

@@ -30,7 +30,6 @@ import httpx
 from benchmarks.common import (
     API_HEADERS,
     SWITCH_SETTLE_S,
-    WORDS,
     EngineSetup,
     PerTurn,
     benchmark_parser,
@@ -40,6 +39,7 @@ from benchmarks.common import (
     our_server,
     plot_ttft_per_turn,
     vllm_server,
+    word_text,
 )
 
 Turns = PerTurn
@@ -81,8 +81,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         dtype=args.dtype)
     rng = random.Random(args.seed)
 
-    def text() -> str:  # the embedded models' tokenizer spends about 4.4 tokens on each of these words
-        return " ".join(rng.choice(WORDS) for _ in range(max(1, round(args.chunk / 4.44))))
+    def text() -> str:
+        return word_text(rng, args.chunk)
 
     warmup = [text() for _ in range(2)]
     chains = [[text() for _ in range(args.turns)] for _ in range(args.repeats)]

@@ -31,8 +31,7 @@ async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep, r
                            "protocol (openai>=2: client.realtime.connect).", code="beta_protocol_unsupported")
         service.check_model(query.get("model"))
         if (session_id := query.get("session_id")) is not None:
-            service.refuse_if_draining()  # it would be closed before its next response
-            session = await service.attach(owner, session_id)
+            session = await service.attach_connection(owner, session_id)
             owns_session = False
         else:
             session = await service.create(owner, SessionCreateRequest(), route_key=route_key)

@@ -105,7 +105,8 @@ class SessionService:
         return cls(
             engine=engine, settings=settings, model_name=settings.resolved_served_model_name(),
             tokenizer=tokenizer, metrics=session_metrics(), recorder=recorder,
-            store=store if store is not None else open_store(settings), salter=salter or cache_salter(settings), limits=limits, observer=observer_of(engine),
+            store=store if store is not None else open_store(settings), salter=salter or cache_salter(settings),
+            limits=limits, observer=observer_of(engine),
         )
 
     def cache_salt(self, owner: str) -> str | None:
@@ -181,7 +182,7 @@ class SessionService:
         """Why this server should get no new work now (empty: ready): draining, its
         engine dead, its store unreachable, or every session slot taken."""
         reasons = []
-        if self.unready or self.draining or self.stopping:
+        if self.unready or self.stopping:  # draining is set after unready
             reasons.append("draining")
         if getattr(self._engine, "errored", False):
             reasons.append("engine_dead")
@@ -241,6 +242,12 @@ class SessionService:
 
     async def reopen(self, owner: str, session_id: str) -> StreamingSession:
         return await self.registry.reopen(owner, session_id)
+
+    async def attach_connection(self, owner: str, session_id: str) -> StreamingSession:
+        """``attach`` for a websocket connection, refused while the server drains: it
+        would be closed (1012) before its next chunk."""
+        self.refuse_if_draining()
+        return await self.attach(owner, session_id)
 
     async def attach(self, owner: str, session_id: str) -> StreamingSession:
         """An open session as the store has it now, for a connection to drive."""

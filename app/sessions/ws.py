@@ -31,8 +31,7 @@ async def attach_session_ws(websocket: WebSocket, session_id: str, service: Serv
     """Attach to an existing session; it stays open when the connection ends."""
     await websocket.accept()
     try:
-        service.refuse_if_draining()  # it would be closed before its next chunk
-        session = await service.attach(owner, session_id)
+        session = await service.attach_connection(owner, session_id)
     except APIError as exc:
         await _refuse(websocket, exc)
         return
