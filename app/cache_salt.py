@@ -26,7 +26,7 @@ SECRET_FILE = "cache_salt_secret"
 
 class CacheSalter:
     def __init__(self, secret: bytes):
-        # Replaced once at start by the cluster's, where replicas share a store (app/cluster.py).
+        # Replaced once at start by the cluster's, where replicas share a store (app/store/cluster.py).
         self.secret = secret
 
     def salt(self, owner: str, client_salt: str | None = None) -> str:

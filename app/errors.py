@@ -1,7 +1,7 @@
 """The OpenAI error shape, in one place for REST, SSE and websocket alike.
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}``.
-No web framework here (session logic raises these); ``app.http_errors`` sends them.
+No web framework here (session logic raises these); ``app.http.errors`` sends them.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def rate_limited(what: str, kind: str, limit: int, retry_after_s: float) -> APIE
 
 
 class KeyLimits:
-    """The limits of every key (its owner id, see ``app.auth``). Free of FastAPI:
+    """The limits of every key (its owner id, see ``app.http.auth``). Free of FastAPI:
     the middleware, the session service and the websocket connections all ask it."""
 
     def __init__(self, settings: Settings):

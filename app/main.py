@@ -21,17 +21,17 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from app import vllm_fixes
-from app.api import api_router
-from app.auth import APIKeyMiddleware
+from app.api.conversations.serving import ConversationsService
+from app.api.responses.protocol import declare_stored_response_rules
+from app.api.responses.serving import ResponsesService
+from app.api.routes import api_router
+from app.api.sessions import rest
 from app.cache_salt import cache_salter
-from app.cluster import ReplicaConflict
-from app.conversations.serving import ConversationsService
 from app.engine import EngineConfigError, flush_disk_tier, kv_transfer_config, shutdown_engine
-from app.http_errors import declare_error_codes, install_error_handlers
-from app.http_protocol import CoalescingHttpToolsProtocol
-from app.limits import KeyLimits
-from app.middleware import (
+from app.http.auth import APIKeyMiddleware
+from app.http.direct_route import DirectRoute
+from app.http.errors import declare_error_codes, install_error_handlers
+from app.http.middleware import (
     AnthropicErrorMiddleware,
     BodySizeLimitMiddleware,
     EngineDeadMiddleware,
@@ -39,8 +39,15 @@ from app.middleware import (
     RateLimitMiddleware,
     ReplicaHeaderMiddleware,
 )
+from app.http.uvicorn_protocol import CoalescingHttpToolsProtocol
+from app.limits import KeyLimits
 from app.models.smollm2 import ModelUnavailable
-from app.openai_routes import (
+from app.protocol import ChunkRequest
+from app.sessions.service import SessionService
+from app.settings import Settings, load_settings
+from app.store.cluster import ReplicaConflict
+from app.vllm_routes import fixes as vllm_fixes
+from app.vllm_routes.routes import (
     drop_replaced_routes,
     drop_routes_the_model_cannot_serve,
     drop_unserved_routes,
@@ -48,21 +55,14 @@ from app.openai_routes import (
     openai_body_routes,
     rebuild_middleware_stack,
 )
-from app.openai_schema import (
+from app.vllm_routes.schema import (
     declare_filled_in_fields,
     declare_model_limits,
     declare_server_features,
     declare_vllm_input_rules,
     patch_openapi,
 )
-from app.openai_usage import UsageProvenanceMiddleware
-from app.responses.protocol import declare_stored_response_rules
-from app.responses.serving import ResponsesService
-from app.sessions import rest
-from app.sessions.protocol import ChunkRequest
-from app.sessions.service import SessionService
-from app.settings import Settings, load_settings
-from app.transport.direct_route import DirectRoute
+from app.vllm_routes.usage import UsageProvenanceMiddleware
 
 logger = logging.getLogger(__name__)
 

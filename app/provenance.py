@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.sessions.protocol import ChunkUsage, PromptTokensDetails
+from app.protocol import ChunkUsage, PromptTokensDetails
 from connectors import DISK_TIER_TOKENS_UTILITY
 
 

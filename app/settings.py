@@ -241,7 +241,7 @@ class Settings(BaseSettings):
     http_direct_chunk_route: bool = Field(
         default=True,
         description="Serve REST and SSE chunk appends straight from ASGI when FastAPI would take them as "
-        "sent (app/transport/direct_route.py); every other request, and every refusal, goes through "
+        "sent (app/http/direct_route.py); every other request, and every refusal, goes through "
         "FastAPI. false: every chunk through FastAPI.",
     )
     ws_per_message_deflate: bool = Field(

@@ -23,8 +23,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from app.protocol import SessionDefaults
 from app.sessions.admission import DeviceCapacity, DeviceLoad
-from app.sessions.protocol import SessionDefaults
 from app.sessions.session import StreamingSession
 from benchmarks.common import finish, pyplot
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import uvicorn
 
-from app.http_protocol import CoalescingHttpToolsProtocol
+from app.http.uvicorn_protocol import CoalescingHttpToolsProtocol
 
 ANSWER = json.dumps({"id": "bare", "object": "session.chunk", "output": {"text": "", "token_ids": [0]},
                      "finish_reason": "length"}).encode()

@@ -112,11 +112,11 @@ def stamp_vllm() -> None:
 
 
 def stamp_server() -> None:
-    from app import http_protocol
-    from app.sessions import rest
+    from app.api.sessions import rest
+    from app.http import uvicorn_protocol as http_protocol
+    from app.http.direct_route import DirectRoute
     from app.sessions.run import ChunkRun
     from app.sessions.service import SessionService
-    from app.transport.direct_route import DirectRoute
 
     stamp_vllm()
     _around(http_protocol.CoalescingHttpToolsProtocol, "data_received", "recv", None)

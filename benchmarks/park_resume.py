@@ -44,7 +44,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
-    from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
+    from app.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
     from app.sessions.service import SessionService
 
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)

@@ -69,14 +69,14 @@ class Bench:
 
     @staticmethod
     async def open(service: Any) -> str:
-        from app.sessions.protocol import SessionCreateRequest, SessionDefaults
+        from app.protocol import SessionCreateRequest, SessionDefaults
 
         defaults = SessionDefaults(temperature=0.0, ignore_eos=True)
         return str((await service.create(OWNER, SessionCreateRequest(defaults=defaults))).id)
 
     @staticmethod
     async def chunk(service: Any, session_id: str, ids: list[int]) -> Any:
-        from app.sessions.protocol import SamplingOptions
+        from app.protocol import SamplingOptions
 
         run = await service.start_chunk(
             OWNER, session_id, ids, SamplingOptions(max_tokens=1), transport="bench", wait=True

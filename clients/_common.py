@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import httpx
 
-from app.sessions.protocol import ChunkUsage, SessionDefaults, SessionObject, TranscriptResponse
+from app.protocol import ChunkUsage, SessionDefaults, SessionObject, TranscriptResponse
 from clients.errors import APIConnectionError, APIStatusError, APITimeoutError, error_from_body
 
 Transport = Literal["rest", "websocket"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.sessions.protocol import ChunkUsage
+from app.protocol import ChunkUsage
 
 # The close reason of a session whose engine request failed.
 ENGINE_ERROR = "engine_error"

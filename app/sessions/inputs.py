@@ -12,15 +12,15 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from app.errors import APIError
-from app.sessions import chat
-from app.sessions.chat import ChatState
-from app.sessions.protocol import (
+from app.protocol import (
     SAMPLING_FIELDS,
     SESSION_ID_PATTERN,
     ChatMessage,
     SamplingOptions,
     SessionDefaults,
 )
+from app.sessions import chat
+from app.sessions.chat import ChatState
 
 DEFAULT_MAX_TOKENS = 16
 SESSION_ID = re.compile(SESSION_ID_PATTERN)

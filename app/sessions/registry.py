@@ -20,13 +20,13 @@ from typing import Any
 from app import routing
 from app.errors import APIError, session_not_found
 from app.metrics import SessionMetrics
+from app.protocol import SessionCreateRequest, SessionDefaults, SessionObject
 from app.provenance import ProvenanceRecorder
 from app.sessions import errors
 from app.sessions.chat import ChatState
 from app.sessions.chunk import ChunkResult
 from app.sessions.errors import DELETED
 from app.sessions.inputs import SESSION_ID, check_session_id
-from app.sessions.protocol import SessionCreateRequest, SessionDefaults, SessionObject
 from app.sessions.session import StreamingSession
 from app.settings import Settings
 from app.store import (

@@ -19,27 +19,27 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 from app.cache_salt import CacheSalter, cache_salter
-from app.cluster import ClusterMembership
 from app.errors import APIError
 from app.limits import KeyLimits
 from app.metrics import SessionMetrics, session_metrics
+from app.protocol import (
+    SamplingOptions,
+    SessionCreateRequest,
+    SessionDefaults,
+    SessionObject,
+)
 from app.provenance import ProvenanceRecorder
 from app.sessions import chat, errors, inputs
 from app.sessions.admission import DeviceCapacity, SchedulerObserver, observer_of
 from app.sessions.chunk import ENGINE_ERROR, ChunkResult
 from app.sessions.errors import ChunkRefusedError, SessionFailedError
 from app.sessions.parking import Parking
-from app.sessions.protocol import (
-    SamplingOptions,
-    SessionCreateRequest,
-    SessionDefaults,
-    SessionObject,
-)
 from app.sessions.registry import SessionRegistry
 from app.sessions.run import ChunkEvent, ChunkRun
 from app.sessions.session import StreamingSession
 from app.settings import Settings
 from app.store import NullStore, SessionStore, StoreUnavailableError
+from app.store.cluster import ClusterMembership
 from app.tools.parsing import ReplyParsers
 
 logger = logging.getLogger(__name__)

@@ -25,12 +25,12 @@ from typing import Any
 from vllm.engine.protocol import StreamingInput
 from vllm.inputs.engine import tokens_input
 
+from app.protocol import SessionDefaults, SessionStatus
 from app.provenance import PrefillSources, ProvenanceRecorder, chunk_usage, resume_source
 from app.sessions.admission import DeviceTokens
 from app.sessions.chat import ChatState
 from app.sessions.chunk import CANCELLED, ENGINE_ERROR, ChunkDelta, ChunkResult
 from app.sessions.errors import ChunkRefusedError, SessionFailedError, is_input_error
-from app.sessions.protocol import SessionDefaults, SessionStatus
 from app.store import SessionRecord
 
 logger = logging.getLogger(__name__)

@@ -81,7 +81,7 @@ class SessionStore(abc.ABC):
     async def ping(self) -> None:  # noqa: B027 (a store with no connection is always reachable)
         """Raise ``StoreUnavailableError`` if the store cannot be reached now (readiness)."""
 
-    # Replicas sharing the store (app/cluster.py). A store of one server (none, memory)
+    # Replicas sharing the store (app/store/cluster.py). A store of one server (none, memory)
     # has no other replica: everyone joins, and a proposed value is the value.
     async def join(self, replica_id: str, instance: str, ttl_s: float) -> float | None:
         """Hold ``replica_id`` for ``instance``; refused (the other holder's heartbeat

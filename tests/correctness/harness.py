@@ -182,7 +182,7 @@ class InProcessBackend:
         self._ids = itertools.count()
 
     async def open_session(self) -> str:
-        from app.sessions.protocol import SessionCreateRequest, SessionDefaults
+        from app.protocol import SessionCreateRequest, SessionDefaults
 
         defaults = SessionDefaults(temperature=0.0, ignore_eos=True)
         return (await self._service.create("harness", SessionCreateRequest(defaults=defaults))).id
@@ -192,7 +192,7 @@ class InProcessBackend:
 
     async def session_chunk_result(self, session_id: str, token_ids: list[int], max_tokens: int) -> Any:
         """The service's ``ChunkResult``: the answer, and where its prompt's KV came from."""
-        from app.sessions.protocol import SamplingOptions
+        from app.protocol import SamplingOptions
 
         run = await self._service.start_chunk(
             "harness", session_id, token_ids, SamplingOptions(max_tokens=max_tokens), transport="harness", wait=True

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from vllm.sampling_params import StructuredOutputsParams
 
+from app.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.chat import ChatState
 from app.sessions.inputs import Turn
-from app.sessions.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.service import SessionService
 from tests.conftest import make_settings
 

@@ -22,10 +22,10 @@ import pytest_asyncio
 
 from app.errors import APIError
 from app.metrics import session_metrics
+from app.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
 from app.sessions.admission import DeviceCapacity
 from app.sessions.chunk import ChunkResult
 from app.sessions.inputs import Turn
-from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
 from tests.conftest import make_settings

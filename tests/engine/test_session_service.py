@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from app.sessions.protocol import SamplingOptions, SessionCreateRequest
+from app.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.service import SessionService
 from tests.conftest import make_settings
 from tests.helpers import live_request_ids, wait_until_gone

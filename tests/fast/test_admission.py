@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from app.errors import APIError
+from app.protocol import SamplingOptions
 from app.sessions.admission import DeviceCapacity, DeviceLoad
-from app.sessions.protocol import SamplingOptions
 from app.sessions.service import SessionService
 from tests.fast.test_service import GREEDY, OWNER, chunk, running_service
 from tests.helpers import until

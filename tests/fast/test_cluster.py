@@ -1,5 +1,5 @@
 """Replicas that share a store refuse to start beside each other when they would break
-it (app/cluster.py), on a fake engine and a real SQLite store shared by two services in
+it (app/store/cluster.py), on a fake engine and a real SQLite store shared by two services in
 one process. Oracle: the service's start raising ``ReplicaConflict`` or not, and the
 salts the two compute."""
 
@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 
-from app import cluster
 from app.cache_salt import cache_salter
-from app.cluster import ReplicaConflict
 from app.metrics import session_metrics
 from app.sessions.service import SessionService
 from app.settings import Settings
-from app.store import open_store
+from app.store import cluster, open_store
+from app.store.cluster import ReplicaConflict
 from tests.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.errors import APIError
-from app.sessions.protocol import SamplingOptions
+from app.protocol import SamplingOptions
 from tests.fast.test_service import GREEDY, OWNER, chunk, running_service
 
 pytestmark = pytest.mark.timeout(30)

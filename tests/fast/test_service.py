@@ -16,7 +16,7 @@ import pytest
 
 from app.errors import APIError
 from app.metrics import session_metrics
-from app.sessions.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
+from app.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
 from app.sessions.service import SessionService
 from app.settings import Settings
 from app.store import StoreUnavailableError, open_store
@@ -299,8 +299,8 @@ async def test_an_expired_conversation_reopens_with_its_items_and_context(tmp_pa
     like any session (``expired``), opens again when it is used, parked, with its items and
     its context as they were, and goes on. A conversation deleted, or a session that is
     not a conversation, stays closed. (Before: the expired conversation was 404.)"""
-    from app.conversations.serving import ConversationsService
-    from app.responses.serving import ResponsesService
+    from app.api.conversations.serving import ConversationsService
+    from app.api.responses.serving import ResponsesService
     from app.sessions.errors import EXPIRED
 
     async with running_service(tmp_path) as (service, _engine):

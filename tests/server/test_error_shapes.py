@@ -162,7 +162,7 @@ async def test_errors_vllms_handlers_answer_take_the_openai_shape(
         server: str, path: str, body: dict[str, Any], status: int, code: str) -> None:
     # Refused inside vLLM's handler (past every check before it), which answers its
     # exception's name as the type and the status as an integer code; the official SDK
-    # and OpenAI's shape expect a string code (app.http_errors.openai_error_bytes).
+    # and OpenAI's shape expect a string code (app.http.errors.openai_error_bytes).
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         response = await http.post(path, json={"model": "embedded-tiny", **body})
         error = assert_openai_error(response, status, code)
@@ -200,7 +200,7 @@ async def test_an_integer_beyond_64_bits_is_a_400_on_vllms_routes(
         server: str, path: str, body: dict[str, Any], field: str) -> None:
     # A no-parser fuzz seed: vLLM takes top_k and stream_interval unbounded, then cannot
     # send them to its engine core ("can't serialize ints"): a 500. Refused and stated,
-    # as our own routes bound their integers (app.openai_sampling.SAMPLING_RANGES).
+    # as our own routes bound their integers (app.vllm_routes.sampling.SAMPLING_RANGES).
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         response = await http.post(path, json={"model": "embedded-tiny", "max_tokens": 2, **body, field: 2**70})
         assert response.status_code == 400, response.text
@@ -247,7 +247,7 @@ async def test_numbers_sent_on_in_extra_args_are_refused_beyond_messagepacks_ran
 async def test_errors_on_anthropics_routes_take_anthropics_shape(
         server: str, path: str, body: dict[str, Any], headers: dict[str, str] | None, status: int, kind: str) -> None:
     # Anthropic's SDK reads {"type": "error", "error": {"type", "message"}} with its own
-    # types, whichever layer refused the request (app.middleware.AnthropicErrorMiddleware).
+    # types, whichever layer refused the request (app.http.middleware.AnthropicErrorMiddleware).
     async with httpx.AsyncClient(base_url=server, headers=headers or auth(), timeout=60) as http:
         response = await http.post(path, json=body)
         assert response.status_code == status, response.text
@@ -321,7 +321,7 @@ async def test_the_schema_does_not_require_what_vllm_fills_in(server: str) -> No
 
 # Input items as a response returned them (with id, status, created_by), which vLLM 0.32
 # converts through model branches that fail on them (500s; schemathesis found them):
-# app/vllm_fixes.py hands them over as dicts.
+# app/vllm_routes/fixes.py hands them over as dicts.
 ITEMS_SENT_BACK = {
     "tool-output-list": {"type": "function_call_output", "call_id": "c", "id": "fco_1", "status": "completed",
                          "created_by": "tool", "output": [{"type": "input_text", "text": "42"}]},
@@ -333,7 +333,7 @@ ITEMS_SENT_BACK = {
 
 @pytest.mark.parametrize("case", sorted(ITEMS_SENT_BACK))
 async def test_input_items_sent_back_as_returned_are_answered(server: str, case: str) -> None:
-    # Stateless (store: false): vLLM's own handler, which app/vllm_fixes.py patches.
+    # Stateless (store: false): vLLM's own handler, which app/vllm_routes/fixes.py patches.
     body = {"model": "embedded-tiny", "max_output_tokens": 1, "store": False,
             "input": [{"role": "user", "content": "hi"}, ITEMS_SENT_BACK[case], {"role": "user", "content": "go on"}]}
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:

@@ -282,13 +282,13 @@ def _comparable(response: httpx.Response) -> Any:
 
 
 async def test_chunk_answers_are_the_same_through_fastapi(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """app/transport/direct_route.py serves chunk appends without FastAPI where FastAPI
+    """app/http/direct_route.py serves chunk appends without FastAPI where FastAPI
     would take them as sent. Oracle: the same server's FastAPI route, reached with an
     ``Origin`` header (which the direct route leaves to vLLM's CORS middleware and
     FastAPI). For each body, valid or not, both answer alike. A spy on the direct path's
-    one call (``rest.owner_of``: FastAPI's path names the owner through app.deps) shows
+    one call (``rest.owner_of``: FastAPI's path names the owner through app.api.deps) shows
     it served the valid bodies sent without ``Origin``, and only those."""
-    from app.sessions import rest
+    from app.api.sessions import rest
 
     served_directly: list[str] = []
 

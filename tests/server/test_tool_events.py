@@ -188,7 +188,7 @@ async def test_a_batch_conversation_with_a_tool_call_is_answered(tool_server: st
     """vLLM's batch route renders a conversation (which turns its tool calls' arguments
     into dicts, in place) and, with a parser, builds its request again from the same
     messages: every conversation with a tool call was refused (400; fresh-seed fuzzing
-    with a parser). app/vllm_fixes.py renders from a copy. Oracle: one answer each."""
+    with a parser). app/vllm_routes/fixes.py renders from a copy. Oracle: one answer each."""
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     conversation = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}]

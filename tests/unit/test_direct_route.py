@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.responses import JSONResponse, Response
 
 from app.errors import APIError
-from app.transport.direct_route import DirectRoute
+from app.http.direct_route import DirectRoute
 
 
 class Body(BaseModel):

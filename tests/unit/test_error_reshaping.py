@@ -12,8 +12,8 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from app.http_errors import anthropic_error_bytes, openai_error_bytes, reshaping_errors
-from app.openai_usage import UsageProvenanceMiddleware
+from app.http.errors import anthropic_error_bytes, openai_error_bytes, reshaping_errors
+from app.vllm_routes.usage import UsageProvenanceMiddleware
 
 VLLM_ERROR = {"error": {"message": "n must be at least 1, got 0.", "type": "BadRequestError", "param": None,
                         "code": 400}}

@@ -11,7 +11,7 @@ import asyncio
 import socket
 from typing import Any
 
-from app.http_protocol import CoalescingTransport
+from app.http.uvicorn_protocol import CoalescingTransport
 
 
 class RecordingTransport:
@@ -90,7 +90,7 @@ async def test_a_whole_response_goes_out_before_the_app_returns() -> None:
     import uvicorn
     from uvicorn.server import ServerState
 
-    from app.http_protocol import CoalescingHttpToolsProtocol
+    from app.http.uvicorn_protocol import CoalescingHttpToolsProtocol
 
     ours, theirs = socket.socketpair()
     transport, _ = await asyncio.get_running_loop().connect_accepted_socket(asyncio.Protocol, ours)

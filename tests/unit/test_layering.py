@@ -12,8 +12,8 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SESSION_TRANSPORTS = {"app.sessions.rest", "app.sessions.ws", "app.sessions.connection"}
-FORBIDDEN_IN_SESSION_LOGIC = ("fastapi", "starlette", "app.engine", "app.main", "app.http_errors", "app.middleware")
+SESSION_TRANSPORTS = {"app.api.sessions.rest", "app.api.sessions.websocket", "app.api.sessions.connection"}
+FORBIDDEN_IN_SESSION_LOGIC = ("fastapi", "starlette", "app.engine", "app.main", "app.http.errors", "app.http.middleware")
 
 
 def module_path(module: str) -> Path | None:
@@ -75,7 +75,7 @@ def test_connectors_import_nothing_of_the_app() -> None:
 
 def test_the_check_sees_a_forbidden_import() -> None:
     """Negative control: a transport does import FastAPI, and the walk finds it."""
-    assert "fastapi" in reached_from("app.sessions.rest")
+    assert "fastapi" in reached_from("app.api.sessions.rest")
 
 
 def test_no_file_in_app_is_over_600_lines() -> None:

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.openai_schema import declare_vllm_input_rules
-from app.sessions.inputs import declare_bounds
-from app.sessions.protocol import (
+from app.protocol import (
     SAFE_INTEGER_MAX,
     ChunkRequest,
     InputAppendEvent,
     SessionCreateRequest,
 )
+from app.sessions.inputs import declare_bounds
+from app.vllm_routes.schema import declare_vllm_input_rules
 
 
 def test_integral_floats_are_integers_as_json_schema_has_them() -> None:
@@ -69,7 +69,7 @@ def test_the_schema_states_the_servers_bounds() -> None:
 
 
 def test_a_responses_seed_is_bounded_where_doubles_are_exact() -> None:
-    from app.responses.protocol import ResponsesCreateRequest
+    from app.api.responses.protocol import ResponsesCreateRequest
 
     seed = next(v for v in ResponsesCreateRequest.model_json_schema()["properties"]["seed"]["anyOf"]
                 if v.get("type") == "integer")
@@ -137,7 +137,7 @@ def test_vllm_rules_found_by_fresh_seeds_are_in_the_schema() -> None:
 
 
 def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_checks_them() -> None:
-    from app.openai_schema import declare_model_limits
+    from app.vllm_routes.schema import declare_model_limits
 
     string_or_null = {"anyOf": [{"type": "string"}, {"type": "null"}]}
     ids = {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]}
@@ -205,7 +205,7 @@ def test_rules_of_vllms_anthropic_conversion_are_in_the_schema() -> None:
     rules, read by a JSON Schema validator, against bodies vLLM answered by hand."""
     import jsonschema
 
-    from app.openai_schema_rules import ANTHROPIC_CONVERSATION, ANTHROPIC_RULES
+    from app.vllm_routes.schema_rules import ANTHROPIC_CONVERSATION, ANTHROPIC_RULES
 
     def conversation(body: dict[str, Any]) -> bool:
         return jsonschema.Draft202012Validator(ANTHROPIC_CONVERSATION).is_valid(body)
@@ -247,7 +247,7 @@ def test_what_the_server_was_started_with_is_in_the_schema() -> None:
     embeddings are off unless enabled: fresh seeds found each refused."""
     import jsonschema
 
-    from app.openai_schema import declare_server_features
+    from app.vllm_routes.schema import declare_server_features
 
     plain = _tool_schema()
     declare_server_features(plain, tool_parsing=False, harmony=False, prompt_embeds=False, multimodal=False)
@@ -287,7 +287,7 @@ def test_rules_between_fields_found_by_the_eleventh_round_are_in_the_schema() ->
     their accepted neighbours (vLLM's validators, read in its source, say which)."""
     import jsonschema
 
-    from app.openai_schema import declare_model_limits
+    from app.vllm_routes.schema import declare_model_limits
 
     text_or_list = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
     schema: dict[str, Any] = {"components": {"schemas": {
@@ -336,7 +336,7 @@ def test_logit_bias_names_token_ids_below_the_vocabulary() -> None:
     """vLLM takes int() of each key and refuses ids out of the vocabulary (a batch with
     a key that is no number was refused in a fresh seed). Oracle: every integer around
     the bound, against the pattern."""
-    from app.openai_schema import decimal_below, declare_model_limits
+    from app.vllm_routes.schema import decimal_below, declare_model_limits
 
     for vocab in (1, 10, 732, 49152):
         pattern = re.compile(decimal_below(vocab))
@@ -356,7 +356,7 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
     refused it: a thinking part without its text, which the strict pass now refuses."""
     import jsonschema
 
-    from app.openai_schema import declare_filled_in_fields
+    from app.vllm_routes.schema import declare_filled_in_fields
 
     file_part, custom_call = ({"$ref": "#/components/schemas/File"},
                               {"$ref": "#/components/schemas/ChatCompletionMessageCustomToolCallParam"})
@@ -376,7 +376,7 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
     assert components["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0]["minimum"] == -1
     assert components["ChatCompletionRequest"]["properties"]["top_logprobs"]["anyOf"][0]["minimum"] == -1
     # Up to the engine's max_logprobs; -1 (the vocabulary) only where that is no more.
-    from app.openai_schema import declare_model_limits
+    from app.vllm_routes.schema import declare_model_limits
 
     declare_model_limits(schema, 732, 2048, max_logprobs=20)
     assert components["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0] == {
@@ -385,7 +385,7 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
     assert components["ChatCompletionAssistantMessageParam"]["properties"]["tool_calls"]["items"]["anyOf"] == [
         {"$ref": "#/F"}]
     # A thinking part is as its model says: the strict pass now refuses one that is not
-    # (app.openai_routes.typed_part_errors), where vLLM's union of parts took any object.
+    # (app.vllm_routes.routes.typed_part_errors), where vLLM's union of parts took any object.
     assert components["CustomThinkCompletionContentParam"]["required"] == ["thinking", "type"]
     assert components["CustomThinkCompletionContentParam"]["properties"]["closed"] == {"type": "boolean"}
     chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
@@ -401,7 +401,7 @@ def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
     chat continuing its last message while add_generation_prompt kept its default."""
     import jsonschema
 
-    from app.openai_schema import declare_model_limits
+    from app.vllm_routes.schema import declare_model_limits
 
     integer = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
     schema: dict[str, Any] = {"components": {"schemas": {
@@ -435,7 +435,7 @@ def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
 
 
 def _responses_schema(tool_parsing: bool) -> dict[str, Any]:
-    from app.responses.protocol import declare_stored_response_rules
+    from app.api.responses.protocol import declare_stored_response_rules
 
     string_or_list = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
     anything = {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]}
@@ -476,11 +476,11 @@ def _responses_schema(tool_parsing: bool) -> dict[str, Any]:
 def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_takes() -> None:
     """A stored response (a session) refuses what vLLM's handler takes (stop strings,
     input items but text messages and function calls, tools but function tools): the
-    body is one of two, told apart as app/responses/api_router.py tells them. Oracle:
+    body is one of two, told apart as app/api/responses/api_router.py tells them. Oracle:
     the published body, read by a JSON Schema validator, on each side of the split."""
     import jsonschema
 
-    from app.responses.protocol import STATELESS_BODY
+    from app.api.responses.protocol import STATELESS_BODY
 
     def validator(schema: dict[str, Any]) -> Any:
         body = schema["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -544,8 +544,8 @@ def test_the_seventeenth_rounds_findings_are_in_the_schema() -> None:
     more than the model's length, a stored one more than a chunk's cap."""
     import jsonschema
 
-    from app.openai_schema import declare_model_limits
     from app.sessions.inputs import declare_bounds
+    from app.vllm_routes.schema import declare_model_limits
 
     number = {"anyOf": [{"type": "number"}, {"type": "null"}]}
     output = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
@@ -577,8 +577,8 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
     import jsonschema
     from vllm.exceptions import VLLMValidationError
 
-    from app.openai_sampling import check_sampling
-    from app.openai_schema import declare_model_limits
+    from app.vllm_routes.sampling import check_sampling
+    from app.vllm_routes.schema import declare_model_limits
 
     file_part = {"$ref": "#/components/schemas/ResponseInputFileParam"}
     output_file = {"$ref": "#/components/schemas/ResponseInputFileContentParam"}
@@ -622,7 +622,7 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
     import jsonschema
     import vllm.envs
 
-    from app.openai_schema import declare_server_features
+    from app.vllm_routes.schema import declare_server_features
 
     number = {"anyOf": [{"type": "number"}, {"type": "null"}]}
     parts = {"anyOf": [{"$ref": "#/components/schemas/ResponseInputText"},
@@ -694,14 +694,14 @@ def test_numbers_vllm_sends_its_engine_core_in_extra_args_fit_messagepack() -> N
     ``ec_transfer_params`` held an integer beyond 64 bits, schema-valid, refused by vLLM
     ("extra_args integers must be between -2**63 and 2**64 - 1"). Oracle: vLLM's own
     SamplingParams on each value's integers, against the published schema and the
-    server's check (app.openai_sampling.check_sampling), which must agree on every body;
+    server's check (app.vllm_routes.sampling.check_sampling), which must agree on every body;
     a number that is not an integer, the schema bounds as JSON Schema must (an integral
     float is an integer to it), and the server's check refuses the same."""
     import jsonschema
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    from app.openai_sampling import check_sampling
+    from app.vllm_routes.sampling import check_sampling
 
     free = {"anyOf": [{"type": "object", "additionalProperties": True}, {"type": "null"}]}
     scalar = [{"type": "string"}, {"type": "integer"}, {"type": "number"}]
@@ -746,7 +746,7 @@ def test_free_form_transfer_params_nest_as_deep_as_the_schema_says() -> None:
     import jsonschema
     from vllm.exceptions import VLLMValidationError
 
-    from app.openai_sampling import FREE_FORM_DEPTH, check_sampling
+    from app.vllm_routes.sampling import FREE_FORM_DEPTH, check_sampling
 
     schema: dict[str, Any] = {"components": {"schemas": {"TransferRequest": {"properties": {
         "kv_transfer_params": {"anyOf": [{"type": "object", "additionalProperties": True}, {"type": "null"}]}}}}}}
@@ -803,7 +803,7 @@ def test_the_stateless_body_offers_the_input_items_vllm_converts() -> None:
     item ("Unsupported input item type"); off a harmony model it converts messages (any
     item with a role where pydantic leaves it a dict, which the schema cannot say), function
     and custom tool calls and their outputs, reasoning."""
-    from app.responses.protocol import STATELESS_BODY, declare_stored_response_rules
+    from app.api.responses.protocol import STATELESS_BODY, declare_stored_response_rules
 
     def schema() -> dict[str, Any]:
         kinds = {"Mcp": "mcp_approval_response", "Call": "function_call", "Reasoning": "reasoning"}
@@ -830,15 +830,15 @@ def rule_disagreements(request_model: Any, component: str, bodies: Any) -> list[
     """The bodies on which ``component``'s published rules between fields
     (CROSS_FIELD_RULES, read by a JSON Schema validator) and what the server runs on a
     body disagree, with whether the server takes it: vLLM's request validation,
-    app.openai_sampling.check_sampling, then the handler's sampling or beam search
+    app.vllm_routes.sampling.check_sampling, then the handler's sampling or beam search
     parameters."""
     import jsonschema
     from pydantic import ValidationError
     from vllm.exceptions import VLLMValidationError
 
     from app.errors import APIError
-    from app.openai_sampling import check_sampling
-    from app.openai_schema_rules import CROSS_FIELD_RULES
+    from app.vllm_routes.sampling import check_sampling
+    from app.vllm_routes.schema_rules import CROSS_FIELD_RULES
 
     rules = jsonschema.Draft202012Validator({"allOf": CROSS_FIELD_RULES[component]})
     disagreements = []
@@ -887,8 +887,8 @@ def test_a_completions_beam_width_is_bounded_by_half_the_engines_logprobs() -> N
     import jsonschema
     from vllm.entrypoints.generate.beam_search import online
 
-    from app.openai_schema import declare_model_limits
-    from app.openai_schema_rules import CROSS_FIELD_RULES
+    from app.vllm_routes.schema import declare_model_limits
+    from app.vllm_routes.schema_rules import CROSS_FIELD_RULES
 
     assert "logprobs_num = 2 * beam_width" in inspect.getsource(online)
     schema: dict[str, Any] = {"components": {"schemas": {

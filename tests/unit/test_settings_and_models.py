@@ -105,7 +105,7 @@ def test_embedded_model_is_deterministic(tmp_path: Path) -> None:
 def test_our_routes_come_first_and_shadow_none_of_vllms() -> None:
     """Our routes are matched first (the router and vLLM's metrics instrumentator walk
     routes in order), which is only sound while none of ours has a vLLM path."""
-    from app.api import api_router
+    from app.api.routes import api_router
     from app.main import create_app
 
     routes = create_app(Settings(_env_file=None)).router.routes

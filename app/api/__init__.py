@@ -1,0 +1,1 @@
+"""Our APIs, one package each: what a client calls."""

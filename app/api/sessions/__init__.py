@@ -1,0 +1,1 @@
+"""The sessions API: REST, SSE and the session websocket."""

@@ -1,0 +1,47 @@
+"""Thin websocket transport: accept, find or create the session, hand over."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, WebSocket
+
+from app.api.deps import OwnerDep, RouteKeyDep, ServiceDep
+from app.api.sessions.connection import SessionConnection
+from app.errors import APIError
+from app.http.websocket import refusal_close_code
+from app.protocol import ErrorDetail, ErrorEvent, SessionCreateRequest
+
+router = APIRouter(tags=["sessions"])
+
+
+@router.websocket("/v1/sessions/ws")
+async def new_session_ws(websocket: WebSocket, service: ServiceDep, owner: OwnerDep, route_key: RouteKeyDep) -> None:
+    """Open a new session for this connection; it closes when the connection does."""
+    await websocket.accept()
+    try:
+        session = await service.create(owner, SessionCreateRequest(), session_id=websocket.headers.get("x-session-id"),
+                                       route_key=route_key)
+    except APIError as exc:
+        await _refuse(websocket, exc)
+        return
+    await SessionConnection(websocket, service, owner, session, owns_session=True).run(created=True)
+
+
+@router.websocket("/v1/sessions/{session_id}/ws")
+async def attach_session_ws(websocket: WebSocket, session_id: str, service: ServiceDep, owner: OwnerDep) -> None:
+    """Attach to an existing session; it stays open when the connection ends."""
+    await websocket.accept()
+    try:
+        session = await service.attach_connection(owner, session_id)
+    except APIError as exc:
+        await _refuse(websocket, exc)
+        return
+    await SessionConnection(websocket, service, owner, session, owns_session=False).run(created=False)
+
+
+async def _refuse(websocket: WebSocket, error: APIError) -> None:
+    event = ErrorEvent(
+        event_id="event_refused",
+        error=ErrorDetail(type=error.type, code=error.code, message=error.message, param=error.param),
+    )
+    await websocket.send_text(event.model_dump_json())
+    await websocket.close(code=refusal_close_code(error), reason=error.code)
