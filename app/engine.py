@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
-from app.sessions.admission import OBSERVER_ATTRIBUTE, SchedulerObserver
+from app.metrics import SchedulerObserver
 from app.settings import GIB, Settings
 from connectors import (
     DISK_TIER_BYTES_KEY,
@@ -190,9 +191,18 @@ def build_engine(settings: Settings) -> AsyncLLM:
                 log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats,
                 usage_context=usage, stat_loggers=[observer.logger_factory],
             )
-    # The admission backstop reads it (app.sessions.admission.observer_of).
-    setattr(engine, OBSERVER_ATTRIBUTE, observer)
+    _observers[engine] = observer
     return engine
+
+
+# Each engine build_engine made, with the observer of its scheduler (app.wiring hands it
+# to the admission backstop); engines built elsewhere have none.
+_observers: weakref.WeakKeyDictionary[Any, SchedulerObserver] = weakref.WeakKeyDictionary()
+
+
+def scheduler_observer(engine: Any) -> SchedulerObserver | None:
+    """The observer ``build_engine`` gave this engine's scheduler, if it built it."""
+    return _observers.get(engine)
 
 
 async def flush_disk_tier(engine: AsyncLLM, timeout_s: float = 30.0) -> None:

@@ -21,12 +21,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from app.api.conversations.serving import ConversationsService
 from app.api.responses.protocol import declare_stored_response_rules
-from app.api.responses.serving import ResponsesService
 from app.api.routes import api_router
 from app.api.sessions import rest
-from app.cache_salt import cache_salter
+from app.api.sessions.protocol import ChunkRequest
 from app.engine import EngineConfigError, flush_disk_tier, kv_transfer_config, shutdown_engine
 from app.http.auth import APIKeyMiddleware
 from app.http.direct_route import DirectRoute
@@ -35,18 +33,16 @@ from app.http.middleware import (
     AnthropicErrorMiddleware,
     BodySizeLimitMiddleware,
     EngineDeadMiddleware,
-    OpenAIRequestMiddleware,
     RateLimitMiddleware,
     ReplicaHeaderMiddleware,
 )
 from app.http.uvicorn_protocol import CoalescingHttpToolsProtocol
-from app.limits import KeyLimits
 from app.models.smollm2 import ModelUnavailable
-from app.protocol import ChunkRequest
 from app.sessions.service import SessionService
 from app.settings import Settings, load_settings
 from app.store.cluster import ReplicaConflict
 from app.vllm_routes import fixes as vllm_fixes
+from app.vllm_routes.requests import OpenAIRequestMiddleware
 from app.vllm_routes.routes import (
     drop_replaced_routes,
     drop_routes_the_model_cannot_serve,
@@ -63,6 +59,7 @@ from app.vllm_routes.schema import (
     patch_openapi,
 )
 from app.vllm_routes.usage import UsageProvenanceMiddleware
+from app.wiring import EdgeParts, build_serving
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +119,7 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.title = "streaming-sessions"
     app.description = "Streaming-input LLM sessions over REST and websocket, beside vLLM's OpenAI API."
     vllm_lifespan = app.router.lifespan_context
-    limits = KeyLimits(settings)
-    salter = cache_salter(settings)  # one for the middleware and the sessions
+    edge = EdgeParts.from_settings(settings)  # one limits and one salter, shared with the services
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -133,12 +129,9 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         llm = engine if engine is not None else build_engine(settings)
         await init_app_state(llm, app.state, args, SUPPORTED_TASKS)
         drop_routes_the_model_cannot_serve(app)
-        service = SessionService.on_engine(llm, settings, limits=limits, salter=salter)
-        app.state.settings = settings
-        app.state.provenance = service.recorder
-        app.state.session_service = service
-        app.state.responses_service = ResponsesService(service)
-        app.state.conversations_service = ConversationsService(app.state.responses_service)
+        serving = build_serving(llm, settings, edge)
+        serving.install(app.state)
+        service = serving.sessions
         try:
             await service.start()
         except ReplicaConflict as conflict:
@@ -189,16 +182,17 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.add_middleware(UsageProvenanceMiddleware)
     app.add_middleware(EngineDeadMiddleware)
     body_routes = openai_body_routes(
-        app, strict=settings.openai_strict_validation, generating=salter is not None or limits.counts_tokens,
+        app, strict=settings.openai_strict_validation, generating=edge.salter is not None or edge.limits.counts_tokens,
     )
     drop_replaced_routes(app)
     if body_routes:
         app.add_middleware(
-            OpenAIRequestMiddleware, routes=body_routes, salter=salter, limits=limits if limits.counts_tokens else None,
+            OpenAIRequestMiddleware, routes=body_routes, salter=edge.salter,
+            limits=edge.limits if edge.limits.counts_tokens else None,
             default_max_tokens=settings.max_chunk_output_tokens,
         )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    app.add_middleware(RateLimitMiddleware, limits=limits)
+    app.add_middleware(RateLimitMiddleware, limits=edge.limits)
     if settings.replica_name:
         app.add_middleware(ReplicaHeaderMiddleware, replica_name=settings.replica_name)
     app.add_middleware(

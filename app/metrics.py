@@ -1,4 +1,5 @@
-"""Our Prometheus metrics, registered beside vLLM's in the default registry."""
+"""Our Prometheus metrics, registered beside vLLM's in the default registry, and the
+engine scheduler's own counts as its stat loggers report them."""
 
 from __future__ import annotations
 
@@ -96,3 +97,46 @@ def session_metrics() -> SessionMetrics:
     if _metrics is None:
         _metrics = SessionMetrics()
     return _metrics
+
+
+class SchedulerObserver:
+    """The engine scheduler's own view, as its stat loggers see it each step.
+
+    The admission estimate (``app.sessions.admission``) can be wrong (a request may hold
+    more than it counts); this is the ground truth the service checks as a backstop: requests waiting to be
+    scheduled while none runs means the device is held by requests that are not
+    running, idle sessions among them, and nothing will free it by itself.
+    """
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.updates = 0
+
+    def logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        """A vLLM ``StatLoggerFactory`` (pass it in ``AsyncLLM``'s ``stat_loggers``)."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        observer = self
+
+        class _SchedulerStatsLogger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is not None:
+                    observer.num_running = int(scheduler_stats.num_running_reqs)
+                    observer.num_waiting = int(scheduler_stats.num_waiting_reqs)
+                    observer.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                    observer.updates += 1
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _SchedulerStatsLogger(vllm_config, engine_index)
+
+    @property
+    def stalled(self) -> bool:
+        """Requests wait to be scheduled and none runs."""
+        return self.num_waiting > 0 and self.num_running == 0

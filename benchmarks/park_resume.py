@@ -45,11 +45,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from vllm.inputs.engine import tokens_input
 
     from app.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
-    from app.sessions.service import SessionService
+    from app.wiring import session_service
 
     setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
     engine, recorder, settings = in_process_engine(setup, "park-bench", session_park_after_s=3600)
-    service = SessionService.on_engine(engine, settings, recorder)
+    service = session_service(engine, settings, recorder=recorder)
     await service.start()
     rng = random.Random(args.seed)
     defaults = SessionDefaults(temperature=0.0, ignore_eos=True)

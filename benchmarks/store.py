@@ -56,10 +56,10 @@ class Bench:
 
     @contextlib.asynccontextmanager
     async def service(self, store_url: str) -> AsyncIterator[Any]:
-        from app.sessions.service import SessionService
+        from app.wiring import session_service
 
-        service = SessionService.on_engine(
-            self.engine, self.settings.model_copy(update={"store_url": store_url}), self.recorder
+        service = session_service(
+            self.engine, self.settings.model_copy(update={"store_url": store_url}), recorder=self.recorder
         )
         await service.start()
         try:

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 import httpx
 
-from app.protocol import ChunkUsage, SessionDefaults, SessionObject, TranscriptResponse
+from app.api.sessions.protocol import TranscriptResponse
+from app.protocol import ChunkUsage, SessionDefaults, SessionObject
 from clients.errors import APIConnectionError, APIStatusError, APITimeoutError, error_from_body
 
 Transport = Literal["rest", "websocket"]

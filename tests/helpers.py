@@ -33,6 +33,9 @@ ATTENTION_KERNELS = ["auto", "no-amx"] if cpu_has_amx() else ["auto"]
 # The session services of the apps running_app serves in this process (on the shared
 # engine), whose idle sessions reset_device_prefix_cache parks.
 RUNNING_SERVICES: list[tuple[Any, Any]] = []
+# The apps running_app serves in this process, by URL: a test that needs a hook inside
+# the server (a race made certain) reaches its serving objects here.
+RUNNING_APPS: dict[str, Any] = {}
 # Which kernels the engines of this test run actually ran, for the summary line.
 KERNELS_RAN: set[str] = set()
 # The tests during which a session's engine request ended on its own and its chunk was
@@ -243,9 +246,12 @@ async def running_app(settings: Settings, engine: Any) -> AsyncIterator[str]:
     port = uv_server.servers[0].sockets[0].getsockname()[1]
     running = (app.state.session_service, engine)
     RUNNING_SERVICES.append(running)
+    url = f"http://127.0.0.1:{port}"
+    RUNNING_APPS[url] = app
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
+        RUNNING_APPS.pop(url, None)
         RUNNING_SERVICES.remove(running)
         uv_server.should_exit = True
         await asyncio.wait_for(task, 30)

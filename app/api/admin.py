@@ -8,9 +8,9 @@ import hmac
 from fastapi import APIRouter, Request
 
 from app.api.deps import EngineDep, ServiceDep
+from app.api.sessions.protocol import ResetCacheResponse
 from app.errors import APIError, OpenAIErrorBody
 from app.http.auth import bearer_token
-from app.protocol import ResetCacheResponse
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 

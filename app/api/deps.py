@@ -13,8 +13,10 @@ from fastapi import Depends
 from starlette.requests import HTTPConnection
 
 from app.api.conversations.serving import ConversationsService
+from app.api.realtime.serving import RealtimeService
 from app.api.responses.serving import ResponsesService
-from app.http.middleware import owner_of
+from app.http.auth import owner_of
+from app.limits import KeyLimits
 from app.routing import ROUTE_KEY_HEADER, valid_key
 from app.sessions.service import SessionService
 
@@ -29,6 +31,15 @@ async def get_responses_service(connection: HTTPConnection) -> ResponsesService:
 
 async def get_conversations_service(connection: HTTPConnection) -> ConversationsService:
     return connection.app.state.conversations_service
+
+
+async def get_realtime_service(connection: HTTPConnection) -> RealtimeService:
+    return connection.app.state.realtime_service
+
+
+async def get_limits(connection: HTTPConnection) -> KeyLimits:
+    """The per-key limits the edge enforces (a websocket counts each event against them)."""
+    return connection.app.state.limits
 
 
 async def get_owner(connection: HTTPConnection) -> str:
@@ -49,6 +60,8 @@ async def get_engine(connection: HTTPConnection) -> Any:
 ServiceDep = Annotated[SessionService, Depends(get_session_service)]
 ResponsesDep = Annotated[ResponsesService, Depends(get_responses_service)]
 ConversationsDep = Annotated[ConversationsService, Depends(get_conversations_service)]
+RealtimeDep = Annotated[RealtimeService, Depends(get_realtime_service)]
+LimitsDep = Annotated[KeyLimits, Depends(get_limits)]
 OwnerDep = Annotated[str, Depends(get_owner)]
 EngineDep = Annotated[Any, Depends(get_engine)]
 RouteKeyDep = Annotated[str | None, Depends(get_route_key)]

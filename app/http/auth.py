@@ -74,3 +74,8 @@ class APIKeyMiddleware:
             return
         await send_refusal(scope, receive, send, unauthorized(), ws_close_code=1008,
                            extra_headers=[(b"www-authenticate", b"Bearer")])
+
+
+def owner_of(scope: Scope) -> str:
+    """The caller, as the API-key middleware named it in the scope."""
+    return str(scope.get("state", {}).get("owner", ANONYMOUS))

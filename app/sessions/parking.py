@@ -21,10 +21,10 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.inputs.engine import tokens_input
 
-from app.metrics import SessionMetrics
+from app.metrics import SchedulerObserver, SessionMetrics
 from app.provenance import ProvenanceRecorder
 from app.sessions import errors
-from app.sessions.admission import DeviceCapacity, DeviceLoad, SchedulerObserver
+from app.sessions.admission import DeviceCapacity, DeviceLoad
 from app.sessions.registry import SessionRegistry
 from app.sessions.session import StreamingSession
 

@@ -9,6 +9,10 @@ done-callback releases everything, however the task ends: completion, an error, 
 cancellation before its first step, or a consumer that went away. Consumers only read
 ``events()`` or ``result()``; leaving either early cancels the chunk (it is undone, the
 session stays), and ``stop()`` ends the answer early and keeps what it generated.
+
+Once committed, a chunk is not undone: a cancel then is a no-op, and what the turn
+leaves besides the session (``on_commit``: a stored response, conversation items) is
+written by the run's own task, whatever its consumer does meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from app.sessions.session import StreamingSession
 logger = logging.getLogger(__name__)
 
 ChunkEvent = ChunkDelta | ChunkResult
+# A turn's durable effects beside its session, written once its chunk is committed.
+AfterCommit = Callable[[ChunkResult], Awaitable[None]]
 _END: Final = object()
 
 
@@ -42,6 +48,7 @@ class ChunkRun:
     ) -> None:
         self.session = session
         self.committed = False  # set by the producer once the store holds the chunk
+        self.after_commit: AfterCommit | None = None  # set through on_commit
         # Set to end the answer early, keeping the session (StreamingSession.generate).
         self.stop_requested = asyncio.Event()
         self._release = release
@@ -95,10 +102,19 @@ class ChunkRun:
         """End the answer at its next token; the session keeps what was generated."""
         self.stop_requested.set()
 
+    def on_commit(self, effects: AfterCommit) -> None:
+        """Write ``effects`` once the chunk is committed, in the run's task. Called by
+        whoever started the run before its next await: a chunk commits only after
+        engine steps, which need the event loop, so it cannot have committed yet."""
+        if self.committed:
+            raise RuntimeError("on_commit after the chunk was committed: its effects would be lost")
+        self.after_commit = effects
+
     def cancel(self) -> None:
         """Undo the chunk: its engine request is aborted and the session, parked, is as
-        it was before it."""
-        self._task.cancel()
+        it was before it. A committed chunk is kept (its effects are being written)."""
+        if not self.committed:
+            self._task.cancel()
 
     async def events(self) -> AsyncGenerator[ChunkEvent, None]:
         """Deltas, then the result; raises what ended the chunk (an ``APIError``).

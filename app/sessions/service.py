@@ -12,25 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
-from app.cache_salt import CacheSalter, cache_salter
+from app.cache_salt import CacheSalter
 from app.errors import APIError
 from app.limits import KeyLimits
-from app.metrics import SessionMetrics, session_metrics
-from app.protocol import (
-    SamplingOptions,
-    SessionCreateRequest,
-    SessionDefaults,
-    SessionObject,
-)
+from app.metrics import SchedulerObserver, SessionMetrics
+from app.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults, SessionObject
 from app.provenance import ProvenanceRecorder
 from app.sessions import chat, errors, inputs
-from app.sessions.admission import DeviceCapacity, SchedulerObserver, observer_of
+from app.sessions.admission import DeviceCapacity
 from app.sessions.chunk import ENGINE_ERROR, ChunkResult
 from app.sessions.errors import ChunkRefusedError, SessionFailedError
 from app.sessions.parking import Parking
@@ -40,7 +34,6 @@ from app.sessions.session import StreamingSession
 from app.settings import Settings
 from app.store import NullStore, SessionStore, StoreUnavailableError
 from app.store.cluster import ClusterMembership
-from app.tools.parsing import ReplyParsers
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +49,6 @@ class SessionService:
         self._settings = settings
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.parsers = ReplyParsers(tokenizer, settings.resolved_tool_call_parser(), settings.reasoning_parser,
-                                    settings.tool_strict_level)
         self._metrics = metrics
         self.recorder = recorder
         self._salter = salter
@@ -82,33 +73,6 @@ class SessionService:
         self.unready = False
         self.draining = False
 
-    @classmethod
-    def on_engine(
-        cls, engine: Any, settings: Settings, recorder: ProvenanceRecorder | None = None,
-        store: SessionStore | None = None, limits: KeyLimits | None = None,
-        salter: CacheSalter | None = None,
-    ) -> SessionService:
-        """The service as the server builds it: the served model's name, the engine's
-        tokenizer, the process-wide metrics, the store of the settings (or ``store``),
-        a provenance recorder attached to the engine (pass one already attached
-        to reuse it), and the server's cache salter (or the settings')."""
-        from app.store import open_store
-
-        if recorder is None:
-            recorder = ProvenanceRecorder(disk_tier=settings.disk_tier_gib > 0)
-            recorder.attach(engine)
-        tokenizer = engine.get_tokenizer()
-        if (chat_template := settings.resolved_chat_template()) is not None:
-            # As vLLM's routes render (--chat-template); on a copy: the engine's is shared.
-            tokenizer = copy.copy(tokenizer)
-            tokenizer.chat_template = chat_template
-        return cls(
-            engine=engine, settings=settings, model_name=settings.resolved_served_model_name(),
-            tokenizer=tokenizer, metrics=session_metrics(), recorder=recorder,
-            store=store if store is not None else open_store(settings), salter=salter or cache_salter(settings),
-            limits=limits, observer=observer_of(engine),
-        )
-
     def cache_salt(self, owner: str) -> str | None:
         """The owner's prefix-cache namespace, or None where keys share one."""
         return self._salter.salt(owner) if self._salter is not None else None
@@ -126,6 +90,11 @@ class SessionService:
     @property
     def store(self) -> SessionStore:
         return self.registry.store
+
+    @property
+    def max_context(self) -> int:
+        """The longest context a session may reach (the settings' and the engine's bound)."""
+        return self.registry.max_context
 
     @property
     def capacity(self) -> DeviceCapacity:
@@ -258,6 +227,35 @@ class SessionService:
 
     async def list_sessions(self, owner: str) -> list[SessionObject]:
         return await self.registry.list_sessions(owner)
+
+    async def stored_context(self, owner: str, session_id: str, num_chunks: int,
+                             num_tokens: int) -> tuple[list[int] | None, chat.ChatState | None]:
+        """``owner``'s session as it was after its first ``num_chunks`` chunks: its token ids
+        and its conversation, as the store keeps them; where the store keeps no
+        transcripts, the first ``num_tokens`` of the session in memory, if it is held.
+        None for what neither has."""
+        record = await self.store.get(session_id)
+        prefix = await self.store.transcript_at(session_id, num_chunks)
+        conversation = None if record is None else chat.ChatState.load(record.chat)
+        if prefix is None:
+            try:
+                session = await self.registry.get(owner, session_id, include_closed=True)
+            except APIError:
+                return None, conversation
+            prefix, conversation = session.token_ids[:num_tokens], session.chat
+        return prefix, conversation
+
+    async def close_least_recent_idle(self, prefix: str) -> bool:
+        """Close the least recently used idle session whose id starts with ``prefix``, to
+        make room (a Responses chain, continued later by a fork from the store); False
+        if there is none."""
+        idle = [s for s in self.registry.held.values()
+                if s.id.startswith(prefix) and not s.lock.locked() and not s.closed]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda s: s.last_activity)
+        await self.close(oldest.owner, oldest.id, reason="evicted")
+        return True
 
     def refuse_if_draining(self) -> None:
         """New work (a session, a chunk, a connection) is refused while the server drains."""
@@ -404,6 +402,8 @@ class SessionService:
                             raise
                         run.committed = True
                         self._metrics.observe_chunk(event, transport)
+                        if run.after_commit is not None:
+                            await run.after_commit(event)  # by the chunk's owner, not its consumer
                     yield event
             except ChunkRefusedError as exc:
                 raise errors.chunk_refused(exc) from exc

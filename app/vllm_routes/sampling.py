@@ -9,12 +9,7 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
-from app.protocol import (
-    MAX_REPETITION_PENALTY,
-    MIN_REPETITION_PENALTY,
-    MIN_TOP_P,
-    SAFE_INTEGER_MAX,
-)
+from app.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TOP_P, SAFE_INTEGER_MAX
 
 # Sampling values vLLM takes but its float32 sampler holds as 0 or inf (a repetition_penalty
 # of 5e-324 divided the logits by zero and killed a constrained reply in the grammar check:

@@ -655,7 +655,7 @@ class InProcessHarness:
 
     async def __aenter__(self) -> InProcessBackend:
         from app.engine import build_engine
-        from app.sessions.service import SessionService
+        from app.wiring import session_service
         from connectors.cpu_platform import ATTENTION_ENV
         from tests.helpers import environment, record_attention_kernels
 
@@ -664,7 +664,7 @@ class InProcessHarness:
         with environment(**{ATTENTION_ENV: self.attention, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}):
             self.engine = build_engine(self.settings)
         self.kernels = await record_attention_kernels(self.engine)
-        self.service = SessionService.on_engine(self.engine, self.settings)
+        self.service = session_service(self.engine, self.settings)
         await self.service.start()
         assert self.service.recorder is not None
         return InProcessBackend(self.engine, self.service, self.service.recorder)

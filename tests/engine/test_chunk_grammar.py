@@ -20,6 +20,7 @@ from app.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.chat import ChatState
 from app.sessions.inputs import Turn
 from app.sessions.service import SessionService
+from app.wiring import session_service
 from tests.conftest import make_settings
 
 pytestmark = pytest.mark.engine
@@ -43,7 +44,7 @@ async def answer(service: SessionService, session_id: str, chunk: Any) -> str:
 
 
 async def test_a_chunks_grammar_applies_to_that_chunk_alone(engine: Any) -> None:
-    service = SessionService.on_engine(engine, make_settings())
+    service = session_service(engine, make_settings())
     await service.start()
     try:
         later = await service.create("owner", SessionCreateRequest())

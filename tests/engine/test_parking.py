@@ -28,6 +28,7 @@ from app.sessions.chunk import ChunkResult
 from app.sessions.inputs import Turn
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
+from app.wiring import session_service
 from tests.conftest import make_settings
 from tests.helpers import (
     generate_once,
@@ -45,7 +46,7 @@ OWNER = "owner"
 
 
 def make_service(engine: Any, **overrides: Any) -> SessionService:
-    return SessionService.on_engine(engine, make_settings(**overrides))
+    return session_service(engine, make_settings(**overrides))
 
 
 async def open_session(service: SessionService) -> StreamingSession:

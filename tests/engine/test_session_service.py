@@ -9,6 +9,7 @@ import pytest
 
 from app.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.service import SessionService
+from app.wiring import session_service
 from tests.conftest import make_settings
 from tests.helpers import live_request_ids, wait_until_gone
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.engine
 
 
 def make_service(engine: Any, **overrides: Any) -> SessionService:
-    return SessionService.on_engine(engine, make_settings(**overrides))
+    return session_service(engine, make_settings(**overrides))
 
 
 async def test_idle_session_expires_and_frees_its_request(engine: Any) -> None:

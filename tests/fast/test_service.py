@@ -302,9 +302,12 @@ async def test_an_expired_conversation_reopens_with_its_items_and_context(tmp_pa
     from app.api.conversations.serving import ConversationsService
     from app.api.responses.serving import ResponsesService
     from app.sessions.errors import EXPIRED
+    from app.tools.parsing import ReplyParsers
 
-    async with running_service(tmp_path) as (service, _engine):
-        conversations = ConversationsService(ResponsesService(service))
+    async with running_service(tmp_path) as (service, engine):
+        tokenizer = engine.get_tokenizer()
+        conversations = ConversationsService(
+            ResponsesService(service, service.store, tokenizer, ReplyParsers(tokenizer, None, None)))
         conversation_id = (await conversations.create(OWNER, [{"role": "user", "content": "hello"}], None))["id"]
         first = await chunk(service, conversation_id, [1, 2, 3])
         context = list((await service.get(OWNER, conversation_id)).token_ids)

@@ -101,6 +101,57 @@ async def test_a_chain_is_one_session_and_an_older_turn_forks(client: openai.Asy
     assert (await session_of(http, first.id))["num_chunks"] == 4 and fourth.status in ("completed", "incomplete")
 
 
+async def test_a_turn_is_stored_by_its_chunk_when_its_consumer_is_cancelled_right_after_the_commit(
+        server: str, client: openai.AsyncOpenAI, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn's durable effects (its stored response, its conversation's items) have one
+    owner: the chunk, which writes them after its commit. The window is made certain:
+    the server's commit is wrapped so that the stream's consumer (the task the SSE route
+    would run) is cancelled the moment the chunk is committed, before it reads the
+    result. Oracles: the session (the turn is in it), the stored response over HTTP
+    (200, completed, the answer the session holds), and the chain continuing from it on
+    the same session (a fork would open a second one). Before the fix the consumer
+    stored the response after the event loop, and this answered 404."""
+    from app.api.responses.protocol import ResponsesCreateRequest
+    from app.api.responses.streaming import response_events
+    from app.http.auth import key_owner
+    from tests.helpers import RUNNING_APPS
+
+    state = RUNNING_APPS[server].state
+    responses, sessions = state.responses_service, state.session_service
+    owner = key_owner(API_KEYS[0])
+    request = ResponsesCreateRequest.model_validate(
+        {"model": MODEL, "input": "one", "max_output_tokens": 4, "temperature": 0, "stream": True})
+    pending = await responses.start(owner, request)
+
+    async def consume() -> None:
+        async for _event in response_events(responses, owner, pending):
+            pass
+
+    consumer = asyncio.create_task(consume())
+    commit = sessions.registry.commit
+
+    async def commit_then_lose_the_consumer(*args: Any, **kwargs: Any) -> Any:
+        committed = await commit(*args, **kwargs)
+        consumer.cancel()
+        return committed
+
+    monkeypatch.setattr(sessions.registry, "commit", commit_then_lose_the_consumer)
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    await pending.run.released
+    monkeypatch.undo()
+
+    session = await session_of(http, pending.session_id)
+    assert session["num_chunks"] == 1  # the turn is in the session
+    stored = await client.responses.retrieve(pending.id)
+    assert stored.status in ("completed", "incomplete") and stored.id == pending.id
+    transcript = (await http.get(f"/v1/sessions/{pending.session_id}/transcript")).json()
+    assert stored.output_text and clean(stored.output_text) in clean(transcript["text"])
+    later = await respond(client, "two", previous_response_id=pending.id)
+    assert later.status in ("completed", "incomplete")
+    assert (await session_of(http, pending.session_id))["num_chunks"] == 2  # continued, not forked
+
+
 async def test_a_conversation_keeps_its_items_and_renders_a_deleted_one_away(
         client: openai.AsyncOpenAI, http: httpx.AsyncClient, tokenizer: Any) -> None:
     # A head of several KV blocks (32 tokens here), which a cut keeps.

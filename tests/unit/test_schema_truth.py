@@ -14,12 +14,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.protocol import (
-    SAFE_INTEGER_MAX,
-    ChunkRequest,
-    InputAppendEvent,
-    SessionCreateRequest,
-)
+from app.api.sessions.protocol import ChunkRequest, InputAppendEvent
+from app.protocol import SAFE_INTEGER_MAX, SessionCreateRequest
 from app.sessions.inputs import declare_bounds
 from app.vllm_routes.schema import declare_vllm_input_rules
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from app import routing
 from app.api.responses import items
-from app.api.responses.serving import ITEM, ResponsesService
+from app.api.responses.serving import ResponsesService
 from app.errors import APIError
 from app.protocol import SessionCreateRequest
 from app.sessions.session import StreamingSession
@@ -62,7 +62,7 @@ class ConversationsService:
         """The item leaves the log; the next response renders the conversation without
         it, recomputing from where it was (the session keeps the prefix before it)."""
         await self.retrieve_item(owner, conversation_id, item_id)
-        await self.sessions.store.delete_object(ITEM, item_id)
+        await self.responses.delete_item(item_id)
         return await self.retrieve(owner, conversation_id)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter, WebSocket
 from openai.types import realtime as rt
 
-from app.api.deps import OwnerDep, RouteKeyDep, ServiceDep
+from app.api.deps import LimitsDep, OwnerDep, RealtimeDep, RouteKeyDep
 from app.api.realtime.connection import RealtimeConnection
 from app.api.realtime.protocol import dump
 from app.errors import APIError
@@ -22,8 +22,10 @@ router = APIRouter(tags=["realtime"])
 
 
 @router.websocket("/v1/realtime")
-async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep, route_key: RouteKeyDep) -> None:
+async def realtime(websocket: WebSocket, realtime: RealtimeDep, limits: LimitsDep, owner: OwnerDep,
+                   route_key: RouteKeyDep) -> None:
     await websocket.accept()
+    service = realtime.sessions
     query = websocket.query_params
     try:
         if "realtime=v1" in websocket.headers.get("openai-beta", ""):
@@ -42,4 +44,4 @@ async def realtime(websocket: WebSocket, service: ServiceDep, owner: OwnerDep, r
         await websocket.send_text(dump(event))
         await websocket.close(code=refusal_close_code(exc), reason=exc.code)
         return
-    await RealtimeConnection(websocket, service, owner, session, owns_session).run()
+    await RealtimeConnection(websocket, realtime, limits, owner, session, owns_session).run()

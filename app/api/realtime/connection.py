@@ -10,22 +10,23 @@ from openai.types import realtime as rt
 from pydantic import BaseModel
 
 from app.api.realtime.protocol import ClientEventError, dump, parse_client_event
-from app.api.realtime.serving import Conversation
+from app.api.realtime.serving import RealtimeService
 from app.errors import APIError
 from app.http.websocket import EventChannel
-from app.sessions.service import SessionService
+from app.limits import KeyLimits
 from app.sessions.session import StreamingSession
 
 
 class RealtimeConnection:
-    def __init__(self, websocket: WebSocket, service: SessionService, owner: str, session: StreamingSession,
-                 owns_session: bool):
+    def __init__(self, websocket: WebSocket, realtime: RealtimeService, limits: KeyLimits, owner: str,
+                 session: StreamingSession, owns_session: bool):
         self.websocket = websocket
-        self.service = service
+        self.service = realtime.sessions
+        self.limits = limits
         self.owner = owner
         self.owns_session = owns_session  # a session opened here ends with the connection
-        self.channel = EventChannel(websocket, service.limits, owner, self._refuse)
-        self.conversation = Conversation(service, owner, session, service.tokenizer, self.send)
+        self.channel = EventChannel(websocket, limits, owner, self._refuse)
+        self.conversation = realtime.conversation(owner, session, self.send)
 
     async def send(self, event: BaseModel) -> None:
         await self.channel.send_text(dump(event))
@@ -73,6 +74,10 @@ class RealtimeConnection:
         elif isinstance(event, rt.ConversationItemRetrieveEvent):
             await conversation.retrieve_item(event)
         elif isinstance(event, rt.ResponseCreateEvent):
+            try:
+                await self.limits.admit_request(self.owner)  # a response counts as a request
+            except APIError as exc:
+                raise ClientEventError(exc.message, exc.code, exc.param, event.event_id) from None
             await conversation.create_response(event)
         elif isinstance(event, rt.ResponseCancelEvent):
             await conversation.cancel_response(event)

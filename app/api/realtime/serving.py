@@ -40,7 +40,7 @@ from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
-from app.tools.parsing import OutputParser, ToolCall
+from app.tools.parsing import OutputParser, ReplyParsers, ToolCall
 
 
 def check_max_output_tokens(value: int | str | None, param: str, event_id: str | None) -> None:
@@ -68,14 +68,28 @@ class RealtimeConfig:
         return DEFAULT_RETAIN if self.truncation == "auto" else float(self.truncation["retention_ratio"])
 
 
+@dataclass(frozen=True)
+class RealtimeService:
+    """What every Realtime connection shares: the sessions, the chat tokenizer, the
+    reply parsers."""
+
+    sessions: SessionService
+    tokenizer: Any
+    parsers: ReplyParsers
+
+    def conversation(self, owner: str, session: StreamingSession, emit: Callable[[BaseModel], Any]) -> Conversation:
+        return Conversation(self.sessions, self.tokenizer, self.parsers, owner, session, emit)
+
+
 @dataclass
 class Conversation:
     """One connection's view of its session: config, items, the response running."""
 
     service: SessionService
+    tokenizer: Any
+    parsers: ReplyParsers
     owner: str
     session: StreamingSession
-    tokenizer: Any
     emit: Callable[[BaseModel], Any]  # sends one server event
     config: RealtimeConfig = field(default_factory=RealtimeConfig)
     items: dict[str, Any] = field(default_factory=dict)
@@ -212,7 +226,7 @@ class Conversation:
         tool_choice = _plain(overrides.tool_choice) if overrides is not None and overrides.tool_choice is not None \
             else self.config.tool_choice
         try:
-            parser = self.service.parsers.reply_parser(tools, tool_choice,
+            parser = self.parsers.reply_parser(tools, tool_choice,
                                                overrides.parallel_tool_calls if overrides is not None else None)
         except (APIError, ValueError) as exc:
             raise ClientEventError(str(exc), "invalid_value", "response.tool_choice", event.event_id) from None
@@ -220,7 +234,6 @@ class Conversation:
         options = SamplingOptions(max_tokens=max_tokens or self.service.max_chunk_output_tokens)
         plan = self._turn_plan(list(self.pending), in_force, tools, parser, options.max_tokens or 0)
         try:
-            await self.service.limits.admit_request(self.owner)
             self.run = await self.service.start_chunk(
                 self.owner, self.session.id, plan, options, transport="realtime", wait=True
             )
@@ -268,7 +281,7 @@ class Conversation:
     def _tools(self, tools: Any, param: str, event_id: str | None) -> list[dict[str, Any]]:
         declared = [_plain(tool) for tool in tools or []]
         try:
-            self.service.parsers.declared_tools(declared, param)
+            self.parsers.declared_tools(declared, param)
         except APIError as exc:
             raise ClientEventError(exc.message, exc.code, exc.param, event_id) from None
         return declared

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from vllm.entrypoints.openai.responses import api_router as vllm_responses
 
-from app.api.deps import OwnerDep, ResponsesDep, RouteKeyDep
+from app.api.deps import LimitsDep, OwnerDep, ResponsesDep, RouteKeyDep
 from app.api.responses.protocol import ResponsesCreateRequest
 from app.api.responses.streaming import response_events, sse_frames
 from app.api.responses.websocket import ResponsesConnection
@@ -43,16 +43,16 @@ async def create_response(body: ResponsesCreateRequest, request: Request, servic
     if body.stream:
         return EventStream(sse_frames(response_events(service, owner, pending)))
     result = await unless_disconnected(request.receive, pending.run)
-    response = await service.finish(owner, pending, result, None)
+    response = service.finish(pending, result, None)
     return Response(response.model_dump_json(), media_type="application/json")
 
 
 @router.websocket("/v1/responses")
-async def responses_websocket(websocket: WebSocket, service: ResponsesDep, owner: OwnerDep,
+async def responses_websocket(websocket: WebSocket, service: ResponsesDep, limits: LimitsDep, owner: OwnerDep,
                               route_key: RouteKeyDep) -> None:
     """The Responses API over a websocket (``client.responses.connect()``)."""
     await websocket.accept()
-    await ResponsesConnection(websocket, service, owner, route_key).run()
+    await ResponsesConnection(websocket, service, limits, owner, route_key).run()
 
 
 @router.get("/v1/responses/{response_id}", responses=ERRORS)

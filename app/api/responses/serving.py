@@ -38,12 +38,13 @@ from app.errors import APIError
 from app.protocol import SamplingOptions, SessionCreateRequest
 from app.sessions.chat import ChatState, Truncation, continue_within, unanswered_output
 from app.sessions.chunk import CANCELLED, ChunkResult
+from app.sessions.errors import store_unavailable
 from app.sessions.inputs import Turn, TurnPlan
 from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
-from app.store import StoredObject
-from app.tools.parsing import OutputParser
+from app.store import SessionStore, StoredObject, StoreUnavailableError
+from app.tools.parsing import OutputParser, ReplyParsers
 
 RESPONSE, ITEM = "response", "item"
 CHAIN_PREFIX = "resp_"  # a chain's session is named by its first response
@@ -78,16 +79,19 @@ class PendingResponse:
     created_at: int = field(default_factory=lambda: int(time.time()))
     message_id: str = field(default_factory=lambda: items.new_id("msg"))
     steered: bool = False  # stopped by response.steer: ends incomplete, reason "steered"
-    point: ContextPoint | None = None  # where it left its session, once it has ended
+    point: ContextPoint | None = None  # where it left its session, once committed
+    final: ResponsesResponse | None = None  # the response as stored, once committed
 
 
 class ResponsesService:
-    def __init__(self, sessions: SessionService) -> None:
-        self.sessions = sessions
+    """``store`` keeps the API's objects (responses, conversation items) beside the
+    sessions; ``tokenizer`` renders chats as the sessions do; ``parsers`` read replies."""
 
-    @property
-    def store(self) -> Any:
-        return self.sessions.store
+    def __init__(self, sessions: SessionService, store: SessionStore, tokenizer: Any, parsers: ReplyParsers) -> None:
+        self.sessions = sessions
+        self.store = store
+        self.tokenizer = tokenizer
+        self.parsers = parsers
 
     # ------------------------------------------------------------------ create
     async def start(self, owner: str, request: ResponsesCreateRequest,
@@ -100,12 +104,12 @@ class ResponsesService:
         of one conversation routes to the replica that holds it."""
         check_supported(request)
         self.sessions.check_model(request.model)
-        tools = self.sessions.parsers.declared_tools(
+        tools = self.parsers.declared_tools(
             [tool.model_dump(exclude_none=True) for tool in request.tools or []], "tools")
-        parser = self.sessions.parsers.reply_parser(tools, request.tool_choice, request.parallel_tool_calls)
+        parser = self.parsers.reply_parser(tools, request.tool_choice, request.parallel_tool_calls)
         new_items = items.input_items(request.input)
         new_messages = items.as_messages(new_items)
-        truncation = Truncation(self.sessions.registry.max_context) if request.truncation == "auto" else None
+        truncation = Truncation(self.sessions.max_context) if request.truncation == "auto" else None
         options = _Options(self._options(request), parser, request.generate, len(new_messages), truncation)
         conversation_id = request.conversation_id
         key = routing.key_of(conversation_id or request.previous_response_id) or route_key
@@ -126,8 +130,10 @@ class ResponsesService:
             session_id = await self._new_session(owner, response_id)
             run = await self._start(owner, session_id, self._plan(wanted, options), options, opened=True)
         params = self.sessions.sampling_params(run.session, options.sampling)
-        return PendingResponse(response_id, request, run, session_id, options.planned or wanted, new_items, params,
-                               parser)
+        pending = PendingResponse(response_id, request, run, session_id, options.planned or wanted, new_items, params,
+                                  parser)
+        run.on_commit(lambda result: self._store_turn(owner, pending, result))  # before any await
+        return pending
 
     async def _continue(self, owner: str, point: ContextPoint, new_messages: list[dict[str, Any]],
                         head: ChatState, options: _Options) -> tuple[ChunkRun, str, ChatState]:
@@ -154,7 +160,7 @@ class ResponsesService:
 
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
             # Planned against the older point's context, which the new session replays.
-            turn = options.turn(self.sessions.tokenizer, chat, wanted, prefix)
+            turn = options.turn(self.tokenizer, chat, wanted, prefix)
             kept = prefix if turn.start is None else prefix[:turn.start]
             return replace(turn, input_ids=kept + turn.input_ids, start=None, replayed=len(kept) + turn.replayed)
 
@@ -164,22 +170,15 @@ class ResponsesService:
 
     async def _context_at(self, owner: str, point: ContextPoint) -> tuple[list[int], ChatState]:
         """The token ids and the conversation of ``owner``'s session as a response left it."""
-        record = await self.store.get(point.session_id)
-        prefix = await self.store.transcript_at(point.session_id, point.num_chunks)
-        chat = None if record is None else ChatState.load(record.chat)
-        if prefix is None:  # a store that keeps no transcripts: the session in memory, if it is
-            try:
-                session = await self.sessions.get(owner, point.session_id, include_closed=True)
-                prefix, chat = session.token_ids[:point.token_end], session.chat
-            except APIError:
-                prefix = None
+        prefix, chat = await self.sessions.stored_context(owner, point.session_id, point.num_chunks,
+                                                          point.token_end)
         if prefix is None or chat is None or len(prefix) != point.token_end:
             raise APIError(400, "The previous response's context is no longer kept; start a new chain.",
                            code="previous_response_not_found", param="previous_response_id")
         return prefix, ChatState(point.instructions, chat.messages[:point.messages], point.tools, point.closed)
 
     def _plan(self, wanted: ChatState, options: _Options, expect: ContextPoint | None = None) -> TurnPlan:
-        tokenizer = self.sessions.tokenizer
+        tokenizer = self.tokenizer
 
         def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
             if expect is not None and (conversation is None or len(conversation.messages) != expect.messages
@@ -196,12 +195,8 @@ class ResponsesService:
         try:
             return (await self.sessions.create(owner, SessionCreateRequest(), session_id=session_id)).id
         except APIError as exc:
-            idle_chains = [s for s in self.sessions.registry.held.values()
-                           if s.id.startswith(CHAIN_PREFIX) and not s.lock.locked() and not s.closed]
-            if exc.code != "too_many_sessions" or not idle_chains:
+            if exc.code != "too_many_sessions" or not await self.sessions.close_least_recent_idle(CHAIN_PREFIX):
                 raise
-        oldest = min(idle_chains, key=lambda s: s.last_activity)
-        await self.sessions.close(oldest.owner, oldest.id, reason="evicted")
         return (await self.sessions.create(owner, SessionCreateRequest(), session_id=session_id)).id
 
     async def _start(self, owner: str, session_id: str, plan: TurnPlan, options: _Options,
@@ -232,13 +227,20 @@ class ResponsesService:
     def in_progress(self, pending: PendingResponse) -> ResponsesResponse:
         return self._response(pending, "in_progress", [], None)
 
-    async def finish(self, owner: str, pending: PendingResponse, result: ChunkResult | None,
-                     error: APIError | None) -> ResponsesResponse:
-        """The response once its chunk has ended; stored (and added to its conversation)
-        when it completed or was cut at max_output_tokens."""
+    def finish(self, pending: PendingResponse, result: ChunkResult | None,
+               error: APIError | None) -> ResponsesResponse:
+        """The response once its chunk has ended: as stored at the commit, or failed."""
         if result is None:
             message = error.message if error else "The response failed."
             return self._response(pending, "failed", [], None, error={"code": "server_error", "message": message})
+        assert pending.final is not None, "a chunk's result is told after its commit, which builds the response"
+        return pending.final
+
+    async def _store_turn(self, owner: str, pending: PendingResponse, result: ChunkResult) -> None:
+        """The turn's durable effects, run by the chunk's own task once the chunk is
+        committed (``ChunkRun.on_commit``), whatever the consumer does meanwhile: the
+        response is built and stored (and added to its conversation) when it
+        completed, or was cut at max_output_tokens, cancelled or steered."""
         reason = "max_output_tokens" if result.finish_reason == "length" else \
             "steered" if pending.steered and result.finish_reason == CANCELLED else None
         status = "incomplete" if reason else "cancelled" if result.finish_reason == CANCELLED else "completed"
@@ -247,8 +249,8 @@ class ResponsesService:
             status, reason = "completed", None
         output = items.output_items(pending.parser.final(result.text, result.token_ids), pending.message_id,
                                     status="completed" if status == "completed" else "incomplete") if generated else []
-        response = self._response(pending, status, output, _usage(result),
-                                  incomplete_details={"reason": reason} if reason else None)
+        response = pending.final = self._response(pending, status, output, _usage(result),
+                                                  incomplete_details={"reason": reason} if reason else None)
         usage = result.usage
         point = pending.point = ContextPoint(
             pending.session_id, result.index + 1, usage.prompt_tokens + usage.completion_tokens,
@@ -265,8 +267,10 @@ class ResponsesService:
         if (conversation_id := pending.request.conversation_id) is not None:
             objects += await self._item_objects(owner, conversation_id, [*pending.input_items, *output])
         if objects:
-            await self.store.put_objects(objects)
-        return response
+            try:
+                await self.store.put_objects(objects)
+            except StoreUnavailableError as exc:
+                raise store_unavailable() from exc
 
     def _response(self, pending: PendingResponse, status: str, output: list[dict[str, Any]],
                   usage: ResponseUsage | None, **extra: Any) -> ResponsesResponse:
@@ -340,6 +344,9 @@ class ResponsesService:
         its next response."""
         await self.store.put_objects(await self._item_objects(owner, conversation_id, new))
         return new
+
+    async def delete_item(self, item_id: str) -> None:
+        await self.store.delete_object(ITEM, item_id)
 
     async def _item_objects(self, owner: str, conversation_id: str, new: list[dict[str, Any]]) -> list[StoredObject]:
         stored = await self.store.list_objects(ITEM, conversation_id)

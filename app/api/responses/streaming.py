@@ -64,7 +64,7 @@ async def response_events(service: ResponsesService, owner: str, pending: Pendin
                         yield frame(event)
     except APIError as exc:
         error = exc
-    response = (await service.finish(owner, pending, result, error)).model_dump(mode="json")
+    response = service.finish(pending, result, error).model_dump(mode="json")
     if error is not None:
         yield frame(("error", {"code": error.code, "message": error.message, "param": error.param}))
     else:

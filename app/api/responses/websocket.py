@@ -33,6 +33,7 @@ from app.api.responses.serving import ContextPoint, PendingResponse, ResponsesSe
 from app.api.responses.streaming import response_events
 from app.errors import APIError, error_param, most_specific
 from app.http.websocket import EventChannel
+from app.limits import KeyLimits
 
 # What a websocket's response.create may not carry (its transport decides them).
 _NOT_ON_A_SOCKET = ("stream", "background")
@@ -53,11 +54,11 @@ class _Lane:
 
 
 class ResponsesConnection:
-    def __init__(self, websocket: WebSocket, service: ResponsesService, owner: str,
+    def __init__(self, websocket: WebSocket, service: ResponsesService, limits: KeyLimits, owner: str,
                  route_key: str | None = None) -> None:
         self.service, self.owner = service, owner
         self.route_key = route_key  # the proxy's, for the chains this connection starts
-        self.channel = EventChannel(websocket, service.sessions.limits, owner, self._refuse)
+        self.channel = EventChannel(websocket, limits, owner, self._refuse)
         self.numbers = itertools.count()
         self.lanes: dict[str | None, _Lane] = {}
         self.latest: dict[str, ContextPoint] = {}  # each lane's latest response, stored or not

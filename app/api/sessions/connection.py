@@ -17,9 +17,7 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
-from app.errors import APIError, error_param, most_specific
-from app.http.websocket import EventChannel
-from app.protocol import (
+from app.api.sessions.protocol import (
     ChunkOutput,
     ClientEvent,
     ErrorDetail,
@@ -34,6 +32,9 @@ from app.protocol import (
     SessionUpdatedEvent,
     SessionUpdateEvent,
 )
+from app.errors import APIError, error_param, most_specific
+from app.http.websocket import EventChannel
+from app.limits import KeyLimits
 from app.sessions.chunk import ChunkResult
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
@@ -44,16 +45,18 @@ MAX_QUEUED_APPENDS = 64
 
 
 class SessionConnection:
-    def __init__(self, websocket: WebSocket, service: SessionService, owner: str, session: StreamingSession, owns_session: bool):
+    def __init__(self, websocket: WebSocket, service: SessionService, limits: KeyLimits, owner: str,
+                 session: StreamingSession, owns_session: bool):
         self.websocket = websocket
         self.service = service
+        self.limits = limits
         self.owner = owner
         self.session = session
         # A session created by this connection ends with it; an attached one stays.
         self.owns_session = owns_session
         self._event_ids = itertools.count()
         self._appends: asyncio.Queue[InputAppendEvent] = asyncio.Queue(MAX_QUEUED_APPENDS)
-        self.channel = EventChannel(websocket, service.limits, owner, self.send_error)
+        self.channel = EventChannel(websocket, limits, owner, self.send_error)
 
     def _event_id(self) -> str:
         return f"event_{next(self._event_ids)}"
@@ -97,7 +100,7 @@ class SessionConnection:
                 continue
             if isinstance(event, InputAppendEvent):
                 try:
-                    await self.service.limits.admit_request(self.owner)
+                    await self.limits.admit_request(self.owner)
                 except APIError as exc:
                     await self.send_error(exc, event.event_id)
                     continue

@@ -13,23 +13,21 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope
 
 from app.api.deps import OwnerDep, RouteKeyDep, ServiceDep
-from app.errors import APIError, OpenAIErrorBody
-from app.http.disconnect import unless_disconnected
-from app.http.middleware import owner_of
-from app.http.sse import EventStream
-from app.protocol import (
-    SESSION_ID_PATTERN,
+from app.api.sessions.protocol import (
     ChunkDeltaEvent,
     ChunkDoneEvent,
     ChunkOutput,
     ChunkRequest,
     ChunkResponse,
-    SessionCreateRequest,
     SessionDeleted,
     SessionList,
-    SessionObject,
     TranscriptResponse,
 )
+from app.errors import APIError, OpenAIErrorBody
+from app.http.auth import owner_of
+from app.http.disconnect import unless_disconnected
+from app.http.sse import EventStream
+from app.protocol import SESSION_ID_PATTERN, SessionCreateRequest, SessionObject
 from app.sessions import errors
 from app.sessions.chunk import ChunkResult
 from app.sessions.run import ChunkRun

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from fastapi import APIRouter, WebSocket
 
-from app.api.deps import OwnerDep, RouteKeyDep, ServiceDep
+from app.api.deps import LimitsDep, OwnerDep, RouteKeyDep, ServiceDep
 from app.api.sessions.connection import SessionConnection
+from app.api.sessions.protocol import ErrorDetail, ErrorEvent
 from app.errors import APIError
 from app.http.websocket import refusal_close_code
-from app.protocol import ErrorDetail, ErrorEvent, SessionCreateRequest
+from app.protocol import SessionCreateRequest
 
 router = APIRouter(tags=["sessions"])
 
 
 @router.websocket("/v1/sessions/ws")
-async def new_session_ws(websocket: WebSocket, service: ServiceDep, owner: OwnerDep, route_key: RouteKeyDep) -> None:
+async def new_session_ws(websocket: WebSocket, service: ServiceDep, limits: LimitsDep, owner: OwnerDep,
+                         route_key: RouteKeyDep) -> None:
     """Open a new session for this connection; it closes when the connection does."""
     await websocket.accept()
     try:
@@ -23,11 +25,12 @@ async def new_session_ws(websocket: WebSocket, service: ServiceDep, owner: Owner
     except APIError as exc:
         await _refuse(websocket, exc)
         return
-    await SessionConnection(websocket, service, owner, session, owns_session=True).run(created=True)
+    await SessionConnection(websocket, service, limits, owner, session, owns_session=True).run(created=True)
 
 
 @router.websocket("/v1/sessions/{session_id}/ws")
-async def attach_session_ws(websocket: WebSocket, session_id: str, service: ServiceDep, owner: OwnerDep) -> None:
+async def attach_session_ws(websocket: WebSocket, session_id: str, service: ServiceDep, limits: LimitsDep,
+                            owner: OwnerDep) -> None:
     """Attach to an existing session; it stays open when the connection ends."""
     await websocket.accept()
     try:
@@ -35,7 +38,7 @@ async def attach_session_ws(websocket: WebSocket, session_id: str, service: Serv
     except APIError as exc:
         await _refuse(websocket, exc)
         return
-    await SessionConnection(websocket, service, owner, session, owns_session=False).run(created=False)
+    await SessionConnection(websocket, service, limits, owner, session, owns_session=False).run(created=False)
 
 
 async def _refuse(websocket: WebSocket, error: APIError) -> None:
