@@ -39,6 +39,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        event_id: str | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -47,6 +48,7 @@ class APIError(Exception):
         self.type = type or _default_type(status)
         self.param = param
         self.headers = headers  # e.g. Retry-After on 429 and 503
+        self.event_id = event_id  # on a websocket: the client event it answers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)

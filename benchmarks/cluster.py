@@ -49,8 +49,8 @@ from benchmarks.common import (
     vllm_server,
     word_text,
 )
-from benchmarks.postgres import postgres_server
-from benchmarks.replicas import Restartable, Routing, haproxy, start_together
+from tests.harness.haproxy import Restartable, Routing, haproxy, start_together
+from tests.harness.postgres import postgres_server
 
 SIDES: dict[str, tuple[str, Routing]] = {
     "ours-keyed": ("ours", "keyed"),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -19,11 +18,9 @@ import platform
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -32,7 +29,17 @@ from typing import Any, TypeVar
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+# The server harness is the tests' (tests/harness); re-exported for the benchmark scripts.
+from tests.harness.servers import REPO as REPO
+from tests.harness.servers import RESERVED_CPUS as RESERVED_CPUS
+from tests.harness.servers import RunningServer as RunningServer
+from tests.harness.servers import app_server as app_server
+from tests.harness.servers import current_pool, serve, stop_engine
+from tests.harness.servers import engine_env as engine_env
+from tests.harness.servers import enter_together as enter_together
+from tests.harness.servers import free_port as free_port
+from tests.harness.servers import pooled as pooled
+
 RESULTS = REPO / "benchmarks" / "results"
 API_KEY = "bench-key"
 # Two engines side by side have their model workers bound to the same CPU, and where a
@@ -43,7 +50,6 @@ API_KEY = "bench-key"
 SWITCH_SETTLE_S = 1.5
 API_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 T = TypeVar("T")
-RESERVED_CPUS = "1"  # VLLM_CPU_NUM_OF_RESERVED_CPU on every side of every comparison
 
 
 @dataclass(frozen=True)
@@ -79,57 +85,6 @@ class EngineSetup:
         }
 
 
-class Pool:
-    """Engines and servers that the benchmarks run by one process share when their
-    settings are the same (``python -m benchmarks.smoke`` runs every --quick run so):
-    each is started on first use and kept; at most ``keep`` engines and ``keep``
-    servers stay up (the least recently used is stopped first), and the rest stop
-    when the pool closes. Outside a pool every benchmark starts and stops its own."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self.engines: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self.servers: collections.OrderedDict[Any, tuple[RunningServer, contextlib.ExitStack]] = collections.OrderedDict()
-
-    def engine(self, key: str, build: Callable[[], Any]) -> Any:
-        if key not in self.engines:
-            if len(self.engines) >= self.keep:
-                stop_engine(self.engines.popitem(last=False)[1])
-            self.engines[key] = build()
-        self.engines.move_to_end(key)
-        return self.engines[key]
-
-    def server(self, key: Any, start: Callable[[], contextlib.AbstractContextManager[RunningServer]]) -> RunningServer:
-        if key not in self.servers:
-            if len(self.servers) >= self.keep:
-                self.servers.popitem(last=False)[1][1].close()
-            stack = contextlib.ExitStack()
-            self.servers[key] = (stack.enter_context(start()), stack)
-        self.servers.move_to_end(key)
-        return self.servers[key][0]
-
-    def close(self) -> None:
-        while self.servers:
-            self.servers.popitem()[1][1].close()
-        while self.engines:
-            stop_engine(self.engines.popitem()[1])
-
-
-_POOL: Pool | None = None
-
-
-@contextlib.contextmanager
-def pooled(keep: int = 2) -> Iterator[Pool]:
-    """Within the block, engines and servers with the same settings are shared."""
-    global _POOL
-    _POOL = Pool(keep)
-    try:
-        yield _POOL
-    finally:
-        pool, _POOL = _POOL, None
-        pool.close()
-
-
 def in_process_engine(setup: EngineSetup, served_model_name: str, **settings: Any) -> tuple[Any, Any, Any]:
     """(engine, provenance recorder, settings) for a benchmark that drives AsyncLLM in
     process, with ``setup``'s engine settings and the same thread count as the servers.
@@ -144,14 +99,14 @@ def in_process_engine(setup: EngineSetup, served_model_name: str, **settings: An
         cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size, max_model_len=setup.max_model_len,
         enforce_eager=setup.enforce_eager, dtype=setup.dtype, served_model_name=served_model_name, **settings,
     )
-    if _POOL is None:
+    if (pool := current_pool()) is None:
         engine = build_engine(engine_settings)
     else:
         # What the engine is made of: its vLLM arguments, less the name it serves under
         # and the connector's engine id (random per call).
         args = repr(build_engine_args(engine_settings.model_copy(update={"served_model_name": "pooled"})))
         key = re.sub(r"engine_id='[^']*'", "", args)
-        engine = _POOL.engine(key, lambda: build_engine(engine_settings))
+        engine = pool.engine(key, lambda: build_engine(engine_settings))
     recorder = ProvenanceRecorder(disk_tier=engine_settings.disk_tier_gib > 0)
     recorder.attach(engine)
     return engine, recorder, engine_settings
@@ -159,119 +114,8 @@ def in_process_engine(setup: EngineSetup, served_model_name: str, **settings: An
 
 def release_engine(engine: Any) -> None:
     """The benchmark is done with ``engine``: stopped, unless a pool keeps it."""
-    if _POOL is None or engine not in _POOL.engines.values():
+    if (pool := current_pool()) is None or engine not in pool.engines.values():
         stop_engine(engine)
-
-
-def stop_engine(engine: Any) -> None:
-    from app.engine import shutdown_engine
-
-    shutdown_engine(engine)
-
-
-def engine_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMSESS_")}
-    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = RESERVED_CPUS
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class RunningServer:
-    name: str
-    base_url: str
-    model: str
-    process: subprocess.Popen[bytes]
-
-
-def wait_healthy(server: RunningServer, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {server.process.returncode}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(1)
-    raise TimeoutError(f"{server.name} did not become healthy")
-
-
-@contextlib.contextmanager
-def serve(name: str, command: list[str], env: dict[str, str], port: int, model: str, log: Path,
-          key: Any = None) -> Iterator[RunningServer]:
-    """A server in a fresh process (its own process group), healthy before it is
-    yielded and stopped with everything it started afterwards; or, in a pool, the
-    pool's server of the same ``key`` (what the server is, less its port and paths)."""
-    if _POOL is not None and key is not None:
-        yield _POOL.server(key, lambda: serve(name, command, env, port, model, log))
-        return
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True)
-        server = RunningServer(name, f"http://127.0.0.1:{port}", model, process)
-        try:
-            wait_healthy(server)
-            yield server
-        finally:
-            stop_group(process)
-
-
-def enter_together(stack: contextlib.ExitStack, managers: list[contextlib.AbstractContextManager[T]]) -> list[T]:
-    """Enter ``managers`` side by side, each in a thread, and leave them with ``stack``.
-    For servers: most of a start is one process importing torch and vLLM, so two
-    servers on 2 cores start in little more than the time of one."""
-    with concurrent.futures.ThreadPoolExecutor(len(managers)) as pool:
-        futures = [pool.submit(manager.__enter__) for manager in managers]
-    for manager, future in zip(managers, futures):
-        if future.exception() is None:
-            stack.push(manager.__exit__)
-    return [future.result() for future in futures]  # the first failure raises; the stack leaves the rest
-
-
-STOP_TIMEOUT_S = 60
-
-
-def stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's group and wait for it; a server that does not stop within
-    ``STOP_TIMEOUT_S`` is killed and the hang is raised, never hidden."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        raise RuntimeError(f"process {process.pid} ignored SIGTERM for {STOP_TIMEOUT_S} s and was killed") from None
-    finally:
-        # Engine processes the server spawned die with their group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-
-
-def app_server(
-    name: str, log: Path, settings: dict[str, str], port: int | None = None, model: str = "embedded-tiny",
-    command: list[str] | None = None,
-) -> contextlib.AbstractContextManager[RunningServer]:
-    """``python -m app.main`` (or ``command``) in a fresh process; ``settings`` are its STREAMSESS_*
-    values (name: value), and nothing else of the caller's STREAMSESS_ environment;
-    it serves the preset ``model`` names (``embedded-tiny`` by default) unless they say.
-    Its sessions go to a fresh state directory unless ``state_dir`` or
-    ``store_url`` is given."""
-    key = ("app", model, tuple(command or ()), tuple(sorted(settings.items()))) if "state_dir" not in settings else None
-    port = port or free_port()
-    settings = dict(settings)
-    if "model" not in settings:
-        settings.setdefault("model_preset", model.removeprefix("embedded-"))
-    if "state_dir" not in settings and "store_url" not in settings:
-        settings["state_dir"] = tempfile.mkdtemp(prefix=f"streamsess-{name}-state-")
-    env = engine_env()
-    env.update({f"STREAMSESS_{key.upper()}": value for key, value in {"port": str(port), **settings}.items()})
-    return serve(name, command or [sys.executable, "-m", "app.main"], env, port, model, log, key)
 
 
 def our_server(

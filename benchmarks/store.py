@@ -42,7 +42,7 @@ from benchmarks.common import (
     random_tokens,
     release_engine,
 )
-from benchmarks.postgres import postgres_bin_dir, postgres_server
+from tests.harness.postgres import postgres_bin_dir, postgres_server
 
 OWNER = "bench"
 NEXT_CHUNK = 16

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.postgres import PostgresServer, postgres_bin_dir, postgres_server
+from tests.harness.postgres import PostgresServer, postgres_bin_dir, postgres_server
 
 needs_postgres = pytest.mark.skipif(
     postgres_bin_dir() is None,

@@ -1,4 +1,4 @@
-"""The repo's HAProxy configuration, run for real on loopback (benchmarks/replicas.py),
+"""The repo's HAProxy configuration, run for real on loopback (tests/harness/haproxy.py),
 and the skip where Debian's haproxy is missing."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from benchmarks.replicas import haproxy as running
+from tests.harness.haproxy import haproxy as running
 
 needs_haproxy = pytest.mark.skipif(
     shutil.which("haproxy") is None,

@@ -28,8 +28,8 @@ import pytest
 import pytest_asyncio
 import websockets
 
-from benchmarks.common import RunningServer, app_server, enter_together, free_port
 from tests.deploy import haproxy
+from tests.harness.servers import RunningServer, app_server, enter_together, free_port
 from tests.helpers import paused_engine
 from tests.postgres import needs_postgres, postgres_server
 

@@ -40,10 +40,10 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from benchmarks.common import app_server
-from benchmarks.replicas import Restartable, start_together
 from clients._common import NOTHING_DONE_CODES, error_code
 from tests.deploy import haproxy
+from tests.harness.haproxy import Restartable, start_together
+from tests.harness.servers import app_server
 from tests.helpers import paused_engine
 from tests.postgres import needs_postgres, postgres_server
 

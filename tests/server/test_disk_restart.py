@@ -26,7 +26,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
-from benchmarks.common import free_port
+from tests.harness.servers import free_port
 from tests.server.test_durable_restart import (
     CHUNKS,
     MAX_TOKENS,

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.common import RunningServer, app_server, free_port
+from tests.harness.servers import RunningServer, app_server, free_port
 
 pytestmark = pytest.mark.server
 

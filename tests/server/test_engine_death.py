@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from benchmarks.common import RunningServer, app_server, free_port
+from tests.harness.servers import RunningServer, app_server, free_port
 from tests.server.test_errors import assert_openai_error
 
 pytestmark = pytest.mark.server

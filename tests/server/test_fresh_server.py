@@ -43,8 +43,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.models.builder import ensure_model
 from app.settings import Settings
-from benchmarks.common import RunningServer, enter_together, free_port, serve
 from connectors.cpu_platform import cpu_has_amx
+from tests.harness.servers import RunningServer, enter_together, free_port, serve
 from tests.server.openai_stateful import check_stateful_apis
 from tests.server.openai_tools import check_tool_round_trip
 from tests.server.test_clients import is_tool_example, readme_python_blocks, run_python

@@ -9,13 +9,12 @@ beta protocol (``OpenAI-Beta: realtime=v1``) are refused with an error event.
 from __future__ import annotations
 
 from fastapi import APIRouter, WebSocket
-from openai.types import realtime as rt
 
 from app.api.deps import LimitsDep, OwnerDep, RealtimeDep, RouteKeyDep
 from app.api.realtime.connection import RealtimeConnection
-from app.api.realtime.protocol import dump
+from app.api.realtime.protocol import dump, error_event
 from app.errors import APIError
-from app.http.websocket import refusal_close_code
+from app.http.websocket import refuse_connection
 from app.protocol import SessionCreateRequest
 
 router = APIRouter(tags=["realtime"])
@@ -39,9 +38,6 @@ async def realtime(websocket: WebSocket, realtime: RealtimeDep, limits: LimitsDe
             session = await service.create(owner, SessionCreateRequest(), route_key=route_key)
             owns_session = True
     except APIError as exc:
-        event = rt.RealtimeErrorEvent(type="error", event_id="event_refused", error=rt.RealtimeError(
-            type=exc.type, code=exc.code, message=exc.message, param=exc.param))
-        await websocket.send_text(dump(event))
-        await websocket.close(code=refusal_close_code(exc), reason=exc.code)
+        await refuse_connection(websocket, exc, dump(error_event(exc, "event_refused")))
         return
     await RealtimeConnection(websocket, realtime, limits, owner, session, owns_session).run()

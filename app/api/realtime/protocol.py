@@ -15,7 +15,7 @@ from typing import Any
 from openai.types import realtime as rt
 from pydantic import BaseModel, ValidationError
 
-from app.errors import error_param, most_specific
+from app.errors import APIError, error_param, most_specific
 
 # The client events we answer, by type, as the SDK models them.
 CLIENT_EVENTS: dict[str, type[BaseModel]] = {
@@ -36,12 +36,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(10)}"
 
 
-class ClientEventError(ValueError):
-    """A client event we cannot act on; becomes an ``error`` event."""
+class ClientEventError(APIError):
+    """A client event we cannot act on (a 400); becomes an ``error`` event."""
 
     def __init__(self, message: str, code: str, param: str | None = None, event_id: str | None = None):
-        super().__init__(message)
-        self.message, self.code, self.param, self.event_id = message, code, param, event_id
+        super().__init__(400, message, code=code, param=param, event_id=event_id)
+
+
+def error_event(error: APIError, event_id: str, about: str | None = None) -> rt.RealtimeErrorEvent:
+    """The Realtime API's error event; ``about``: the client event it answers."""
+    return rt.RealtimeErrorEvent(type="error", event_id=event_id, error=rt.RealtimeError(
+        type=error.type, code=error.code, message=error.message, param=error.param, event_id=about))
 
 
 def parse_client_event(data: Any) -> Any:

@@ -1,10 +1,10 @@
 """One Realtime response: the chunk's answer as the GA event sequence. No FastAPI here.
 
-Each output item is announced as it starts: the assistant message with its text part
-and text deltas, and each function call (a ``function_call`` conversation item, with
-``response.function_call_arguments.delta`` events), told apart from text as tokens
-arrive by the tool parser's stream. The closing events carry the reply as read whole
-(``OutputParser.final``), which is what the conversation keeps.
+The output items are the shared state machine's (``app.api.output_items``), rendered
+here: the assistant message with its text part and text deltas, each function call a
+``function_call`` conversation item with ``response.function_call_arguments.delta``
+events; each item is also a conversation item (``conversation.item.added`` and
+``.done``), kept in the conversation's item log.
 """
 
 from __future__ import annotations
@@ -17,16 +17,26 @@ from typing import Any, Literal
 from openai.types import realtime as rt
 from pydantic import BaseModel
 
+from app.api.output_items import (
+    ArgumentsDelta,
+    CallOpened,
+    MessageClosed,
+    MessageOpened,
+    OutputItems,
+    Step,
+    TextDelta,
+)
 from app.api.realtime.protocol import new_id
 from app.errors import APIError
 from app.sessions.chunk import CANCELLED, ChunkDelta, ChunkResult
 from app.sessions.run import ChunkRun
-from app.tools.parsing import CallDelta, OutputParser
+from app.tools.parsing import OutputParser
 
 
 @dataclass
 class RealtimeResponse:
-    """Streams one response; ``items`` is the conversation's item log, which it extends."""
+    """Streams one response; ``items`` is the conversation's item log, which it extends.
+    Its output items are ``app.api.output_items``' steps, rendered as GA events."""
 
     run: ChunkRun
     parser: OutputParser
@@ -36,28 +46,26 @@ class RealtimeResponse:
     event_id: Callable[[], str]
     response_id: str = field(default_factory=lambda: new_id("resp"))
     message: rt.RealtimeConversationItemAssistantMessage | None = None
-    message_index: int = 0
-    text: str = ""
-    calls: dict[int, tuple[int, rt.RealtimeConversationItemFunctionCall]] = field(default_factory=dict)
+    calls: dict[int, rt.RealtimeConversationItemFunctionCall] = field(default_factory=dict)  # by call number
     previous: dict[str, str | None] = field(default_factory=dict)  # item id: the item before it
-    next_index: int = 0
+    output: list[Any] = field(default_factory=list)  # the items as they close
 
     async def stream(self) -> None:
         response = rt.RealtimeResponse(id=self.response_id, object="realtime.response", status="in_progress",
                                        output=[], output_modalities=["text"], conversation_id=self.conversation_id)
         await self.emit(rt.ResponseCreatedEvent(type="response.created", event_id=self.event_id(), response=response))
-        if not self.parser.parses_calls:  # a reply of text alone: its message opens at once
-            await self._open_message()
+        output = OutputItems(self.parser)
+        await self._render(output.start())
         result: ChunkResult | None = None
         error: APIError | None = None
         try:
             async with contextlib.aclosing(self.run.events()) as events:
                 async for chunk_event in events:
                     if isinstance(chunk_event, ChunkDelta):
-                        await self._delta(chunk_event.text, chunk_event.token_ids)
+                        await self._render(output.feed(chunk_event.text, chunk_event.token_ids))
                     else:
                         result = chunk_event
-                        await self._delta("", [], finished=True)
+                        await self._render(output.feed("", [], finished=True))
         except APIError as exc:
             error = exc
         cancelled = result is not None and result.finish_reason == CANCELLED
@@ -66,7 +74,9 @@ class RealtimeResponse:
             "failed" if error is not None else "cancelled" if cancelled else "incomplete" if cut else "completed"
         )
         response.status = status
-        response.output = await self._close(result, status)
+        final = self.parser.final(result.text, result.token_ids) if result is not None else None
+        await self._render(output.close(final, "completed" if status == "completed" else "incomplete"))
+        response.output = self.output
         if error is not None:
             response.status_details = rt.RealtimeResponseStatus(
                 type="failed", error={"type": error.type, "code": error.code})
@@ -78,7 +88,56 @@ class RealtimeResponse:
             response.usage = usage_of(result)
         await self.emit(rt.ResponseDoneEvent(type="response.done", event_id=self.event_id(), response=response))
 
-    # ------------------------------------------------------------------ items as they start
+    async def _render(self, steps: list[Step]) -> None:
+        for step in steps:
+            await self._step(step)
+
+    async def _step(self, step: Step) -> None:
+        if isinstance(step, MessageOpened):
+            self.message = rt.RealtimeConversationItemAssistantMessage(
+                id=new_id("item"), type="message", role="assistant", object="realtime.item", status="in_progress",
+                content=[])
+            await self._added(self.message, step.output_index)
+            await self.emit(rt.ResponseContentPartAddedEvent(
+                type="response.content_part.added", event_id=self.event_id(), part={"type": "text", "text": ""},
+                **self._text_ids(step.output_index)))
+        elif isinstance(step, TextDelta):
+            await self.emit(rt.ResponseTextDeltaEvent(type="response.output_text.delta", event_id=self.event_id(),
+                                                      delta=step.delta, **self._text_ids(step.output_index)))
+        elif isinstance(step, CallOpened):
+            item = self.calls[step.call.number] = rt.RealtimeConversationItemFunctionCall(
+                type="function_call", id=new_id("item"), call_id=step.call.call_id, name=step.call.name,
+                arguments="", object="realtime.item", status="in_progress")
+            await self._added(item, step.call.output_index)
+        elif isinstance(step, ArgumentsDelta):
+            item = self.calls[step.call.number]
+            item.arguments += step.delta
+            await self.emit(rt.ResponseFunctionCallArgumentsDeltaEvent(
+                type="response.function_call_arguments.delta", event_id=self.event_id(),
+                response_id=self.response_id, item_id=item.id or "", output_index=step.call.output_index,
+                call_id=item.call_id or "", delta=step.delta))
+        elif isinstance(step, MessageClosed):
+            assert self.message is not None
+            await self.emit(rt.ResponseTextDoneEvent(type="response.output_text.done", event_id=self.event_id(),
+                                                     text=step.text, **self._text_ids(step.output_index)))
+            await self.emit(rt.ResponseContentPartDoneEvent(
+                type="response.content_part.done", event_id=self.event_id(), part={"type": "text", "text": step.text},
+                **self._text_ids(step.output_index)))
+            self.message.status = step.status
+            self.message.content = [rt.realtime_conversation_item_assistant_message.Content(
+                type="output_text", text=step.text)]
+            await self._done(self.message, step.output_index)
+        else:
+            item = self.calls[step.call.number]
+            item.status = step.status
+            if step.final is not None:
+                item.arguments = step.final.arguments
+                await self.emit(rt.ResponseFunctionCallArgumentsDoneEvent(
+                    type="response.function_call_arguments.done", event_id=self.event_id(),
+                    response_id=self.response_id, item_id=item.id or "", output_index=step.call.output_index,
+                    call_id=step.final.call_id, name=step.final.name, arguments=step.final.arguments))
+            await self._done(item, step.call.output_index)
+
     async def _added(self, item: Any, output_index: int) -> None:
         self.previous[item.id] = next(reversed(self.items), None)
         self.items[item.id] = item
@@ -88,94 +147,18 @@ class RealtimeResponse:
         await self.emit(rt.ConversationItemAdded(type="conversation.item.added", event_id=self.event_id(),
                                                  item=item, previous_item_id=self.previous[item.id]))
 
-    def _text_ids(self) -> dict[str, Any]:
+    def _text_ids(self, output_index: int) -> dict[str, Any]:
         assert self.message is not None and self.message.id is not None
-        return {"response_id": self.response_id, "item_id": self.message.id, "output_index": self.message_index,
+        return {"response_id": self.response_id, "item_id": self.message.id, "output_index": output_index,
                 "content_index": 0}
 
-    async def _open_message(self) -> None:
-        self.message = rt.RealtimeConversationItemAssistantMessage(
-            id=new_id("item"), type="message", role="assistant", object="realtime.item", status="in_progress",
-            content=[])
-        self.message_index, self.next_index = self.next_index, self.next_index + 1
-        await self._added(self.message, self.message_index)
-        await self.emit(rt.ResponseContentPartAddedEvent(
-            type="response.content_part.added", event_id=self.event_id(), part={"type": "text", "text": ""},
-            **self._text_ids()))
-
-    async def _delta(self, text: str, token_ids: list[int], finished: bool = False) -> None:
-        parsed = self.parser.feed(text, token_ids, finished)
-        if parsed.text:
-            if self.message is None:
-                await self._open_message()
-            self.text += parsed.text
-            await self.emit(rt.ResponseTextDeltaEvent(type="response.output_text.delta", event_id=self.event_id(),
-                                                      delta=parsed.text, **self._text_ids()))
-        for call in parsed.calls:
-            await self._call_delta(call)
-
-    async def _call_delta(self, delta: CallDelta) -> None:
-        if delta.index not in self.calls:
-            if not delta.name:
-                return  # arguments before a name: vLLM's parsers send none
-            item = rt.RealtimeConversationItemFunctionCall(
-                type="function_call", id=new_id("item"), call_id=self.parser.call_id(delta.index), name=delta.name,
-                arguments="", object="realtime.item", status="in_progress")
-            self.calls[delta.index] = (self.next_index, item)
-            self.next_index += 1
-            await self._added(item, self.calls[delta.index][0])
-        index, item = self.calls[delta.index]
-        if delta.arguments:
-            item.arguments += delta.arguments
-            await self.emit(rt.ResponseFunctionCallArgumentsDeltaEvent(
-                type="response.function_call_arguments.delta", event_id=self.event_id(),
-                response_id=self.response_id, item_id=item.id or "", output_index=index, call_id=item.call_id or "",
-                delta=delta.arguments))
-
-    # ------------------------------------------------------------------ items as they end
-    async def _close(self, result: ChunkResult | None, status: str) -> list[Any]:
-        """Each item's closing events, as the reply reads whole: a call streamed but not
-        in the final reading (its JSON did not parse) ends incomplete."""
-        final = self.parser.final(result.text, result.token_ids) if result is not None else None
-        item_status: Literal["completed", "incomplete"] = "completed" if status == "completed" else "incomplete"
-        if final is not None and (final.text or not final.calls) and self.message is None:
-            await self._open_message()
-        output: list[Any] = []
-        if self.message is not None:
-            text = final.text if final is not None else self.text
-            await self.emit(rt.ResponseTextDoneEvent(type="response.output_text.done", event_id=self.event_id(),
-                                                     text=text, **self._text_ids()))
-            await self.emit(rt.ResponseContentPartDoneEvent(
-                type="response.content_part.done", event_id=self.event_id(), part={"type": "text", "text": text},
-                **self._text_ids()))
-            self.message.status = item_status
-            self.message.content = [rt.realtime_conversation_item_assistant_message.Content(
-                type="output_text", text=text)]
-            output.append(await self._done(self.message, self.message_index))
-        calls = final.calls if final is not None else []
-        for number, call in enumerate(calls):
-            if number not in self.calls:
-                await self._call_delta(CallDelta(number, call.name))
-            index, item = self.calls[number]
-            item.arguments, item.status = call.arguments, item_status
-            await self.emit(rt.ResponseFunctionCallArgumentsDoneEvent(
-                type="response.function_call_arguments.done", event_id=self.event_id(),
-                response_id=self.response_id, item_id=item.id or "", output_index=index, call_id=call.call_id,
-                name=call.name, arguments=call.arguments))
-            output.append(await self._done(item, index))
-        for number, (index, item) in self.calls.items():
-            if number >= len(calls):
-                item.status = "incomplete"
-                output.append(await self._done(item, index))
-        return output
-
-    async def _done(self, item: Any, output_index: int) -> Any:
+    async def _done(self, item: Any, output_index: int) -> None:
         await self.emit(rt.ResponseOutputItemDoneEvent(type="response.output_item.done", event_id=self.event_id(),
                                                        response_id=self.response_id, output_index=output_index,
                                                        item=item))
         await self.emit(rt.ConversationItemDone(type="conversation.item.done", event_id=self.event_id(),
                                                 item=item, previous_item_id=self.previous[item.id]))
-        return item
+        self.output.append(item)
 
 
 def usage_of(result: ChunkResult) -> rt.RealtimeResponseUsage:

@@ -13,8 +13,6 @@ keeps what was generated.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +39,18 @@ from app.sessions.run import ChunkRun
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
 from app.tools.parsing import OutputParser, ReplyParsers, ToolCall
+
+
+@dataclass
+class PlannedResponse:
+    """A ``response.create`` checked and planned, waiting for the connection's worker."""
+
+    event_id: str | None
+    plan: TurnPlan
+    options: SamplingOptions
+    parser: OutputParser
+    messages: Messages  # the items it sends
+    instructions_before: str | None  # the instructions the context had before it
 
 
 def check_max_output_tokens(value: int | str | None, param: str, event_id: str | None) -> None:
@@ -94,8 +104,9 @@ class Conversation:
     config: RealtimeConfig = field(default_factory=RealtimeConfig)
     items: dict[str, Any] = field(default_factory=dict)
     pending: list[dict[str, Any]] = field(default_factory=list)
-    response: asyncio.Task[None] | None = None
-    run: ChunkRun | None = None
+    responding: bool = False  # a response planned, queued or running
+    run: ChunkRun | None = None  # the running response's chunk
+    cancel_requested: bool = False  # response.cancel before its chunk started
     # For a session whose context is not a chat's: the instructions last added to it.
     sent_instructions: str | None = None
     _event_ids: int = 0
@@ -201,8 +212,10 @@ class Conversation:
             type="conversation.item.retrieved", event_id=self.event_id(), item=item))
 
     # ------------------------------------------------------------------ responses
-    async def create_response(self, event: rt.ResponseCreateEvent) -> None:
-        if self.response is not None and not self.response.done():
+    async def create_response(self, event: rt.ResponseCreateEvent) -> PlannedResponse:
+        """Check a ``response.create`` and plan its turn, which takes the items added
+        since the last; the connection's worker then runs it (``respond``)."""
+        if self.responding:
             raise ClientEventError("A response is in progress; cancel it or wait for response.done.",
                                    "conversation_already_has_active_response", None, event.event_id)
         overrides = event.response
@@ -232,17 +245,31 @@ class Conversation:
             raise ClientEventError(str(exc), "invalid_value", "response.tool_choice", event.event_id) from None
         in_force = (instructions if instructions is not None else self.config.instructions) or None
         options = SamplingOptions(max_tokens=max_tokens or self.service.max_chunk_output_tokens)
-        plan = self._turn_plan(list(self.pending), in_force, tools, parser, options.max_tokens or 0)
+        messages = list(self.pending)
+        planned = PlannedResponse(event.event_id, self._turn_plan(messages, in_force, tools, parser,
+                                                                  options.max_tokens or 0),
+                                  options, parser, messages, self.sent_instructions)
+        # The turn takes the items sent so far (given back if it cannot start).
+        self.responding, self.pending, self.sent_instructions = True, [], in_force
+        return planned
+
+    async def respond(self, planned: PlannedResponse) -> None:
+        """Start the planned turn's chunk and stream its answer (run by the connection's worker)."""
         try:
-            self.run = await self.service.start_chunk(
-                self.owner, self.session.id, plan, options, transport="realtime", wait=True
-            )
-        except APIError as exc:
-            raise ClientEventError(exc.message, exc.code, exc.param, event.event_id) from None
-        # The turn is on its way to the model: its items are sent.
-        self.pending.clear()
-        self.sent_instructions = in_force
-        self.response = asyncio.create_task(self._respond(self.run, parser), name=f"realtime-{self.session.id}")
+            try:
+                self.run = await self.service.start_chunk(
+                    self.owner, self.session.id, planned.plan, planned.options, transport="realtime", wait=True
+                )
+            except APIError as exc:
+                self.pending[:0] = planned.messages
+                self.sent_instructions = planned.instructions_before
+                raise ClientEventError(exc.message, exc.code, exc.param, planned.event_id) from None
+            if self.cancel_requested:
+                self.run.stop()
+            await RealtimeResponse(self.run, planned.parser, self.session.id, self.items, self.emit,
+                                   self.event_id).stream()
+        finally:
+            self.responding, self.run, self.cancel_requested = False, None, False
 
     def _turn_plan(self, messages: Messages, instructions: str | None, tools: list[dict[str, Any]],
                    parser: OutputParser, max_tokens: int) -> TurnPlan:
@@ -304,22 +331,18 @@ class Conversation:
         return {"role": item.role, "content": "".join(texts)}
 
     async def cancel_response(self, event: rt.ResponseCancelEvent) -> None:
-        if self.response is None or self.response.done() or self.run is None:
+        if not self.responding:
             raise ClientEventError("No response is in progress.", "response_cancel_not_active", None, event.event_id)
-        self.run.stop()
+        if self.run is not None:
+            self.run.stop()
+        else:
+            self.cancel_requested = True  # stopped as soon as it starts
 
     async def close(self) -> None:
         """The connection is gone: a running response is aborted, and its chunk undone
         (the run releases the session whether or not the response began streaming)."""
         if self.run is not None:
             self.run.cancel()
-        if self.response is not None and not self.response.done():
-            self.response.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.response
-
-    async def _respond(self, run: ChunkRun, parser: OutputParser) -> None:
-        await RealtimeResponse(run, parser, self.session.id, self.items, self.emit, self.event_id).stream()
 
 
 def _plain(value: Any) -> Any:

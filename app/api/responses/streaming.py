@@ -14,14 +14,25 @@ import contextlib
 import itertools
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from app.api.output_items import (
+    ArgumentsDelta,
+    CallClosed,
+    CallOpened,
+    ItemStatus,
+    MessageClosed,
+    MessageOpened,
+    OutputItems,
+    Step,
+    TextDelta,
+)
 from app.api.responses import items
 from app.api.responses.serving import PendingResponse, ResponsesService
 from app.errors import APIError
 from app.sessions.chunk import ChunkDelta, ChunkResult
-from app.tools.parsing import CallDelta, ToolCall
+from app.tools.parsing import ToolCall
 
 _CLOSING = {"completed": "response.completed", "incomplete": "response.incomplete",
             "cancelled": "response.incomplete", "failed": "response.failed"}
@@ -46,9 +57,10 @@ async def response_events(service: ResponsesService, owner: str, pending: Pendin
     skeleton = service.in_progress(pending).model_dump(mode="json")
     yield frame(("response.created", {"response": skeleton}))
     yield frame(("response.in_progress", {"response": skeleton}))
-    output = _OutputStream(pending)
-    if not pending.parser.parses_calls and pending.request.generate:  # text alone: its message opens at once
-        for event in output.open_message():
+    output = OutputItems(pending.parser)
+    render = _Rendering(pending.message_id)
+    if pending.request.generate:  # a warm-up answers nothing
+        for event in render.steps(output.start()):
             yield frame(event)
     result: ChunkResult | None = None
     error: APIError | None = None
@@ -56,11 +68,11 @@ async def response_events(service: ResponsesService, owner: str, pending: Pendin
         async with contextlib.aclosing(pending.run.events()) as events:
             async for chunk_event in events:
                 if isinstance(chunk_event, ChunkDelta):
-                    for event in output.delta(chunk_event.text, chunk_event.token_ids):
+                    for event in render.steps(output.feed(chunk_event.text, chunk_event.token_ids)):
                         yield frame(event)
                 else:
                     result = chunk_event
-                    for event in output.delta("", [], finished=True):
+                    for event in render.steps(output.feed("", [], finished=True)):
                         yield frame(event)
     except APIError as exc:
         error = exc
@@ -68,92 +80,61 @@ async def response_events(service: ResponsesService, owner: str, pending: Pendin
     if error is not None:
         yield frame(("error", {"code": error.code, "message": error.message, "param": error.param}))
     else:
-        for event in output.close(response["output"]):
+        assert result is not None
+        final = pending.parser.final(result.text, result.token_ids) if pending.request.generate else None
+        status: ItemStatus = "completed" if response["status"] == "completed" else "incomplete"
+        for event in render.steps(output.close(final, status) if final is not None else [], response["output"]):
             yield frame(event)
     yield frame((_CLOSING[response["status"]], {"response": response}))
 
 
 @dataclass
-class _StreamedCall:
-    output_index: int
-    item: dict[str, Any]
-    arguments: str = ""
+class _Rendering:
+    """The output items' steps (``app.api.output_items``) as the Responses API's events.
+    The closing events carry the items as the stored response has them."""
 
+    message_id: str
 
-@dataclass
-class _OutputStream:
-    """The output items a stream has announced, each at its output index."""
+    def _where(self, output_index: int) -> dict[str, Any]:
+        return {"item_id": self.message_id, "output_index": output_index, "content_index": 0}
 
-    pending: PendingResponse
-    next_index: int = 0
-    message_index: int | None = None
-    text: str = ""
-    calls: dict[int, _StreamedCall] = field(default_factory=dict)
-
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self.pending.message_id, "output_index": self.message_index, "content_index": 0}
-
-    def open_message(self) -> list[Event]:
-        self.message_index, self.next_index = self.next_index, self.next_index + 1
-        item = {**items.message_item("assistant", "", self.pending.message_id, status="in_progress"), "content": []}
-        return [("response.output_item.added", {"output_index": self.message_index, "item": item}),
-                ("response.content_part.added", {"part": _EMPTY_PART, **self._where()})]
-
-    def delta(self, text: str, token_ids: list[int], finished: bool = False) -> list[Event]:
-        parsed = self.pending.parser.feed(text, token_ids, finished)
+    def steps(self, steps: list[Step], final: list[dict[str, Any]] | None = None) -> list[Event]:
         events: list[Event] = []
-        if parsed.text:
-            if self.message_index is None:
-                events += self.open_message()
-            self.text += parsed.text
-            events.append(("response.output_text.delta", {"delta": parsed.text, "logprobs": [], **self._where()}))
-        for call in parsed.calls:
-            events += self._call_delta(call)
+        for step in steps:
+            events += self._events(step, final or [])
         return events
 
-    def _call_delta(self, delta: CallDelta) -> list[Event]:
-        events: list[Event] = []
-        streamed = self.calls.get(delta.index)
-        if streamed is None:
-            if not delta.name:
-                return events  # arguments before a name: vLLM's parsers send none
-            call = ToolCall(self.pending.parser.call_id(delta.index), delta.name, "")
-            streamed = self.calls[delta.index] = _StreamedCall(
-                self.next_index, items.function_call_item(call, status="in_progress"))
-            self.next_index += 1
-            events.append(("response.output_item.added", {"output_index": streamed.output_index,
-                                                          "item": streamed.item}))
-        if delta.arguments:
-            streamed.arguments += delta.arguments
-            events.append(("response.function_call_arguments.delta", {
-                "item_id": streamed.item["id"], "output_index": streamed.output_index, "delta": delta.arguments}))
-        return events
-
-    def close(self, final: list[dict[str, Any]]) -> list[Event]:
-        """Each item's closing events, as the reply reads whole: a call streamed but not
-        in the final reading (its JSON did not parse) ends incomplete."""
-        events: list[Event] = []
-        messages = [item for item in final if item["type"] == "message"]
-        if messages or self.message_index is not None:
-            if self.message_index is None:
-                events += self.open_message()
-            done = messages[0] if messages else \
-                items.message_item("assistant", self.text, self.pending.message_id, status="incomplete")
+    def _events(self, step: Step, final: list[dict[str, Any]]) -> list[Event]:
+        if isinstance(step, MessageOpened):
+            item = {**items.message_item("assistant", "", self.message_id, status="in_progress"), "content": []}
+            return [("response.output_item.added", {"output_index": step.output_index, "item": item}),
+                    ("response.content_part.added", {"part": _EMPTY_PART, **self._where(step.output_index)})]
+        if isinstance(step, TextDelta):
+            return [("response.output_text.delta", {"delta": step.delta, "logprobs": [],
+                                                    **self._where(step.output_index)})]
+        if isinstance(step, CallOpened):
+            item = items.function_call_item(ToolCall(step.call.call_id, step.call.name, ""), status="in_progress")
+            return [("response.output_item.added", {"output_index": step.call.output_index, "item": item})]
+        if isinstance(step, ArgumentsDelta):
+            item_id = items.function_call_item(ToolCall(step.call.call_id, step.call.name, ""))["id"]
+            return [("response.function_call_arguments.delta", {
+                "item_id": item_id, "output_index": step.call.output_index, "delta": step.delta})]
+        if isinstance(step, MessageClosed):
+            done = next((item for item in final if item["type"] == "message"), None) \
+                or items.message_item("assistant", step.text, self.message_id, status=step.status)
             text = done["content"][0]["text"]
-            events += [("response.output_text.done", {"text": text, "logprobs": [], **self._where()}),
-                       ("response.content_part.done", {"part": {**_EMPTY_PART, "text": text}, **self._where()}),
-                       ("response.output_item.done", {"output_index": self.message_index, "item": done})]
-        calls = [item for item in final if item["type"] == "function_call"]
-        for index, item in enumerate(calls):
-            if index not in self.calls:
-                events += self._call_delta(CallDelta(index, item["name"]))
-            streamed = self.calls[index]
-            events += [("response.function_call_arguments.done", {
-                "item_id": item["id"], "output_index": streamed.output_index, "name": item["name"],
-                "arguments": item["arguments"]}),
-                ("response.output_item.done", {"output_index": streamed.output_index, "item": item})]
-        for index, streamed in self.calls.items():
-            if index >= len(calls):
-                item = {**streamed.item, "arguments": streamed.arguments, "status": "incomplete"}
-                events.append(("response.output_item.done", {"output_index": streamed.output_index, "item": item}))
-        return events
+            where = self._where(step.output_index)
+            return [("response.output_text.done", {"text": text, "logprobs": [], **where}),
+                    ("response.content_part.done", {"part": {**_EMPTY_PART, "text": text}, **where}),
+                    ("response.output_item.done", {"output_index": step.output_index, "item": done})]
+        assert isinstance(step, CallClosed)
+        call = step.call
+        if step.final is None:
+            item = {**items.function_call_item(ToolCall(call.call_id, call.name, call.arguments)),
+                    "status": "incomplete"}
+            return [("response.output_item.done", {"output_index": call.output_index, "item": item})]
+        item = [item for item in final if item["type"] == "function_call"][call.number]
+        return [("response.function_call_arguments.done", {
+            "item_id": item["id"], "output_index": call.output_index, "name": item["name"],
+            "arguments": item["arguments"]}),
+            ("response.output_item.done", {"output_index": call.output_index, "item": item})]

@@ -17,7 +17,6 @@ input that arrives as a response ends normally starts the successor all the same
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import json
@@ -32,7 +31,7 @@ from app.api.responses.protocol import ResponsesCreateRequest
 from app.api.responses.serving import ContextPoint, PendingResponse, ResponsesService
 from app.api.responses.streaming import response_events
 from app.errors import APIError, error_param, most_specific
-from app.http.websocket import EventChannel
+from app.http.websocket import EventConnection, Worker
 from app.limits import KeyLimits
 
 # What a websocket's response.create may not carry (its transport decides them).
@@ -43,58 +42,41 @@ MAX_LANES = 16
 
 @dataclass
 class _Lane:
-    """One ``stream_id``'s turns, run in order by its own task."""
+    """One ``stream_id``'s turns, run in order by a worker of its own."""
 
     stream_id: str | None
-    turns: asyncio.Queue[ResponsesCreateRequest] = field(default_factory=asyncio.Queue)
-    worker: asyncio.Task[None] | None = None
+    worker: Worker[ResponsesCreateRequest]
     current: PendingResponse | None = None
     steered: list[dict[str, Any]] = field(default_factory=list)  # input for the current response's successor
     latest: str | None = None  # the id of the lane's latest response
 
 
-class ResponsesConnection:
+class ResponsesConnection(EventConnection):
     def __init__(self, websocket: WebSocket, service: ResponsesService, limits: KeyLimits, owner: str,
                  route_key: str | None = None) -> None:
-        self.service, self.owner = service, owner
+        super().__init__(websocket, limits, owner)
+        self.service = service
         self.route_key = route_key  # the proxy's, for the chains this connection starts
-        self.channel = EventChannel(websocket, limits, owner, self._refuse)
         self.numbers = itertools.count()
         self.lanes: dict[str | None, _Lane] = {}
         self.latest: dict[str, ContextPoint] = {}  # each lane's latest response, stored or not
 
-    async def send(self, event: dict[str, Any], stream_id: str | None = None) -> None:
+    async def send_event(self, event: dict[str, Any], stream_id: str | None = None) -> None:
         if stream_id is not None:
             event["stream_id"] = stream_id
-        await self.channel.send_text(json.dumps(event))
+        await self.send(json.dumps(event))
 
-    async def send_error(self, error: APIError, stream_id: str | None = None) -> None:
-        await self.send({"type": "error", "sequence_number": next(self.numbers), "status": error.status,
-                         "error": {"type": error.type, "code": error.code, "message": error.message,
-                                   "param": error.param}}, stream_id)
+    def about(self, event: Any) -> str | None:
+        return None  # an event refused before it reaches a lane is answered on none
 
-    async def _refuse(self, error: APIError) -> None:
-        await self.send_error(error)
+    def error_frame(self, error: APIError, about: str | None) -> str:
+        event = {"type": "error", "sequence_number": next(self.numbers), "status": error.status,
+                 "error": {"type": error.type, "code": error.code, "message": error.message, "param": error.param}}
+        if about is not None:
+            event["stream_id"] = about
+        return json.dumps(event)
 
-    async def run(self) -> None:
-        try:
-            async for raw in self.channel.frames():
-                try:
-                    await self.handle(raw)
-                except APIError as error:
-                    await self.send_error(error)
-        finally:
-            # The client left: running responses are cancelled and their chunks undone.
-            workers = [lane.worker for lane in self.lanes.values() if lane.worker is not None]
-            for worker in workers:
-                worker.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-
-    async def handle(self, raw: str) -> None:
-        try:
-            event = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise APIError(400, "A client event is a JSON object.", code="invalid_json") from None
+    async def receive(self, event: Any) -> None:
         kind = event.get("type") if isinstance(event, dict) else None
         if kind == "response.create":
             stream_id = event.get("stream_id")
@@ -110,7 +92,7 @@ class ResponsesConnection:
                 first = most_specific(invalid.errors())
                 raise APIError(400, f"Invalid response.create: {first['msg']}.", code="invalid_request",
                                param=error_param(first["loc"])) from None
-            self._lane(stream_id).turns.put_nowait(request)
+            self._lane(stream_id).worker.submit(request)
         elif kind == "response.steer":
             await self.steer(event)
         else:
@@ -123,16 +105,17 @@ class ResponsesConnection:
             if len(self.lanes) >= MAX_LANES:
                 raise APIError(400, f"A connection runs at most {MAX_LANES} lanes (stream_id values).",
                                code="too_many_streams", param="stream_id")
-            lane = self.lanes[stream_id] = _Lane(stream_id)
-            lane.worker = asyncio.create_task(self._serve_turns(lane),
-                                              name=f"responses-ws-{self.channel.connection_id}-{stream_id}")
-        return lane
 
-    async def _serve_turns(self, lane: _Lane) -> None:
-        while True:
-            turn: ResponsesCreateRequest | None = await lane.turns.get()
-            while turn is not None:  # a steered response's successor follows it at once
-                turn = await self._respond(lane, turn)
+            async def serve_turns(turn: ResponsesCreateRequest | None) -> None:
+                while turn is not None:  # a steered response's successor follows it at once
+                    turn = await self._respond(self.lanes[stream_id], turn)
+
+            async def failed(turn: ResponsesCreateRequest, error: APIError) -> None:
+                await self.send_error(error, stream_id)
+
+            lane = self.lanes[stream_id] = _Lane(stream_id, self.worker(serve_turns, failed,
+                                                                       f"responses-ws-{stream_id}"))
+        return lane
 
     async def _respond(self, lane: _Lane, request: ResponsesCreateRequest) -> ResponsesCreateRequest | None:
         try:
@@ -145,7 +128,7 @@ class ResponsesConnection:
             events = response_events(self.service, self.owner, pending, self.numbers)
             async with contextlib.aclosing(events):
                 async for event in events:
-                    await self.send(event, lane.stream_id)
+                    await self.send_event(event, lane.stream_id)
         finally:
             lane.current = None
         if pending.point is not None:
@@ -165,7 +148,7 @@ class ResponsesConnection:
         stream_id = lane.stream_id if lane is not None else None
 
         async def failed(code: str, message: str) -> None:
-            await self.send({"type": "response.steer.failed", "sequence_number": next(self.numbers),
+            await self.send_event({"type": "response.steer.failed", "sequence_number": next(self.numbers),
                              "error": {"type": "invalid_request_error", "code": code, "message": message},
                              "steer": {"id": steer_id, "previous_response_id": previous, "input": event.get("input")}},
                             stream_id)
@@ -190,5 +173,5 @@ class ResponsesConnection:
         lane.steered.extend(steered)
         current.steered = True
         current.run.stop()  # at its next token; the session keeps what it generated
-        await self.send({"type": "response.steer.accepted", "sequence_number": next(self.numbers),
+        await self.send_event({"type": "response.steer.accepted", "sequence_number": next(self.numbers),
                          "steer": {"id": steer_id, "previous_response_id": previous}}, stream_id)

@@ -1,17 +1,14 @@
-"""One websocket connection driving one session (OpenAI Realtime-style events).
-
-The reader parses client events and answers bad ones with an ``error`` event, so
-the connection and the session stay usable. Appends run one at a time, in order,
-in a worker task, so the reader keeps reading (and notices a disconnect or a
-``session.close``) while a chunk generates.
+"""One websocket connection driving one session (OpenAI Realtime-style events), in the
+shape every websocket here has (``app.http.websocket.EventConnection``): the reader
+answers bad events with an ``error`` event, so the connection and the session stay
+usable; appends run one at a time, in order, in the connection's worker, so the reader
+keeps reading (and notices a disconnect or a ``session.close``) while a chunk generates.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
-import json
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -33,128 +30,76 @@ from app.api.sessions.protocol import (
     SessionUpdateEvent,
 )
 from app.errors import APIError, error_param, most_specific
-from app.http.websocket import EventChannel
+from app.http.websocket import EventConnection
 from app.limits import KeyLimits
 from app.sessions.chunk import ChunkResult
 from app.sessions.service import SessionService
 from app.sessions.session import StreamingSession
 
 _client_events: TypeAdapter[Any] = TypeAdapter(ClientEvent)
-# Appends waiting behind the one generating; more is a client bug, not a queue.
-MAX_QUEUED_APPENDS = 64
 
 
-class SessionConnection:
+class SessionConnection(EventConnection):
     def __init__(self, websocket: WebSocket, service: SessionService, limits: KeyLimits, owner: str,
                  session: StreamingSession, owns_session: bool):
-        self.websocket = websocket
+        super().__init__(websocket, limits, owner)
         self.service = service
         self.limits = limits
-        self.owner = owner
         self.session = session
         # A session created by this connection ends with it; an attached one stays.
         self.owns_session = owns_session
         self._event_ids = itertools.count()
-        self._appends: asyncio.Queue[InputAppendEvent] = asyncio.Queue(MAX_QUEUED_APPENDS)
-        self.channel = EventChannel(websocket, limits, owner, self.send_error)
+        self._appends = self.worker(self._append, self._append_failed, f"ws-appends-{session.id}")
 
     def _event_id(self) -> str:
         return f"event_{next(self._event_ids)}"
 
-    async def send(self, event: ServerEvent) -> None:
-        await self.channel.send_text(event.model_dump_json())
+    async def send_event(self, event: ServerEvent) -> None:
+        await self.send(event.model_dump_json())
 
-    async def send_error(self, error: APIError, client_event_id: str | None = None) -> None:
-        await self.send(
-            ErrorEvent(
-                event_id=self._event_id(),
-                error=ErrorDetail(
-                    type=error.type, code=error.code, message=error.message, param=error.param,
-                    event_id=client_event_id,
-                ),
-            )
-        )
+    def error_frame(self, error: APIError, about: str | None) -> str:
+        return error_event(error, self._event_id(), about).model_dump_json()
 
-    async def run(self, created: bool) -> None:
+    async def opened(self) -> None:
         description = self.service.describe(self.session)
-        if created:
-            await self.send(SessionCreatedEvent(event_id=self._event_id(), session=description))
-        else:
-            await self.send(SessionUpdatedEvent(event_id=self._event_id(), session=description))
-        worker = asyncio.create_task(self._run_appends(), name=f"ws-appends-{self.session.id}")
-        try:
-            await self._read_events()
-        finally:
-            worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await worker
-            # A server stop is not the client leaving: the session is parked, not closed.
-            client_left = not (self.channel.server_stopping or self.service.stopping)
-            if self.owns_session and client_left and not self.session.closed:
-                await self.service.close(self.owner, self.session.id, reason="connection_closed")
+        created = self.owns_session  # a session this connection opened is announced as created
+        event = SessionCreatedEvent if created else SessionUpdatedEvent
+        await self.send_event(event(event_id=self._event_id(), session=description))
 
-    async def _read_events(self) -> None:
-        async for raw in self.channel.frames():
-            event = await self._parse(raw)
-            if event is None:
-                continue
-            if isinstance(event, InputAppendEvent):
-                try:
-                    await self.limits.admit_request(self.owner)
-                except APIError as exc:
-                    await self.send_error(exc, event.event_id)
-                    continue
-                if self._appends.full():
-                    await self.send_error(
-                        APIError(429, "Too many appends queued on this connection.", code="too_many_queued_appends"),
-                        event.event_id,
-                    )
-                else:
-                    self._appends.put_nowait(event)
-            elif isinstance(event, SessionUpdateEvent):
-                try:
-                    session = await self.service.update_defaults(self.owner, self.session.id, event.session)
-                except APIError as exc:
-                    await self.send_error(exc, event.event_id)
-                else:
-                    await self.send(SessionUpdatedEvent(event_id=self._event_id(), session=self.service.describe(session)))
-            elif isinstance(event, SessionCloseEvent):
-                if not self.session.closed:
-                    await self.service.close(self.owner, self.session.id, reason="closed_by_client")
-                await self.send(SessionClosedEvent(event_id=self._event_id(), reason="closed_by_client"))
-                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                    await self.websocket.close(1000)
-                return
+    async def closed(self) -> None:
+        # A server stop is not the client leaving: the session is parked, not closed.
+        client_left = not (self.channel.server_stopping or self.service.stopping)
+        if self.owns_session and client_left and not self.session.closed:
+            await self.service.close(self.owner, self.session.id, reason="connection_closed")
 
-    async def _parse(self, raw: str) -> Any:
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError):  # not JSON, an int past Python's digit limit, nested too deep
-            await self.send_error(APIError(400, "The event is not valid JSON.", code="invalid_json"))
-            return None
-        client_event_id = data.get("event_id") if isinstance(data, dict) else None
-        try:
-            return _client_events.validate_python(data)
-        except ValidationError as exc:
-            first = most_specific(exc.errors())
-            param = error_param(first.get("loc"))
-            if isinstance(data, dict) and first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
-                message = f"Unknown event type {data.get('type')!r}; expected session.update, input.append or session.close."
-                param = "type"
-            else:
-                message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-            await self.send_error(APIError(400, message, code="invalid_event", param=param), client_event_id)
-            return None
-
-    async def _run_appends(self) -> None:
-        while True:
-            event = await self._appends.get()
+    async def receive(self, data: Any) -> None:
+        event = _parse(data)
+        if isinstance(event, InputAppendEvent):
             try:
-                await self._append(event)
+                await self.limits.admit_request(self.owner)
+                self._appends.submit(event)
             except APIError as exc:
-                await self.send_error(exc, event.event_id)
-                if self.session.closed:
-                    await self.send(SessionClosedEvent(event_id=self._event_id(), reason=self.session.close_reason or "closed"))
+                exc.event_id = event.event_id
+                raise
+        elif isinstance(event, SessionUpdateEvent):
+            try:
+                session = await self.service.update_defaults(self.owner, self.session.id, event.session)
+            except APIError as exc:
+                exc.event_id = event.event_id
+                raise
+            await self.send_event(SessionUpdatedEvent(event_id=self._event_id(), session=self.service.describe(session)))
+        elif isinstance(event, SessionCloseEvent):
+            if not self.session.closed:
+                await self.service.close(self.owner, self.session.id, reason="closed_by_client")
+            await self.send_event(SessionClosedEvent(event_id=self._event_id(), reason="closed_by_client"))
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                await self.websocket.close(1000)
+
+    async def _append_failed(self, event: InputAppendEvent, error: APIError) -> None:
+        await self.send_error(error, event.event_id)
+        if self.session.closed:
+            await self.send_event(SessionClosedEvent(event_id=self._event_id(),
+                                                     reason=self.session.close_reason or "closed"))
 
     async def _append(self, event: InputAppendEvent) -> None:
         run = await self.service.start_chunk(
@@ -164,7 +109,7 @@ class SessionConnection:
         async with contextlib.aclosing(run.events()) as events:
             async for item in events:
                 if isinstance(item, ChunkResult):
-                    await self.send(
+                    await self.send_event(
                         ResponseDoneEvent(
                             event_id=self._event_id(),
                             chunk_index=item.index,
@@ -174,10 +119,32 @@ class SessionConnection:
                         )
                     )
                 else:
-                    await self.send(
+                    await self.send_event(
                         ResponseOutputDeltaEvent(
                             event_id=self._event_id(),
                             chunk_index=self.session.num_chunks,
                             delta=ChunkOutput(text=item.text, token_ids=item.token_ids),
                         )
                     )
+
+
+def error_event(error: APIError, event_id: str, about: str | None = None) -> ErrorEvent:
+    """The session protocol's error event; ``about``: the client event it answers."""
+    return ErrorEvent(event_id=event_id, error=ErrorDetail(type=error.type, code=error.code, message=error.message,
+                                                          param=error.param, event_id=about))
+
+
+def _parse(data: Any) -> Any:
+    client_event_id = data.get("event_id") if isinstance(data, dict) else None
+    try:
+        return _client_events.validate_python(data)
+    except ValidationError as exc:
+        first = most_specific(exc.errors())
+        param = error_param(first.get("loc"))
+        if isinstance(data, dict) and first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+            message = f"Unknown event type {data.get('type')!r}; expected session.update, input.append or session.close."
+            param = "type"
+        else:
+            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        raise APIError(400, message, code="invalid_event", param=param,
+                       event_id=client_event_id if isinstance(client_event_id, str) else None) from None

@@ -5,10 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, WebSocket
 
 from app.api.deps import LimitsDep, OwnerDep, RouteKeyDep, ServiceDep
-from app.api.sessions.connection import SessionConnection
-from app.api.sessions.protocol import ErrorDetail, ErrorEvent
+from app.api.sessions.connection import SessionConnection, error_event
 from app.errors import APIError
-from app.http.websocket import refusal_close_code
+from app.http.websocket import refuse_connection
 from app.protocol import SessionCreateRequest
 
 router = APIRouter(tags=["sessions"])
@@ -25,7 +24,7 @@ async def new_session_ws(websocket: WebSocket, service: ServiceDep, limits: Limi
     except APIError as exc:
         await _refuse(websocket, exc)
         return
-    await SessionConnection(websocket, service, limits, owner, session, owns_session=True).run(created=True)
+    await SessionConnection(websocket, service, limits, owner, session, owns_session=True).run()
 
 
 @router.websocket("/v1/sessions/{session_id}/ws")
@@ -38,13 +37,8 @@ async def attach_session_ws(websocket: WebSocket, session_id: str, service: Serv
     except APIError as exc:
         await _refuse(websocket, exc)
         return
-    await SessionConnection(websocket, service, limits, owner, session, owns_session=False).run(created=False)
+    await SessionConnection(websocket, service, limits, owner, session, owns_session=False).run()
 
 
 async def _refuse(websocket: WebSocket, error: APIError) -> None:
-    event = ErrorEvent(
-        event_id="event_refused",
-        error=ErrorDetail(type=error.type, code=error.code, message=error.message, param=error.param),
-    )
-    await websocket.send_text(event.model_dump_json())
-    await websocket.close(code=refusal_close_code(error), reason=error.code)
+    await refuse_connection(websocket, error, error_event(error, "event_refused").model_dump_json())

@@ -16,7 +16,7 @@ from typing import Literal
 
 import httpx
 
-from benchmarks.common import REPO, RunningServer, enter_together, free_port
+from tests.harness.servers import REPO, RunningServer, enter_together, free_port
 
 HAPROXY_CONFIG = REPO / "docker" / "haproxy" / "haproxy.cfg"
 # The rule that routes every request naming a conversation by its key.

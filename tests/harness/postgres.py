@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.common import free_port
+from tests.harness.servers import free_port
 
 
 def postgres_bin_dir() -> Path | None:
