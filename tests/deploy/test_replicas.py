@@ -231,7 +231,7 @@ async def test_a_responses_chain_and_a_conversation_go_on_through_either_replica
     def text(response: Any) -> str:
         # Random weights emit byte tokens: a reply's text may begin or end with a
         # replacement character where its detokenizer saw another prefix (a live request's
-        # own, or a resumed one's), with the same tokens (tests/server/test_responses.py).
+        # own, or a resumed one's), with the same tokens (tests/api/responses/test_responses.py).
         return str(response.output_text).replace("\ufffd", "")
 
     async with openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key=KEY, max_retries=0) as via_a, \

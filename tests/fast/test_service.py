@@ -280,7 +280,7 @@ async def test_the_context_keeps_every_output_token(tmp_path: Path) -> None:
     """vLLM's streaming input drops a chunk's last sampled token when the next chunk
     arrives (the fake engine does the same); the session sends it again at the head of
     that chunk, so the context is every input and every output token the client got.
-    The real-engine oracle is tests/server/test_sessions_rest.py (each chunk against a
+    The real-engine oracle is tests/api/sessions/test_sessions_rest.py (each chunk against a
     salted recompute of that whole context)."""
     async with running_service(tmp_path) as (service, engine):
         session = await service.create(OWNER, GREEDY)

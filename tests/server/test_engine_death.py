@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from tests.harness.servers import RunningServer, app_server, free_port
-from tests.server.test_errors import assert_openai_error
+from tests.http.test_errors import assert_openai_error
 
 pytestmark = pytest.mark.server
 

@@ -44,10 +44,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.models.builder import ensure_model
 from app.settings import Settings
 from connectors.cpu_platform import cpu_has_amx
+from tests.api.responses.openai_stateful import check_stateful_apis
+from tests.api.responses.openai_tools import check_tool_round_trip
+from tests.api.sessions.test_clients import is_tool_example, readme_python_blocks, run_python
 from tests.harness.servers import RunningServer, enter_together, free_port, serve
-from tests.server.openai_stateful import check_stateful_apis
-from tests.server.openai_tools import check_tool_round_trip
-from tests.server.test_clients import is_tool_example, readme_python_blocks, run_python
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PRESET = Settings.model_fields["model_preset"].default
@@ -152,12 +152,12 @@ def test_the_default_model_answers_in_words_in_float32(fresh_servers: tuple[Path
     answer = capital_of_france(server)
     assert "Paris" in answer, answer
     asyncio.run(realtime_chat_is_the_conversation(server))
-    # OpenAI's stateful APIs through the official SDK (issue 27): tests/server/openai_stateful.py.
+    # OpenAI's stateful APIs through the official SDK (issue 27): tests/api/responses/openai_stateful.py.
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(DEFAULT_PRESET)))
     print(f"stateful APIs, token-exact throughout: {check_stateful_apis(server.base_url, tokenizer)}")
-    # A tool round trip on a Responses chain (issue 28): tests/server/openai_tools.py.
+    # A tool round trip on a Responses chain (issue 28): tests/api/responses/openai_tools.py.
     check_tool_round_trip(server.base_url, tokenizer)
     # The README's tool calling example, on the model it is written for.
     (example,) = [block for block in readme_python_blocks() if is_tool_example(block)]

@@ -24,8 +24,8 @@ import pytest
 
 from tests.conftest import API_KEYS, auth, make_settings
 from tests.helpers import running_app
+from tests.http.test_errors import assert_openai_error
 from tests.postgres import needs_postgres, postgres_server
-from tests.server.test_errors import assert_openai_error
 
 pytestmark = pytest.mark.server
 

@@ -3,7 +3,7 @@ the same body; hands every other request on, body intact.
 
 Oracle: a recording downstream app (what FastAPI would have been given) and a recording
 handler, over plain ASGI messages. The server-level twin of this test
-(tests/server/test_sessions_rest.py, ``test_chunk_answers_are_the_same_through_fastapi``)
+(tests/api/sessions/test_sessions_rest.py, ``test_chunk_answers_are_the_same_through_fastapi``)
 compares the two paths' answers on a real server.
 """
 

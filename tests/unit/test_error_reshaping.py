@@ -1,6 +1,6 @@
 """vLLM's errors in the shapes this server publishes, at the ASGI layer that reshapes
 them. Oracle: a scripted ASGI app answers as vLLM's handlers do (the claim is about the
-reshaping, not about what makes vLLM fail: tests/server/test_error_shapes.py has those
+reshaping, not about what makes vLLM fail: tests/http/test_error_shapes.py has those
 over real HTTP); the bytes that leave must be OpenAI's shape (or Anthropic's on its
 routes), with a content-length that matches."""
 

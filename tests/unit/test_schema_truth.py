@@ -1,7 +1,7 @@
 """The published schema says what validation accepts: each case here is a finding of
 schemathesis run with fresh seeds (docs/reliability.md), pinned. Oracle: the request
 models and the schema patches themselves; the server-wide check is
-tests/server/test_schema_fuzz.py (positive_data_acceptance, negative_data_rejection).
+tests/http/test_schema_fuzz.py (positive_data_acceptance, negative_data_rejection).
 """
 
 from __future__ import annotations

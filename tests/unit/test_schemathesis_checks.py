@@ -1,4 +1,4 @@
-"""The fuzzing check's exceptions (tests/server/schemathesis_checks.py): each refusal of
+"""The fuzzing check's exceptions (tests/http/schemathesis_checks.py): each refusal of
 schema-valid data it accepts is one no JSON Schema can prevent, and nothing else.
 Oracle: the rules as its docstring states them, on hand-made errors."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.server.schemathesis_checks import refusal_no_schema_can_prevent
+from tests.http.schemathesis_checks import refusal_no_schema_can_prevent
 
 INT64_MAX = 2**63 - 1
 
@@ -67,7 +67,7 @@ def test_a_negative_case_whose_body_fits_the_schema_is_judged_as_sent() -> None:
     # #4332): a fresh seed reported such a conversation as accepted schema-violating data.
     from types import SimpleNamespace
 
-    from tests.server.schemathesis_checks import body_fits_schema
+    from tests.http.schemathesis_checks import body_fits_schema
 
     raw = {"components": {"schemas": {"Part": {"type": "object", "properties": {"type": {"enum": ["text"]}},
                                                "required": ["type"]}}}}

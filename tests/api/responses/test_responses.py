@@ -1,6 +1,6 @@
 """The Responses and Conversations APIs on sessions, over real HTTP on the shared engine
 (the random-weight tiny model: mechanics, not words; the real model's answers are
-checked against chat completions in tests/server/openai_stateful.py).
+checked against chat completions in tests/api/responses/openai_stateful.py).
 
 Oracles: the server's own sessions (a chain is one session whose chunks grow by one a
 turn; a fork is a new session, the chain's left as it was), the usage's split of the
@@ -22,7 +22,7 @@ import pytest_asyncio
 import websockets
 
 from tests.conftest import API_KEYS, auth
-from tests.server.test_errors import assert_openai_error
+from tests.http.test_errors import assert_openai_error
 
 
 def clean(text: str) -> str:

@@ -23,10 +23,10 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from app.models.smollm2 import CHAT_TEMPLATE
+from tests.api.realtime.test_realtime import Frames, close_sessions
 from tests.conftest import API_KEYS, auth, make_settings
 from tests.helpers import running_app
-from tests.server.test_realtime import Frames, close_sessions
-from tests.server.test_schema_fuzz import operations_not_generated
+from tests.http.test_schema_fuzz import operations_not_generated
 
 pytestmark = pytest.mark.server
 
@@ -204,5 +204,5 @@ async def test_a_batch_conversation_with_a_tool_call_is_answered(tool_server: st
 
 async def test_every_operation_with_a_parser_can_be_generated(tool_server: str) -> None:
     # With a parser the chat request's rules differ (beam search's in place of the tool
-    # rule): its schema must stay one schemathesis generates from (tests/server/test_schema_fuzz.py).
+    # rule): its schema must stay one schemathesis generates from (tests/http/test_schema_fuzz.py).
     assert await operations_not_generated(tool_server) == []

@@ -7,10 +7,10 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.api.realtime.test_realtime import close_sessions
 from tests.conftest import auth, make_settings
 from tests.helpers import running_app
-from tests.server.test_errors import assert_openai_error
-from tests.server.test_realtime import close_sessions
+from tests.http.test_errors import assert_openai_error
 
 pytestmark = pytest.mark.server
 

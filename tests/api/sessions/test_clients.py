@@ -23,7 +23,7 @@ from tests.conftest import API_KEYS, auth
 
 pytestmark = pytest.mark.server
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHUNKS: list[Any] = ["The quick brown fox", [11, 12, 13, 14, 15], " jumps over the lazy dog."]
 DEFAULTS = {"temperature": 0, "ignore_eos": True, "max_tokens": 5}
 

@@ -44,9 +44,9 @@ BASE_CHECKS = [
 # STREAMSESS_FUZZ_SEED=<seed>.
 OUR_ROUTES = r"^/v1/(sessions|models$|conversations)"
 # positive_data_acceptance, but for chunks over the token limit, which no JSON Schema can
-# state (tests/server/schemathesis_checks.py).
+# state (tests/http/schemathesis_checks.py).
 OUR_CHECKS = [*BASE_CHECKS, "positive_data_acceptance_but_unstatable", "use_after_free"]
-HOOKS = "tests.server.schemathesis_checks"
+HOOKS = "tests.http.schemathesis_checks"
 SEED = os.environ.get("STREAMSESS_FUZZ_SEED") or str(random.SystemRandom().randrange(2**31))
 # vLLM's routes are not fuzzed here: their requests decode up to the shared engine's
 # whole context (minutes where a body asks for it), and with fresh seeds they find
@@ -95,7 +95,7 @@ async def test_every_operation_of_the_published_schema_can_be_generated(server: 
     # request made schemathesis give up on /v1/chat/completions and /invocations
     # ("does not support this part of it"), so scripts/fuzz-schema tested neither while
     # reporting nothing wrong. Oracle: schemathesis's own generator, a few cases each.
-    # This server has no tool parser; tests/server/test_tool_events.py checks one that has.
+    # This server has no tool parser; tests/api/responses/test_tool_events.py checks one that has.
     assert await operations_not_generated(server) == []
 
 

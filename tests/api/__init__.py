@@ -1,0 +1,1 @@
+"""Our APIs over real HTTP and websockets, one folder each."""

@@ -1,0 +1,1 @@
+"""The Responses and Conversations APIs, and tool calling on them."""

@@ -1,0 +1,1 @@
+"""The sessions API: REST, SSE, the session websocket, the clients."""

@@ -1,0 +1,1 @@
+"""The edge: error shapes, limits, fuzzing of every route and websocket."""

@@ -1,0 +1,1 @@
+"""vLLM's own OpenAI routes as this server hosts them."""
