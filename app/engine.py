@@ -15,6 +15,7 @@ from connectors import (
     DISK_TIER_DIR_KEY,
     DISK_TIER_FLUSH_UTILITY,
     DISK_TIER_FSYNC_KEY,
+    DISK_TIER_SHARED_KEY,
     DISK_TIER_SPEC_MODULE,
     DISK_TIER_SPEC_NAME,
     HOST_TIER_SPEC_MODULE,
@@ -79,6 +80,7 @@ def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
             extra[DISK_TIER_DIR_KEY] = settings.resolved_disk_tier_dir()
             extra[DISK_TIER_BYTES_KEY] = int(settings.disk_tier_gib * GIB)
             extra[DISK_TIER_FSYNC_KEY] = settings.disk_tier_fsync
+            extra[DISK_TIER_SHARED_KEY] = settings.disk_tier_shared
         extra[ASYNC_TIER_LOADS_KEY] = settings.async_tier_loads
         extra[TIER_COPY_THREAD_KEY] = settings.tier_copy_thread
         extra[TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY] = settings.tier_copy_thread_min_load_bytes

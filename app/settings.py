@@ -144,6 +144,13 @@ class Settings(BaseSettings):
     disk_tier_dir: str | None = Field(
         default=None, description="Where the disk tier's files go. Default: disk_tier in state_dir."
     )
+    disk_tier_shared: bool = Field(
+        default=False,
+        description="disk_tier_dir is one directory every replica mounts (NFS, a ReadWriteMany volume): "
+        "a replica finds files the others wrote, so a session that moves resumes from disk; reads and "
+        "deletions are locked (flock) and one replica at a time keeps the directory within disk_tier_gib. "
+        "Every replica needs the same cache_salt_secret (refused at start otherwise).",
+    )
     disk_tier_fsync: bool = Field(
         default=False,
         description="fsync each disk-tier file before it is renamed into place (survives a power loss, "

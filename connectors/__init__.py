@@ -17,6 +17,8 @@ DISK_TIER_DIR_KEY = "disk_tier_dir"
 DISK_TIER_BYTES_KEY = "disk_tier_bytes"
 DISK_TIER_FSYNC_KEY = "disk_tier_fsync"
 DISK_TIER_WRITE_QUEUE_BYTES_KEY = "disk_tier_write_queue_bytes"
+# The directory is shared by several replicas (connectors.disk_files: locks, one sweeper).
+DISK_TIER_SHARED_KEY = "disk_tier_shared"
 # The engine core's utility call that hands the API process each request's disk-tier
 # tokens (installed by connectors.disk_tier in the engine core process).
 DISK_TIER_TOKENS_UTILITY = "streamsess_disk_tier_tokens"

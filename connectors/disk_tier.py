@@ -63,6 +63,7 @@ from connectors import (
     DISK_TIER_DIR_KEY,
     DISK_TIER_FLUSH_UTILITY,
     DISK_TIER_FSYNC_KEY,
+    DISK_TIER_SHARED_KEY,
     DISK_TIER_TOKENS_UTILITY,
     DISK_TIER_WRITE_QUEUE_BYTES_KEY,
 )
@@ -84,12 +85,16 @@ FORMAT = "streamsess-kv-v1"  # in the namespace: a new format never reads an old
 SAMPLES, SAMPLE_BYTES = 64, 64 * 1024
 # Prometheus, through vLLM's offloading metrics (the gauges, then the counters).
 METRIC_PREFIX = "vllm:kv_offload_disk_tier_"
-GAUGES = {"bytes": "Bytes of KV files in the disk tier (queued writes included).",
-          "files": "KV files in the disk tier (queued writes included)."}
+GAUGES = {"bytes": "Bytes of KV files in the disk tier this replica knows (queued writes included).",
+          "files": "KV files in the disk tier this replica knows (queued writes included).",
+          "directory_bytes": "A shared disk tier: bytes of every replica's files, at the last sweep.",
+          "cap_bytes": "The disk tier's size cap."}
 COUNTERS = {"hits": "Disk-tier lookups that found a whole file.",
             "misses": "Disk-tier lookups (of keys not in host memory) that found none.",
+            "foreign_hits": "A shared disk tier: hits on files another replica wrote.",
             "evictions": "Disk-tier files deleted to keep the tier within its size.",
-            "checksum_failures": "Disk-tier files that failed their checksum (deleted: a miss)."}
+            "checksum_failures": "Disk-tier files that failed their checksum (deleted: a miss).",
+            "vanished": "A shared disk tier: files another replica deleted after this one saw them (a miss)."}
 # The writer's backlog, at most: a 8,192-token prefill of the bench model in float32
 # stores about 380 MB in one step, and a write dropped is a miss after a restart.
 WRITE_QUEUE_BYTES = 1 << 30
@@ -159,6 +164,8 @@ class DiskTierManager(CPUOffloadingManager):
             return result
         hit = self.disk.verify(key)
         self.disk.counts["hits" if hit else "misses"] += 1
+        if hit and key in self.disk.foreign:
+            self.disk.counts["foreign_hits"] += 1
         return LookupResult.HIT if hit else LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -221,6 +228,10 @@ class DiskTierManager(CPUOffloadingManager):
             self.disk.rebuilding()  # merged once done: the gauges count every file
             stats.set_gauge(METRIC_PREFIX + "bytes", self.disk.bytes)
             stats.set_gauge(METRIC_PREFIX + "files", len(self.disk.files))
+            stats.set_gauge(METRIC_PREFIX + "cap_bytes", self.disk.cap_bytes)
+            if self.disk.shared:
+                self.disk.sweep()  # takes a finished sweep's figures (and evictions)
+                stats.set_gauge(METRIC_PREFIX + "directory_bytes", self.disk.directory_bytes)
             for name in COUNTERS:
                 if self.disk.counts[name]:
                     stats.increase_counter(METRIC_PREFIX + name, self.disk.counts.pop(name))
@@ -295,7 +306,8 @@ class DiskTierOffloadingSpec(HostTierOffloadingSpec):
     def get_manager(self) -> DiskTierManager:
         if self._manager is None:
             disk = DiskIndex(file_mapper(self), int(self.extra_config[DISK_TIER_BYTES_KEY]),
-                             HEADER.size + self.kv_bytes_per_chunk)
+                             HEADER.size + self.kv_bytes_per_chunk,
+                             shared=bool(self.extra_config.get(DISK_TIER_SHARED_KEY, False)))
             self._manager = DiskTierManager(
                 disk, num_chunks=self.num_chunks, cache_policy=self.eviction_policy,
                 cache_policy_module_path=self.cache_policy_module_path,

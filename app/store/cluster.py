@@ -12,14 +12,19 @@ At start (``join``), a replica refuses, with a message that names the fix:
   replicas on their own SQLite files answer 404 for each other's sessions;
 - to use another cache-salt secret than the cluster's: the first replica's secret is
   kept in the store and every later one adopts it (salts, so prefix-cache and tier
-  names, agree across replicas); one configured with another secret is refused.
+  names, agree across replicas); one configured with another secret is refused;
+- to share a disk tier (``disk_tier_shared``) whose namespace marker says replicas with
+  other cache salts wrote it: their files' names could never match this one's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import secrets
 from pathlib import Path
 
@@ -33,6 +38,8 @@ INSTANCE_FILE = "replica_instance"
 # A replica whose heartbeat is older than this is gone; heartbeats come every third of it.
 REPLICA_TTL_S = 15.0
 SALT_SECRET = "cache_salt_secret"
+NAMESPACE_FILE = "streamsess-namespace.json"
+NAMESPACE_PROBE = "streamsess-disk-tier-namespace"  # salted into the marker's digest
 
 
 class ReplicaConflict(RuntimeError):
@@ -47,6 +54,25 @@ def instance_token(state_dir: str) -> str:
     token = secrets.token_hex(16)
     path.write_text(token)
     return token
+
+
+def check_disk_tier_namespace(directory: str, salter: CacheSalter | None) -> None:
+    """A shared disk tier's marker names the cache salts its files were written under (a
+    digest, never the secret): the first replica writes it, every later one must match."""
+    salts = "shared" if salter is None else hashlib.sha256(salter.salt(NAMESPACE_PROBE).encode()).hexdigest()[:16]
+    marker = Path(directory) / NAMESPACE_FILE
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    draft = marker.with_name(f"{NAMESPACE_FILE}.{secrets.token_hex(4)}.tmp")
+    draft.write_text(json.dumps({"cache_salts": salts}))
+    with contextlib.suppress(FileExistsError):
+        os.link(draft, marker)  # whole or not there: a replica starting beside never reads half
+    draft.unlink()
+    written = json.loads(marker.read_text()).get("cache_salts")
+    if written != salts:
+        raise ReplicaConflict(
+            f"the shared disk tier {directory} was written by replicas with other cache salts (another "
+            "STREAMSESS_CACHE_SALT_SECRET, or another STREAMSESS_CACHE_ISOLATION): set the same on every "
+            "replica sharing it, or give this one a STREAMSESS_DISK_TIER_DIR of its own.")
 
 
 class ClusterMembership:
@@ -74,6 +100,12 @@ class ClusterMembership:
                 f"(its heartbeat {age:.1f} s ago): give each replica its own STREAMSESS_REPLICA_ID.")
         if self._salter is not None:
             await self._agree_on_salt_secret(self._salter)
+        if self._settings.disk_tier_gib and self._settings.disk_tier_shared:
+            try:
+                check_disk_tier_namespace(self._settings.resolved_disk_tier_dir(), self._salter)
+            except ReplicaConflict:
+                await self.leave()
+                raise
 
     async def _agree_on_salt_secret(self, salter: CacheSalter) -> None:
         cluster_secret = (await self._store.shared_value(SALT_SECRET, salter.secret.decode())).encode()
