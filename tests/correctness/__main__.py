@@ -5,6 +5,7 @@
     python -m tests.correctness --sessions 50 --config bpc2-inline --disable-fix   # negative control
     python -m tests.correctness --sessions 20 --url http://127.0.0.1:8000 --api-key KEY
     python -m tests.correctness --sessions 200 --restart            # resumed from the disk tier after a restart
+    python -m tests.correctness --sessions 200 --moved              # chunks alternating between two replicas
 
 Exit status 1 when any output differs from its recompute or a config had no tier hit.
 """
@@ -38,6 +39,12 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         report = await run_restart(args.seed, args.sessions)
         results.append({"config": f"restart-{CONFIG}", "fix": True, "dtype": "float32", **report.summary()})
+        return results
+    if args.moved:
+        from tests.correctness.moved import run_moved
+
+        results.append({"config": "moved-replica", "fix": True, "dtype": "float32",
+                        **await run_moved(args.seed, args.sessions)})
         return results
     if args.url:
         backend = HttpBackend(args.url, args.api_key, args.model)
@@ -87,6 +94,9 @@ def main() -> int:
                         help="CPU attention kernel: vLLM's choice, or the one it picks without AMX")
     parser.add_argument("--restart", action="store_true",
                         help="the restart configuration: sessions parked, the engine restarted, resumed from disk")
+    parser.add_argument("--moved", action="store_true",
+                        help="the moved-replica configuration: chunks alternate between two replicas on a shared "
+                        "disk tier and PostgreSQL")
     parser.add_argument("--url", help="run against this server instead of in process")
     parser.add_argument("--api-key")
     parser.add_argument("--model", default="embedded-tiny", help="model name for /v1/completions (HTTP mode)")
@@ -111,7 +121,7 @@ def main() -> int:
                        "totals": totals, "configs": results}, handle, indent=2)
     # A run without tier hits cannot pass (the restart config's pass needs its disk share).
     failed = not all(r["passed"] for r in results) or any(
-        not args.restart and (r["prefix_requests_with_tier_hits"] == 0 or r["prefix_requests_compared"] == 0)
+        not args.restart and not args.moved and (r["prefix_requests_with_tier_hits"] == 0 or r["prefix_requests_compared"] == 0)
         for r in results
     )
     return 1 if failed else 0

@@ -143,3 +143,17 @@ def test_a_moved_session_resumes_from_the_files_another_replica_wrote(tmp_path: 
         assert moved["output"]["token_ids"] == expected["killed"][2]
         assert details["disk_tier_tokens"] >= context // BLOCK * BLOCK - BLOCK, details  # most of it
         assert details["device_tokens"] == details["cpu_tier_tokens"] == 0, details
+
+
+async def test_the_harness_with_chunks_alternating_between_two_replicas(tmp_path: Path) -> None:
+    """The correctness harness's moved-replica configuration, small (the recorded run has
+    200 sessions: docs/correctness.md): every chunk after a session's first runs on the
+    other replica, each answer against a salted recompute (float32)."""
+    from tests.correctness.moved import moved_passed, run_moved_on, two_replicas
+
+    with two_replicas(tmp_path) as urls:
+        report, moves = await run_moved_on(urls, seed=20261207, num_sessions=12)
+    summary = report.summary()
+    print("moved-replica harness:", {k: summary[k] for k in ("sessions", "chunks_checked", "mismatches")}, moves)
+    assert report.sessions == 12 and report.passed, summary
+    assert moves.moved_chunks > 0 and moved_passed(report, moves), moves
