@@ -141,6 +141,15 @@ def test_models_quick(quick_runs: tuple[Path, dict]) -> None:
     assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
 
 
+def test_moved_resume_quick(quick_runs: tuple[Path, dict]) -> None:
+    """The moved session read its context from the files the other engine wrote; the
+    own-replica resume from its CPU tier; the recompute nothing (timings not asserted)."""
+    usage = run_quick("moved_resume", quick_runs)["contexts"]["128"]["usage"]
+    assert usage["moved_disk"]["disk_tier_tokens"] > 0 and usage["moved_disk"]["cpu_tier_tokens"] == 0, usage
+    assert usage["own_cpu_tier"]["cpu_tier_tokens"] > 0, usage
+    assert usage["moved_recompute"]["cached_tokens"] == 0, usage
+
+
 def test_disk_index_quick(quick_runs: tuple[Path, dict]) -> None:
     result = run_quick("disk_index", quick_runs)
     assert result["settings"]["files"] == 2000
