@@ -85,10 +85,12 @@ class EngineSetup:
         }
 
 
-def in_process_engine(setup: EngineSetup, served_model_name: str, **settings: Any) -> tuple[Any, Any, Any]:
+def in_process_engine(setup: EngineSetup, served_model_name: str, shareable: bool = True,
+                      **settings: Any) -> tuple[Any, Any, Any]:
     """(engine, provenance recorder, settings) for a benchmark that drives AsyncLLM in
     process, with ``setup``'s engine settings and the same thread count as the servers.
-    Hand the engine back with ``release_engine``."""
+    Hand the engine back with ``release_engine``. ``shareable`` False: never a pool's (two
+    engines of the same settings that must be two, as two replicas)."""
     from app.engine import build_engine, build_engine_args
     from app.provenance import ProvenanceRecorder
     from app.settings import Settings
@@ -99,7 +101,7 @@ def in_process_engine(setup: EngineSetup, served_model_name: str, **settings: An
         cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size, max_model_len=setup.max_model_len,
         enforce_eager=setup.enforce_eager, dtype=setup.dtype, served_model_name=served_model_name, **settings,
     )
-    if (pool := current_pool()) is None:
+    if (pool := current_pool()) is None or not shareable:
         engine = build_engine(engine_settings)
     else:
         # What the engine is made of: its vLLM arguments, less the name it serves under

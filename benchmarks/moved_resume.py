@@ -67,7 +67,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for name in ("a", "b"):
             state = tempfile.mkdtemp(prefix=f"streamsess-bench-replica-{name}-")
-            engines.append(in_process_engine(setup, f"moved-{name}", replica_id=f"bench-{name}", state_dir=state,
+            engines.append(in_process_engine(setup, f"moved-{name}", shareable=False, replica_id=f"bench-{name}",
+                                             state_dir=state,
                                              **tier))
         (engine_a, recorder_a, settings_a), (engine_b, recorder_b, settings_b) = engines
         bench_a, bench_b = Bench(engine_a, recorder_a, settings_a), Bench(engine_b, recorder_b, settings_b)
