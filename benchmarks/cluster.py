@@ -193,11 +193,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def replica_settings(setup: EngineSetup, name: str, store_url: str) -> dict[str, str]:
+def replica_settings(setup: EngineSetup, name: str, store_url: str, shared_tier: Path | None) -> dict[str, str]:
     # A state directory of its own: a replica restarted keeps its instance (and is never a
     # pooled server of the smoke run, which a restart would stop under the pool).
-    return {**our_settings(setup), "replica_name": name, "replica_id": name, "store_url": store_url,
-            "shared_store_required": "true", "state_dir": tempfile.mkdtemp(prefix=f"streamsess-{name}-")}
+    settings = {**our_settings(setup), "replica_name": name, "replica_id": name, "store_url": store_url,
+                "shared_store_required": "true", "state_dir": tempfile.mkdtemp(prefix=f"streamsess-{name}-")}
+    if shared_tier is not None:  # a conversation moved by the restart resumes from the other's files
+        settings |= {"disk_tier_gib": "4", "disk_tier_dir": str(shared_tier), "disk_tier_shared": "true",
+                     "cache_salt_secret": "cluster-bench-secret"}
+    return settings
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -216,7 +220,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         database = stack.enter_context(postgres_server())
 
         def our_replica(name: str) -> Restartable:
-            settings = replica_settings(setup, name, database.url)
+            settings = replica_settings(setup, name, database.url, workdir / "shared-tier" if args.shared_tier else None)
 
             def starting(port: int, start: int) -> contextlib.AbstractContextManager[RunningServer]:
                 return app_server(name, log_dir / f"cluster-{name}-{start}.log", settings, port=port, model=model)
@@ -230,24 +234,26 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             with haproxy({r.name: r.port for r in ours}, workdir, SIDES[label][1]) as proxy:
                 sides[label] = await run_side(label, proxy, model, ours[1], args, conversations)
             print(label, {k: v for k, v in sides[label].items() if k != "per_turn"}, flush=True)
-    with contextlib.ExitStack() as stack:
-        def vllm_peer(name: str) -> Restartable:
-            def starting(port: int, start: int) -> contextlib.AbstractContextManager[RunningServer]:
-                return vllm_server(setup, log_dir, prefix_caching=True, extra_args=["--enable-prompt-tokens-details"],
-                                   label=f"cluster-{name}-{start}", port=port)
+    if not args.skip_vllm:  # the peer: two vLLM servers, a client re-sending its history
+        with contextlib.ExitStack() as stack:
+            def vllm_peer(name: str) -> Restartable:
+                def starting(port: int, start: int) -> contextlib.AbstractContextManager[RunningServer]:
+                    return vllm_server(setup, log_dir, prefix_caching=True, extra_args=["--enable-prompt-tokens-details"],
+                                       label=f"cluster-{name}-{start}", port=port)
 
-            return Restartable(name, starting)
+                return Restartable(name, starting)
 
-        peers = [vllm_peer(name) for name in ("vllm-a", "vllm-b")]
-        start_together(stack, peers)
-        conversations = [[text() for _ in range(args.turns)] for _ in range(args.agents)]
-        with haproxy({p.name: p.port for p in peers}, workdir, "least-busy", check_path="/health") as proxy:
-            sides["vllm-least-busy"] = await run_side("vllm-least-busy", proxy, model, peers[1], args, conversations)
-        print("vllm-least-busy", {k: v for k, v in sides["vllm-least-busy"].items() if k != "per_turn"}, flush=True)
+            peers = [vllm_peer(name) for name in ("vllm-a", "vllm-b")]
+            start_together(stack, peers)
+            conversations = [[text() for _ in range(args.turns)] for _ in range(args.agents)]
+            with haproxy({p.name: p.port for p in peers}, workdir, "least-busy", check_path="/health") as proxy:
+                sides["vllm-least-busy"] = await run_side("vllm-least-busy", proxy, model, peers[1], args, conversations)
+            print("vllm-least-busy", {k: v for k, v in sides["vllm-least-busy"].items() if k != "per_turn"}, flush=True)
     last = f"turn_{args.turns}_ttft_p50_s"
     return {
         "settings": {**setup.describe(), "agents": args.agents, "turns": args.turns, "chunk_tokens": args.chunk,
                      "gen_tokens": args.gen, "pause_s": args.pause, "seed": args.seed,
+                     "shared_disk_tier": args.shared_tier,
                      "restart": "replica 2 of 2 gets SIGTERM and starts again when half the turns are done"},
         "summary": {
             "computed_over_added": {side: result["computed_over_added"] for side, result in sides.items()},
@@ -255,7 +261,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"turn_{args.turns}_ttft_p99_s": {side: result[f"turn_{args.turns}_ttft_p99_s"]
                                                for side, result in sides.items()},
             "keyed_vs_old_routing_last_turn_ttft_p50": sides["ours-keyed"][last] / sides["ours-old-routing"][last],
-            "keyed_vs_vllm_last_turn_ttft_p50": sides["ours-keyed"][last] / sides["vllm-least-busy"][last],
+            "keyed_vs_vllm_last_turn_ttft_p50": sides["ours-keyed"][last] / sides["vllm-least-busy"][last]
+            if "vllm-least-busy" in sides else None,
         },
         "sides": sides,
     }
@@ -276,6 +283,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.add_argument("--chunk", type=int, default=64, help="new tokens per turn, about")
     parser.add_argument("--gen", type=int, default=16, help="tokens generated per turn")
     parser.add_argument("--pause", type=float, default=2.0, help="seconds between an agent's turns (its tool)")
+    parser.add_argument("--shared-tier", action=argparse.BooleanOptionalAction, default=True,
+                        help="our replicas share a disk tier (disk_tier_shared), so a conversation the restart "
+                        "moves resumes from the other's files")
+    parser.add_argument("--skip-vllm", action="store_true", help="our two sides only")
     args = parser.parse_args(argv)
     name = "cluster"
     if args.quick:
