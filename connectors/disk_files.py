@@ -2,8 +2,9 @@
 
 A file holds one offload chunk of one KV group: a header (magic, payload bytes, CRC-32
 of the payload), then the chunk's host pages, tensor by tensor of its group. Written
-to a temporary name, optionally fsynced, renamed into place, so a reader never sees
-half a file; one that fails its checksum is deleted and is a miss. The index
+to a temporary name, optionally fsynced, linked into place (never over a file already
+there), so a reader never sees half a file; one that fails its checksum is deleted and
+is a miss. The index
 (``DiskIndex``) is the scheduler's view of them; ``connectors.disk_tier`` wires both
 into vLLM's offloading manager and the host tier's worker.
 
@@ -169,10 +170,8 @@ class DiskIndex:
     def verify(self, key: OffloadKey) -> bool:
         """Whether the key's file is there and whole (its checksum read once a run);
         a file that fails its checksum is deleted."""
-        if self.shared:
-            self._release_stale()
-            if key in self._held:  # checked and locked since: nobody has deleted it
-                return True
+        if self.shared and key in self._held:  # checked and locked since: nobody has deleted it
+            return True
         if not self.has(key):
             return False
         if not self.checked(key):
@@ -188,6 +187,8 @@ class DiskIndex:
         a time (reads and CRCs release the GIL), so the lookups that follow, one key at a
         time, find them checked: one file after another, a cold 8K-token resume spent most
         of its time waiting on single reads."""
+        if self.shared:
+            self._release_stale()  # once a request, not once a key: lookups are a hot path
         pending = []
         for key in keys:
             if not self.has(key):
@@ -423,7 +424,7 @@ def _unlink_unless_read(path: str) -> bool:
 
 
 class FileWriter:
-    """Writes files on one thread: to a temporary name, optionally fsynced, renamed into
+    """Writes files on one thread: to a temporary name, optionally fsynced, linked into
     place. A backlog past ``queue_bytes`` drops the newest write (its key is then a miss:
     the tier is a cache), so a slow disk never holds up the engine.
 
@@ -502,4 +503,12 @@ class FileWriter:
             if self._fsync:
                 file.flush()
                 os.fsync(file.fileno())
-        os.replace(temporary, path)
+        # Linked into place, never over a file already there: content-addressed, that file
+        # holds these bytes, and a replica may be reading it under its lock (a rename over
+        # it would hand that replica's load a new file its lock does not cover).
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            pass
+        finally:
+            _unlink(temporary)
