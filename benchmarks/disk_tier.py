@@ -182,38 +182,47 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         for context, row in rows.items()}}
 
 
-def plot(result: dict[str, Any]) -> Any:
+def plot_sides(result: dict[str, Any], sides: tuple[str, ...], what: str) -> Any:
+    """Each side's resume p50 per context, bars on a log scale (this and moved_resume)."""
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4))
     contexts = list(result["contexts"])
-    for offset, side in zip((-0.27, 0, 0.27), SIDES):
+    for offset, side in zip((-0.27, 0, 0.27), sides):
         axis.bar([i + offset for i in range(len(contexts))],
                  [result["contexts"][c][f"{side}_p50_s"] * 1000 for c in contexts], width=0.27, label=side)
     axis.set_xticks(range(len(contexts)), [f"{c} tokens" for c in contexts])
     axis.set_ylabel("resume, time to first token p50 (ms)")
     axis.set_yscale("log")
     axis.legend()
-    axis.set_title(f"resume after a restart ({result['settings']['model_preset']} model, "
-                   f"{result['settings']['dtype']})")
+    axis.set_title(f"{what} ({result['settings']['model_preset']} model, {result['settings']['dtype']})")
     return figure
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
-    parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8160])
+def plot(result: dict[str, Any]) -> Any:
+    return plot_sides(result, SIDES, "resume after a restart")
+
+
+def parse_disk_args(doc: str | None, name: str, argv: list[str] | None, repeats: int, contexts: list[int],
+                    dir_help: str) -> tuple[str, argparse.Namespace]:
+    """The arguments of a benchmark on a disk tier (this and moved_resume)."""
+    parser = benchmark_parser(doc, kv_cache_gib=1.0)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--contexts", type=int, nargs="+", default=contexts)
     parser.add_argument("--disk-tier-gib", type=float, default=8.0)
-    parser.add_argument("--dir", default="~/.cache/streaming-sessions/bench",
-                        help="where the disk tier and the sequential-read file go (a disk, not tmpfs)")
+    parser.add_argument("--dir", default="~/.cache/streaming-sessions/bench", help=dir_help)
     args = parser.parse_args(argv)
     args.dir = os.path.expanduser(args.dir)
     os.makedirs(args.dir, exist_ok=True)
-    name = "disk_tier"
     if args.quick:
         quick_engine(args)
         args.repeats, args.contexts, args.disk_tier_gib = 1, [128], 0.25
-        name = "disk_tier-quick"
+        name = f"{name}-quick"
     return name, args
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
+    return parse_disk_args(__doc__, "disk_tier", argv, 3, [512, 2048, 8160],
+                           "where the disk tier and the sequential-read file go (a disk, not tmpfs)")
 
 
 async def run(name: str, args: argparse.Namespace) -> None:

@@ -36,16 +36,13 @@ from typing import Any
 from benchmarks.common import (
     SWITCH_SETTLE_S,
     EngineSetup,
-    benchmark_parser,
     finish,
     in_process_engine,
     percentile,
-    pyplot,
-    quick_engine,
     random_tokens,
     release_engine,
 )
-from benchmarks.disk_tier import warm_up
+from benchmarks.disk_tier import parse_disk_args, plot_sides, warm_up
 from benchmarks.store import NEXT_CHUNK, OWNER, Bench
 
 SIDES = ("own_cpu_tier", "moved_disk", "moved_recompute")
@@ -141,37 +138,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any]) -> Any:
-    plt = pyplot()
-    figure, axis = plt.subplots(figsize=(7, 4))
-    contexts = list(result["contexts"])
-    for offset, side in zip((-0.27, 0, 0.27), SIDES):
-        axis.bar([i + offset for i in range(len(contexts))],
-                 [result["contexts"][c][f"{side}_p50_s"] * 1000 for c in contexts], width=0.27, label=side)
-    axis.set_xticks(range(len(contexts)), [f"{c} tokens" for c in contexts])
-    axis.set_ylabel("resume, time to first token p50 (ms)")
-    axis.set_yscale("log")
-    axis.legend()
-    axis.set_title(f"a session moved to another replica ({result['settings']['model_preset']} model, "
-                   f"{result['settings']['dtype']})")
-    return figure
+    return plot_sides(result, SIDES, "a session moved to another replica")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
-    parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8160])
-    parser.add_argument("--disk-tier-gib", type=float, default=8.0)
-    parser.add_argument("--dir", default="~/.cache/streaming-sessions/bench",
-                        help="where the shared disk tier goes (a disk, not tmpfs)")
-    args = parser.parse_args(argv)
-    args.dir = os.path.expanduser(args.dir)
-    os.makedirs(args.dir, exist_ok=True)
-    name = "moved_resume"
-    if args.quick:
-        quick_engine(args)
-        args.repeats, args.contexts, args.disk_tier_gib = 1, [128], 0.25
-        name = "moved_resume-quick"
-    return name, args
+    return parse_disk_args(__doc__, "moved_resume", argv, 2, [2048, 8160],
+                           "where the shared disk tier goes (a disk, not tmpfs)")
 
 
 async def run(name: str, args: argparse.Namespace) -> None:
