@@ -33,6 +33,7 @@ import logging
 import os
 import zlib
 from collections.abc import Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -99,6 +100,10 @@ COUNTERS = {"hits": "Disk-tier lookups that found a whole file.",
 # stores about 380 MB in one step, and a write dropped is a miss after a restart.
 WRITE_QUEUE_BYTES = 1 << 30
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# A load's files are read this many at a time (reads release the GIL): the 254 files of
+# an 8K-token float32 resume of the bench model, read from the page cache apart from the
+# engine, in 29 ms instead of 49 one after another (EPYC, 2 cores).
+READ_THREADS = 2
 
 
 def weights_fingerprint(model: str) -> str:
@@ -252,6 +257,7 @@ class DiskTierWorker(HostTierWorker):
         super().__init__(kv_caches, blocks_per_chunk, num_chunks, **kwargs)
         self._writes: dict[int, list[tuple[int, int, str]]] = {}
         self._writer = FileWriter(fsync, queue_bytes, writer_cpus())
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="streamsess-disk-tier-read")
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         if isinstance(dst_spec, DiskFiles) and dst_spec.files:
@@ -260,8 +266,10 @@ class DiskTierWorker(HostTierWorker):
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         if isinstance(src_spec, DiskFiles):
-            for chunk, group, path in src_spec.files:
-                self._read(chunk, group, path, check=path not in src_spec.locked)
+            reads = [self._readers.submit(self._read, chunk, group, path, path not in src_spec.locked)
+                     for chunk, group, path in src_spec.files]
+            for read in reads:
+                read.result()  # every file in its host chunk before the copy; a failed read raises
         return super().submit_load(job_id, src_spec, dst_spec)
 
     def get_finished(self) -> list[TransferResult]:
@@ -279,6 +287,7 @@ class DiskTierWorker(HostTierWorker):
     def shutdown(self) -> None:
         super().shutdown()
         self._writer.stop()
+        self._readers.shutdown(wait=False)
 
     def _read(self, chunk: int, group: int, path: str, check: bool = True) -> None:
         rows = [self.host_pages[t][chunk].numpy() for t in self.group_tensor_ids[group]]
