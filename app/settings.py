@@ -23,6 +23,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="STREAMSESS_",
         env_file=".env",
+        # An empty variable is an unset one: compose passes ${STREAMSESS_X:-} as "" for
+        # every setting its user did not give (without this, the default profile's
+        # empty STREAMSESS_ENGINE_ARGS failed to parse and the server restarted forever).
+        env_ignore_empty=True,
         extra="ignore",
         cli_kebab_case=True,
         cli_implicit_flags=True,

@@ -34,6 +34,18 @@ def test_settings_from_env_and_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "key-one-secret" not in repr(settings)  # keys are secrets
 
 
+def test_empty_environment_variables_are_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose passes ``${STREAMSESS_X:-}`` as "" for every setting its user left out:
+    each must mean the default (an empty STREAMSESS_ENGINE_ARGS once failed to parse,
+    and compose's default profile restarted forever)."""
+    for name in ("ENGINE_ARGS", "MODEL", "STORE_URL", "KV_CACHE_GIB", "MAX_SESSIONS"):
+        monkeypatch.setenv(f"STREAMSESS_{name}", "")
+    settings = load_settings([])
+    defaults = Settings(_env_file=None)
+    assert settings.engine_args == {} and settings.model is None and settings.store_url is None
+    assert settings.kv_cache_gib == defaults.kv_cache_gib and settings.max_sessions == defaults.max_sessions
+
+
 def test_small_cpu_tier_warns(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         Settings(_env_file=None, kv_cache_gib=2, cpu_tier_gib=1)
