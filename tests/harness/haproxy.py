@@ -32,20 +32,25 @@ RULES: dict[str, str] = {
 }
 
 
-def render_haproxy(servers: dict[str, int], workdir: Path, routing: Routing = "keyed",
-                   check_path: str = "/ready") -> Path:
-    """The shipped config with ``servers`` (name: loopback port) in each backend, routed
-    as ``routing`` says, its health checks on ``check_path`` (vLLM's server has no /ready)."""
+def with_servers(config: str, servers: dict[str, str]) -> str:
+    """The configuration with ``servers`` (name: address) in place of each backend's."""
     lines, in_servers = [], False
-    for line in HAPROXY_CONFIG.read_text().splitlines():
+    for line in config.splitlines():
         if line.strip().startswith("server "):
             if not in_servers:
-                lines += [f"    server {name} 127.0.0.1:{port}" for name, port in servers.items()]
+                lines += [f"    server {name} {address}" for name, address in servers.items()]
             in_servers = True
             continue
         in_servers = False
         lines.append(line)
-    text = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def render_haproxy(servers: dict[str, int], workdir: Path, routing: Routing = "keyed",
+                   check_path: str = "/ready") -> Path:
+    """The shipped config with ``servers`` (name: loopback port) in each backend, routed
+    as ``routing`` says, its health checks on ``check_path`` (vLLM's server has no /ready)."""
+    text = with_servers(HAPROXY_CONFIG.read_text(), {name: f"127.0.0.1:{port}" for name, port in servers.items()})
     assert AFFINITY_RULE in text and "option httpchk GET /ready" in text
     text = text.replace(AFFINITY_RULE, RULES[routing]).replace("GET /ready", f"GET {check_path}")
     path = workdir / f"haproxy-{routing}-{free_port()}.cfg"
