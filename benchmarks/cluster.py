@@ -11,6 +11,8 @@ time to first token. Three sides, one after the other, on the same engine settin
   (docker/haproxy/haproxy.cfg as shipped);
 - ours-old-routing: the same, HAProxy hashing only the session API's paths (the rule
   before the key): a chain's turns go to the least busy replica;
+- ours-old-configuration: that routing on replicas with a disk tier each, not shared
+  (the deployment before either): a turn on another replica recomputes its history;
 - vllm-least-busy: two ``vllm serve`` servers with prefix caching behind HAProxy sending
   every request to the least busy one, each agent re-sending its whole conversation
   on /v1/chat/completions (what a client of a stateless server does).
@@ -55,6 +57,7 @@ from tests.harness.postgres import postgres_server
 SIDES: dict[str, tuple[str, Routing]] = {
     "ours-keyed": ("ours", "keyed"),
     "ours-old-routing": ("ours", "session-paths"),
+    "ours-old-configuration": ("ours", "session-paths"),
     "vllm-least-busy": ("vllm", "least-busy"),
 }
 
@@ -198,10 +201,10 @@ def replica_settings(setup: EngineSetup, name: str, store_url: str, shared_tier:
     # pooled server of the smoke run, which a restart would stop under the pool).
     settings = {**our_settings(setup), "replica_name": name, "replica_id": name, "store_url": store_url,
                 "shared_store_required": "true", "state_dir": tempfile.mkdtemp(prefix=f"streamsess-{name}-")}
+    settings |= {"disk_tier_gib": "4", "cache_salt_secret": "cluster-bench-secret"}
     if shared_tier is not None:  # a conversation moved by the restart resumes from the other's files
-        settings |= {"disk_tier_gib": "4", "disk_tier_dir": str(shared_tier), "disk_tier_shared": "true",
-                     "cache_salt_secret": "cluster-bench-secret"}
-    return settings
+        settings |= {"disk_tier_dir": str(shared_tier), "disk_tier_shared": "true"}
+    return settings  # else a disk tier of its own, in its state directory
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,21 +222,28 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         database = stack.enter_context(postgres_server())
 
-        def our_replica(name: str) -> Restartable:
-            settings = replica_settings(setup, name, database.url, workdir / "shared-tier" if args.shared_tier else None)
+        def our_replica(name: str, shared_tier: bool) -> Restartable:
+            settings = replica_settings(setup, name, database.url, workdir / "shared-tier" if shared_tier else None)
 
             def starting(port: int, start: int) -> contextlib.AbstractContextManager[RunningServer]:
                 return app_server(name, log_dir / f"cluster-{name}-{start}.log", settings, port=port, model=model)
 
             return Restartable(name, starting)
 
-        ours = [our_replica(name) for name in ("replica-a", "replica-b")]
-        start_together(stack, ours)
-        for label in ("ours-keyed", "ours-old-routing"):
-            conversations = [[text() for _ in range(args.turns)] for _ in range(args.agents)]
-            with haproxy({r.name: r.port for r in ours}, workdir, SIDES[label][1]) as proxy:
-                sides[label] = await run_side(label, proxy, model, ours[1], args, conversations)
-            print(label, {k: v for k, v in sides[label].items() if k != "per_turn"}, flush=True)
+        # One pair of replicas a configuration, the other pair stopped: they never share the CPUs.
+        configurations: list[tuple[bool, tuple[str, ...]]] = [(bool(args.shared_tier), ("ours-keyed", "ours-old-routing"))]
+        if args.old_configuration:
+            configurations.append((False, ("ours-old-configuration",)))
+        for shared, labels in configurations:
+            with contextlib.ExitStack() as pair:
+                names = ("replica-a", "replica-b") if shared else ("replica-c", "replica-d")  # ids not reused
+                ours = [our_replica(name, shared) for name in names]
+                start_together(pair, ours)
+                for label in labels:
+                    conversations = [[text() for _ in range(args.turns)] for _ in range(args.agents)]
+                    with haproxy({r.name: r.port for r in ours}, workdir, SIDES[label][1]) as proxy:
+                        sides[label] = await run_side(label, proxy, model, ours[1], args, conversations)
+                    print(label, {k: v for k, v in sides[label].items() if k != "per_turn"}, flush=True)
     if not args.skip_vllm:  # the peer: two vLLM servers, a client re-sending its history
         with contextlib.ExitStack() as stack:
             def vllm_peer(name: str) -> Restartable:
@@ -261,6 +271,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"turn_{args.turns}_ttft_p99_s": {side: result[f"turn_{args.turns}_ttft_p99_s"]
                                                for side, result in sides.items()},
             "keyed_vs_old_routing_last_turn_ttft_p50": sides["ours-keyed"][last] / sides["ours-old-routing"][last],
+            "keyed_vs_old_configuration_last_turn_ttft_p50": sides["ours-keyed"][last]
+            / sides["ours-old-configuration"][last] if "ours-old-configuration" in sides else None,
             "keyed_vs_vllm_last_turn_ttft_p50": sides["ours-keyed"][last] / sides["vllm-least-busy"][last]
             if "vllm-least-busy" in sides else None,
         },
@@ -286,7 +298,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.add_argument("--shared-tier", action=argparse.BooleanOptionalAction, default=True,
                         help="our replicas share a disk tier (disk_tier_shared), so a conversation the restart "
                         "moves resumes from the other's files")
-    parser.add_argument("--skip-vllm", action="store_true", help="our two sides only")
+    parser.add_argument("--old-configuration", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the deployment before the key and the shared tier (ours-old-configuration)")
+    parser.add_argument("--skip-vllm", action="store_true", help="our sides only")
     args = parser.parse_args(argv)
     name = "cluster"
     if args.quick:
