@@ -69,6 +69,14 @@ class SessionMetrics:
             ["source"],
             registry=registry,
         )
+        self.store_seconds = Histogram(
+            "streamsess_store_transaction_seconds",
+            "Session-store transactions, from the wait for a connection (and SQLite's one writer) to "
+            "the commit, by kind: write (synced), lease (a lease write, not synced), read.",
+            ["kind"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=registry,
+        )
         # Bound once: a chunk counts into all four, and labels() is a lookup under a lock.
         self._prompt_tokens_from = {source: self.prompt_tokens.labels(source)
                                     for source in ("device", "cpu_tier", "disk_tier", "computed")}

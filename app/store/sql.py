@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from app.metrics import session_metrics
 from app.store.base import (
     LeaseRefused,
     SessionExistsError,
@@ -161,6 +162,7 @@ class SQLSessionStore(SessionStore):
         # SQLite has one writer at a time: this process's writers queue here, in
         # order, rather than time out in SQLite's busy handler under load.
         self._sqlite_writer = asyncio.Lock()
+        self._seconds = session_metrics().store_seconds
 
     @property
     def dialect(self) -> str:
@@ -229,6 +231,7 @@ class SQLSessionStore(SessionStore):
         assert self._engine is not None, "start() the store first"
         writer = self._sqlite_writer if write and self.dialect == "sqlite" else contextlib.nullcontext()
         engine = self._lease_engine if not synced and self._lease_engine is not None else self._engine
+        started = time.perf_counter()
         try:
             async with writer, engine.begin() as conn:
                 if not synced and self.dialect == "postgresql":
@@ -238,6 +241,9 @@ class SQLSessionStore(SessionStore):
             raise
         except (TimeoutError, SQLAlchemyError, OSError) as exc:
             raise StoreUnavailableError(f"the session store failed: {exc}") from exc
+        finally:
+            kind = "read" if not write else "write" if synced else "lease"
+            self._seconds.labels(kind).observe(time.perf_counter() - started)
 
     # ------------------------------------------------------------------ rows
     async def create(self, record: SessionRecord) -> None:

@@ -94,7 +94,7 @@ def test_compose_file_is_valid() -> None:
     assert [name for name, spec in services.items() if not spec.get("profiles")] == ["server"]
     assert {name: spec.get("profiles") for name, spec in services.items() if spec.get("profiles")} == {
         "replica-2": ["scale"], "postgres": ["scale"], "proxy": ["scale"], "prometheus": ["metrics"],
-        "server-gpu": ["gpu"],
+        "grafana": ["metrics"], "server-gpu": ["gpu"],
     }
     server = services["server"]
     assert healthcheck_probe(server["healthcheck"]["test"][1:]) == ["python", "-m", "app.http.healthcheck"]

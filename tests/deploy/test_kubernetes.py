@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.render_kubernetes import FILES
+from tests.deploy.render import FILES
 
 REPO = Path(__file__).resolve().parents[2]
 KUBERNETES = REPO / "docker" / "kubernetes"
@@ -115,4 +115,4 @@ def test_the_proxy_configuration_they_carry_passes_haproxys_check(tmp_path: Path
 
 @pytest.mark.parametrize("path", sorted(FILES), ids=lambda path: path.name)
 def test_rendered_copies_match_their_sources(path: Path) -> None:
-    assert path.read_text() == FILES[path](), f"{path} is stale: python -m tests.deploy.render_kubernetes"
+    assert path.read_text() == FILES[path](), f"{path} is stale: python -m tests.deploy.render"
