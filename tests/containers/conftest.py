@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
+from tests.containers.compose import COMPOSE, STANDINS
 from tests.containers.podman import Podman, missing_tools
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,3 +40,16 @@ def cpu_image(podman: Podman) -> str:
                            log=WORKDIR / "build-cpu.log")
     print(f"\nbuilt {CPU_IMAGE} on {base} in {seconds:.0f} s (log: {WORKDIR / 'build-cpu.log'})")
     return CPU_IMAGE
+
+
+@pytest.fixture(scope="session")
+def standin_images(podman: Podman) -> dict[str, str]:
+    """compose.yaml's public images (no registry is reachable) -> stand-ins built here."""
+    public = {service.get("image") for service in yaml.safe_load(COMPOSE.read_text())["services"].values()}
+    images = {}
+    for name in ("postgres", "haproxy", "prometheus"):
+        original = next(image for image in public if image and image.split("/")[-1].startswith(name))
+        tag = f"localhost/streamsess-standin-{name}:latest"
+        podman.build(tag, STANDINS / f"{name}.Dockerfile", STANDINS, {"BASE_IMAGE": podman.base_image()})
+        images[original] = tag
+    return images

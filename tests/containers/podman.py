@@ -1,6 +1,7 @@
 """Podman as these machines run it (``docs/deploy.md``, "Containers here"): runc with
-cgroupfs, explicit rlimits at the shell's hard limits, host networking, and the
-machine's CA bundle and pip wheel folder passed into builds. Set through a
+cgroupfs, explicit rlimits under the shell's hard limits, CNI bridge networks with
+the dnsname plugin (compose's service names resolve), builds on the host's network
+with the machine's CA bundle and pip wheel folder passed in. Set through a
 ``containers.conf`` of the check's own (``CONTAINERS_CONF``), so the commands below
 are the plain ones a user types and nothing under ``/etc`` changes."""
 
@@ -34,7 +35,6 @@ class Podman:
             "[containers]\n"
             f'default_ulimits = ["nofile={self.ulimits["nofile"]}:{self.ulimits["nofile"]}", '
             f'"nproc={self.ulimits["nproc"]}:{self.ulimits["nproc"]}"]\n'
-            'netns = "host"\n'
             "[engine]\n"
             'runtime = "runc"\n'
             'cgroup_manager = "cgroupfs"\n'
@@ -75,7 +75,7 @@ class Podman:
               log: Path | None = None) -> float:
         """``podman build``, with the host's pip settings passed in; seconds it took."""
         # Docker's image format: OCI's has no HEALTHCHECK (podman drops it, with a warning).
-        args = ["build", "--format", "docker", *self.ulimit_args(), "-f", str(dockerfile), "-t", tag]
+        args = ["build", "--format", "docker", "--network", "host", *self.ulimit_args(), "-f", str(dockerfile), "-t", tag]
         for name, value in {**pip_build_args(), **(build_args or {})}.items():
             args += ["--build-arg", f"{name}={value}"]
         args += pip_build_volumes()
@@ -157,5 +157,9 @@ def apt_mirror() -> str:
     return DEBIAN_MIRROR
 
 
+DNSNAME_PLUGIN = Path("/usr/lib/cni/dnsname")
+
+
 def missing_tools(tools: Sequence[str] = ("podman", "runc", "debootstrap", "docker-compose")) -> list[str]:
-    return [tool for tool in tools if shutil.which(tool) is None]
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    return missing + ([] if DNSNAME_PLUGIN.exists() else ["CNI's dnsname plugin"])

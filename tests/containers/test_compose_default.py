@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from clients.sync_client import SessionsClient
-from tests.containers.compose import API_KEY, Compose, free_port, render
+from tests.containers.compose import API_KEY, ROOT, Compose, free_port, render
 from tests.containers.conftest import WORKDIR
 from tests.containers.podman import Podman
 
@@ -31,21 +31,21 @@ USER app
 @pytest.fixture()
 def server(podman: Podman, cpu_image: str) -> Iterator[tuple[Compose, int]]:
     port = free_port()
-    file = WORKDIR / "compose-default.yaml"
-    render(file, set(), {"server": cpu_image}, {"server": port})
-    compose = Compose(podman, file, f"streamsess-check-{os.getpid()}")
+    file = ROOT / "docker" / f".compose-check-{os.getpid()}.yaml"  # beside compose.yaml: its relative mounts
+    render(file, {"streaming-sessions:cpu": cpu_image})
     try:
-        compose("up", "-d", "server")
-        yield compose, port
+        with Compose(podman, file, f"streamsess-check-{os.getpid()}", {"STREAMSESS_PORT": str(port)}) as compose:
+            compose("up", "-d", "server")
+            yield compose, port
     finally:
-        compose.down()
+        file.unlink(missing_ok=True)
 
 
 def test_default_profile_serves_sessions_across_a_restart(server: tuple[Compose, int]) -> None:
     compose, port = server
     started = compose.wait_ready("server", port)
     print(f"\nserver ready {started:.0f} s after compose up")
-    assert compose.healthcheck("server"), "the image's healthcheck fails on a ready server"
+    assert compose.healthcheck("server"), "compose's healthcheck fails on a ready server"
 
     base = f"http://127.0.0.1:{port}/v1"
     sdk = openai.OpenAI(base_url=base, api_key=API_KEY)
@@ -85,16 +85,16 @@ def test_unwritable_state_directory_is_caught(podman: Podman, cpu_image: str) ->
     dockerfile.write_text(UNWRITABLE_STATE.format(image=cpu_image))
     podman.build(broken, dockerfile, WORKDIR)
     port = free_port()
-    file = WORKDIR / "compose-broken.yaml"
-    render(file, set(), {"server": broken}, {"server": port})
-    compose = Compose(podman, file, f"streamsess-check-broken-{os.getpid()}")
+    file = ROOT / "docker" / f".compose-check-broken-{os.getpid()}.yaml"
+    render(file, {"streaming-sessions:cpu": broken})
     try:
-        compose("up", "-d", "server")
-        with pytest.raises(RuntimeError) as caught:
-            compose.wait_ready("server", port, timeout_s=240)
+        with Compose(podman, file, f"streamsess-check-broken-{os.getpid()}", {"STREAMSESS_PORT": str(port)}) as compose:
+            compose("up", "-d", "server")
+            with pytest.raises(RuntimeError) as caught:
+                compose.wait_ready("server", port, timeout_s=240)
         print(f"\ncaught: {str(caught.value)[-600:]}")
         assert "Permission denied" in str(caught.value) or "not writable" in str(caught.value)
     finally:
-        compose.down()
+        file.unlink(missing_ok=True)
         podman("rmi", "-f", broken, check=False)
         Path(dockerfile).unlink(missing_ok=True)
