@@ -26,6 +26,7 @@ from app.api.routes import api_router
 from app.api.sessions import rest
 from app.api.sessions.protocol import ChunkRequest
 from app.engine import EngineConfigError, flush_disk_tier, kv_transfer_config, shutdown_engine
+from app.http import log_context
 from app.http.auth import APIKeyMiddleware
 from app.http.direct_route import DirectRoute
 from app.http.errors import declare_error_codes, install_error_handlers
@@ -201,6 +202,8 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
         guard_metrics=settings.guard_metrics,
     )
     app.add_middleware(AnthropicErrorMiddleware)
+    if settings.log_format == "json":
+        app.add_middleware(log_context.RequestContextMiddleware)  # first: every record of the request
     rebuild_middleware_stack(app, prebuilt)
     return app
 
@@ -235,7 +238,9 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicor
         "ws_per_message_deflate": settings.ws_per_message_deflate,
         "http": CoalescingHttpToolsProtocol if settings.http_coalesce_writes else "auto",
         # After the drain, requests still open (vLLM's own) get as long again.
-        "timeout_graceful_shutdown": settings.drain_timeout_s, **overrides,
+        "timeout_graceful_shutdown": settings.drain_timeout_s,
+        # JSON logs: uvicorn's loggers are configured with the others (app.http.log_context).
+        **({"log_config": None} if settings.log_format == "json" else {}), **overrides,
     }
     return uvicorn.Config(app, **options)
 
@@ -284,7 +289,8 @@ STARTUP_FAILED_EXIT = 4
 
 def cli(argv: list[str] | None = None) -> None:
     settings = load_settings(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=settings.log_level.upper())
+    log_context.configure(settings.log_format, settings.log_level, settings.resolved_state_dir(),
+                          settings.replica_name)
     # Models are local directories: nothing is looked up on a hub, at start or later.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

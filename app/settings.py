@@ -190,6 +190,11 @@ class Settings(BaseSettings):
         "state_dir. Replicas set the same one if their caches should agree.",
     )
     log_level: str = "info"
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="text, or json: one JSON object a record (time, level, logger, message, request_id, "
+        "session_id, replica), from this server and its engine's processes.",
+    )
     replica_name: str | None = Field(
         default=None, description="Sent as the X-Replica header on every response, to tell replicas apart."
     )
