@@ -135,6 +135,8 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
         # As `vllm serve --reasoning-parser` sets it: the engine then applies a request's
         # grammar once its reasoning ends, not from the first token.
         args["reasoning_parser"] = settings.reasoning_parser
+    if settings.otlp_traces_endpoint:
+        args["otlp_traces_endpoint"] = settings.otlp_traces_endpoint  # vLLM sets up the tracer provider
     if settings.async_scheduling is not None:
         args["async_scheduling"] = settings.async_scheduling
     if worker_in_engine_core(settings):

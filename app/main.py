@@ -204,6 +204,12 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.add_middleware(AnthropicErrorMiddleware)
     if settings.log_format == "json":
         app.add_middleware(log_context.RequestContextMiddleware)  # first: every record of the request
+    if settings.otlp_traces_endpoint:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        # A server span a request (its traceparent honoured), outermost; the tracer provider
+        # is vLLM's, set when the engine starts (the instrumentation's tracer defers to it).
+        FastAPIInstrumentor.instrument_app(app, excluded_urls="health,ready,metrics")
     rebuild_middleware_stack(app, prebuilt)
     return app
 

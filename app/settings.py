@@ -190,6 +190,13 @@ class Settings(BaseSettings):
         "state_dir. Replicas set the same one if their caches should agree.",
     )
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        description="Send traces here (OTLP): a span a request (its traceparent honoured), a chunk's "
+        "admission, run (with its prompt tokens by source, resume and first-token time) and commit, and "
+        "vLLM's own spans (its requests on vLLM's routes, its start). The protocol is "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL's: grpc (vLLM's default) or http/protobuf.",
+    )
     log_format: Literal["text", "json"] = Field(
         default="text",
         description="text, or json: one JSON object a record (time, level, logger, message, request_id, "

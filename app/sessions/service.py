@@ -17,6 +17,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
+from opentelemetry import trace
+
 from app.cache_salt import CacheSalter
 from app.errors import APIError
 from app.limits import KeyLimits
@@ -36,6 +38,8 @@ from app.store import NullStore, SessionStore, StoreUnavailableError
 from app.store.cluster import ClusterMembership
 
 logger = logging.getLogger(__name__)
+# Spans of a chunk (a no-op unless otlp_traces_endpoint is set: vLLM sets the provider).
+tracer = trace.get_tracer("streamsess")
 
 
 class SessionService:
@@ -314,7 +318,8 @@ class SessionService:
         (websockets) queues behind it, in order. ``charged``: the request's tokens were
         charged to its key already (an OpenAI route's body, by OpenAIRequestMiddleware).
         ``generate`` False: a warm-up, computed with no answer (inputs.Turn)."""
-        with self._counted():
+        with self._counted(), tracer.start_as_current_span("streamsess.chunk.admission") as span:
+            span.set_attribute("streamsess.session_id", session_id)
             self.refuse_if_draining()
             session = await self.registry.open_session(owner, session_id)
             turn = self._plan(session, chunk_input, generate)
@@ -388,15 +393,20 @@ class SessionService:
         context_before = len(session.token_ids)
         cut = turn.start is not None and turn.start != context_before
         transcript_before = list(session.token_ids) if cut else None  # what an undone cut restores
-        with self._counted():
+        with self._counted(), tracer.start_as_current_span("streamsess.chunk") as span:
+            span.set_attributes({"streamsess.session_id": session.id, "streamsess.transport": transport,
+                                 "streamsess.context_tokens": context_before,
+                                 "streamsess.input_tokens": len(turn.input_ids)})
             try:
                 async for event in session.generate(turn.input_ids, params, run.stop_requested,
                                                     start=turn.start if cut else None, answer=turn.generate):
                     if isinstance(event, ChunkResult):
+                        chunk_span_attributes(span, event)
                         chat_before = session.chat
                         session.chat = turn.conversation_after(event.text)
                         try:
-                            await self.registry.commit(session, event, context_before, transcript_before)
+                            with tracer.start_as_current_span("streamsess.chunk.commit"):
+                                await self.registry.commit(session, event, context_before, transcript_before)
                         except BaseException:
                             session.chat = chat_before  # the chunk is undone
                             raise
@@ -460,3 +470,14 @@ class SessionService:
             await self.registry.persist_close(session)
         if not session.lock.locked():
             self.registry.forget(session)
+
+
+def chunk_span_attributes(span: trace.Span, result: ChunkResult) -> None:
+    """A chunk's outcome on its span: where its prompt's KV came from, and its resume."""
+    details = result.usage.prompt_tokens_details
+    span.set_attributes({f"streamsess.prompt_tokens.{source}": getattr(details, f"{source}_tokens")
+                         for source in ("device", "cpu_tier", "disk_tier", "computed")})
+    if result.resumed_from is not None:
+        span.set_attribute("streamsess.resumed_from", result.resumed_from)
+    if result.time_to_first_token is not None:
+        span.set_attribute("streamsess.time_to_first_token_s", result.time_to_first_token)

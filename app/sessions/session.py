@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from opentelemetry import propagate
 from vllm.engine.protocol import StreamingInput
 from vllm.inputs.engine import tokens_input
 
@@ -286,7 +287,12 @@ class StreamingSession:
         self._inputs, self._outputs = asyncio.Queue(), asyncio.Queue()
         prompt = tokens_input(list(self.token_ids) + list(input_ids), cache_salt=self.cache_salt)
         self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
-        self._pump = asyncio.create_task(self._run_engine(params, self._inputs, self._outputs),
+        # The engine request's trace context: this chunk's span. vLLM 0.32 makes no span of
+        # its own for a streaming-input request (its end takes a path without tracing);
+        # the chunk's span carries what the engine did (app.sessions.service).
+        trace_headers: dict[str, str] = {}
+        propagate.inject(trace_headers)
+        self._pump = asyncio.create_task(self._run_engine(params, self._inputs, self._outputs, trace_headers),
                                          name=f"session-{self.id}")
 
     @staticmethod
@@ -295,10 +301,11 @@ class StreamingSession:
             yield chunk
 
     async def _run_engine(self, first_params: Any, inputs: asyncio.Queue[StreamingInput | None],
-                          outputs: asyncio.Queue[Any]) -> None:
+                          outputs: asyncio.Queue[Any], trace_headers: dict[str, str]) -> None:
         try:
             async for output in self._engine.generate(
-                prompt=self._feed(inputs), sampling_params=first_params, request_id=self.request_id
+                prompt=self._feed(inputs), sampling_params=first_params, request_id=self.request_id,
+                trace_headers=trace_headers or None,
             ):
                 outputs.put_nowait(output)
             outputs.put_nowait(None)
