@@ -172,10 +172,11 @@ def test_cluster_quick(tmp_path: Path) -> None:
     written = json.loads((tmp_path / "cluster-quick.json").read_text())
     assert (tmp_path / "cluster-quick.png").stat().st_size > 10_000
     sides = written["sides"]
-    assert set(sides) == {"ours-keyed", "ours-old-routing", "vllm-least-busy"}
+    assert set(sides) == {"ours-keyed", "ours-old-routing", "ours-old-configuration", "vllm-least-busy"}
     settings = written["settings"]
     for side in sides.values():
         assert side["turns"] == settings["agents"] * settings["turns"]  # every turn answered
         assert len(side["per_turn"]) == settings["turns"] and side["computed_per_turn"] > 0
     # Our replicas drain and exit cleanly when restarted.
-    assert sides["ours-keyed"]["restarted_exit_status"] == sides["ours-old-routing"]["restarted_exit_status"] == 0
+    assert all(sides[side]["restarted_exit_status"] == 0
+               for side in ("ours-keyed", "ours-old-routing", "ours-old-configuration"))
