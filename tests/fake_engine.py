@@ -88,7 +88,7 @@ class FakeEngine:
     def next_token(context: list[int]) -> int:
         return (sum(context) * 31 + len(context)) % (VOCAB - 1) + 1
 
-    async def generate(self, prompt: Any, sampling_params: Any, request_id: str) -> Any:
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, trace_headers: Any = None) -> Any:
         if isinstance(prompt, dict):  # one plain request (the tier barrier)
             yield FakeOutput([Completion([1], "", "length")], finished=True)
             return

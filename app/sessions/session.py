@@ -303,9 +303,9 @@ class StreamingSession:
     async def _run_engine(self, first_params: Any, inputs: asyncio.Queue[StreamingInput | None],
                           outputs: asyncio.Queue[Any], trace_headers: dict[str, str]) -> None:
         try:
+            traced = {"trace_headers": trace_headers} if trace_headers else {}  # only when tracing
             async for output in self._engine.generate(
-                prompt=self._feed(inputs), sampling_params=first_params, request_id=self.request_id,
-                trace_headers=trace_headers or None,
+                prompt=self._feed(inputs), sampling_params=first_params, request_id=self.request_id, **traced,
             ):
                 outputs.put_nowait(output)
             outputs.put_nowait(None)
