@@ -12,7 +12,6 @@ service_healthy`` waits as it does under Docker."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import threading
 import time
@@ -23,18 +22,15 @@ from typing import Any
 import yaml
 
 from tests.containers.podman import Podman
+from tests.harness.servers import free_port
+
+__all__ = ["API_KEY", "ROOT", "Compose", "free_port", "render"]
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker" / "compose.yaml"
 STANDINS = Path(__file__).resolve().parent / "standins"
 API_KEY = "container-check-key"
 HEALTH_TICK_S = 3.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def render(path: Path, images: dict[str, str]) -> dict[str, Any]:

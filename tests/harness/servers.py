@@ -10,6 +10,7 @@ import collections
 import concurrent.futures
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,8 +35,31 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+# Servers listen on ports below the kernel's ephemeral range: a server binds its port 20 to
+# 60 s after it is picked (once its engine has started), and a port from the ephemeral range
+# could meanwhile be taken by any outgoing connection, a test client's or another worker's
+# (seen: a cluster-benchmark replica exited on "address already in use"). A system RNG: a
+# test that seeds ``random`` must not make two workers pick the same ports.
+PORTS_BELOW_EPHEMERAL = 12_000
+_ports = random.SystemRandom()
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    low = ephemeral_ports()[0]
+    for _ in range(100):
+        port = _ports.randrange(max(1024, low - PORTS_BELOW_EPHEMERAL), low)
+        with socket.socket() as sock, contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            return port
+    with socket.socket() as sock:  # the range is crowded: any free port
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
