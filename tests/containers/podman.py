@@ -1,4 +1,4 @@
-"""Podman as these machines run it (``docs/deploy.md``, "Containers here"): runc with
+"""Podman as these machines run it (``docs/deploy.md``, "The container check"): runc with
 cgroupfs, explicit rlimits under the shell's hard limits, CNI bridge networks with
 the dnsname plugin (compose's service names resolve), builds on the host's network
 with the machine's CA bundle and pip wheel folder passed in. Set through a
