@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.deploy.render import DASHBOARD, DASHBOARD_ROWS, dashboard_queries, metric_names
-from tests.harness.servers import RunningServer, app_server, free_port
+from tests.harness.servers import RunningServer, app_server, free_port, wait_answering
 
 REPO = Path(__file__).resolve().parents[2]
 PROVISIONING = REPO / "docker" / "grafana" / "provisioning"
@@ -63,14 +63,7 @@ def prometheus(target: str, workdir: Path) -> Iterator[str]:
                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, (workdir / "prometheus.log").read_text()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "Prometheus did not start"
-            time.sleep(0.2)
+        wait_answering(process, f"{url}/-/ready", 30, workdir / "prometheus.log", interval_s=0.2)
         yield url
     finally:
         process.terminate()

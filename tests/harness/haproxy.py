@@ -9,14 +9,11 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
-import httpx
-
-from tests.harness.servers import REPO, RunningServer, enter_together, free_port
+from tests.harness.servers import REPO, RunningServer, enter_together, free_port, wait_answering
 
 HAPROXY_CONFIG = REPO / "docker" / "haproxy" / "haproxy.cfg"
 # The rule that routes every request naming a conversation by its key.
@@ -78,14 +75,7 @@ def haproxy(servers: dict[str, int], workdir: Path, routing: Routing = "keyed",
                                    env={**os.environ, "STREAMSESS_PROXY_BIND": bind})
         try:
             url = f"http://{bind}"
-            deadline = time.monotonic() + 10
-            while True:
-                assert process.poll() is None, log_path.read_text()
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "haproxy never answered /health within 10 s"
-                time.sleep(0.1)
+            wait_answering(process, f"{url}/health", 10, log_path)
             yield url
         finally:
             process.terminate()

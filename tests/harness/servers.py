@@ -84,6 +84,20 @@ def wait_healthy(server: RunningServer, timeout_s: float = 600) -> None:
     raise TimeoutError(f"{server.name} did not become healthy")
 
 
+def wait_answering(process: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path,
+                   interval_s: float = 0.1) -> None:
+    """Until ``url`` answers 200 (a proxy, Prometheus); fails at once, with the process's
+    log, if the process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, log.read_text()
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        assert time.monotonic() < deadline, f"{url} did not answer within {timeout_s:.0f} s"
+        time.sleep(interval_s)
+
+
 @contextlib.contextmanager
 def serve(name: str, command: list[str], env: dict[str, str], port: int, model: str, log: Path,
           key: Any = None) -> Iterator[RunningServer]:
