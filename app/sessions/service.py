@@ -318,8 +318,8 @@ class SessionService:
         (websockets) queues behind it, in order. ``charged``: the request's tokens were
         charged to its key already (an OpenAI route's body, by OpenAIRequestMiddleware).
         ``generate`` False: a warm-up, computed with no answer (inputs.Turn)."""
-        with self._counted(), tracer.start_as_current_span("streamsess.chunk.admission") as span:
-            span.set_attribute("streamsess.session_id", session_id)
+        with self._counted(), tracer.start_as_current_span(
+                "streamsess.chunk.admission", attributes={"streamsess.session_id": session_id}):
             self.refuse_if_draining()
             session = await self.registry.open_session(owner, session_id)
             turn = self._plan(session, chunk_input, generate)
@@ -394,9 +394,10 @@ class SessionService:
         cut = turn.start is not None and turn.start != context_before
         transcript_before = list(session.token_ids) if cut else None  # what an undone cut restores
         with self._counted(), tracer.start_as_current_span("streamsess.chunk") as span:
-            span.set_attributes({"streamsess.session_id": session.id, "streamsess.transport": transport,
-                                 "streamsess.context_tokens": context_before,
-                                 "streamsess.input_tokens": len(turn.input_ids)})
+            if span.is_recording():  # attributes only when tracing: every chunk passes here
+                span.set_attributes({"streamsess.session_id": session.id, "streamsess.transport": transport,
+                                     "streamsess.context_tokens": context_before,
+                                     "streamsess.input_tokens": len(turn.input_ids)})
             try:
                 async for event in session.generate(turn.input_ids, params, run.stop_requested,
                                                     start=turn.start if cut else None, answer=turn.generate):
@@ -474,6 +475,8 @@ class SessionService:
 
 def chunk_span_attributes(span: trace.Span, result: ChunkResult) -> None:
     """A chunk's outcome on its span: where its prompt's KV came from, and its resume."""
+    if not span.is_recording():
+        return
     details = result.usage.prompt_tokens_details
     span.set_attributes({f"streamsess.prompt_tokens.{source}": getattr(details, f"{source}_tokens")
                          for source in ("device", "cpu_tier", "disk_tier", "computed")})

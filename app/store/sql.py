@@ -162,7 +162,8 @@ class SQLSessionStore(SessionStore):
         # SQLite has one writer at a time: this process's writers queue here, in
         # order, rather than time out in SQLite's busy handler under load.
         self._sqlite_writer = asyncio.Lock()
-        self._seconds = session_metrics().store_seconds
+        # Bound once: labels() is a lookup under a lock, and every chunk makes transactions.
+        self._seconds = {kind: session_metrics().store_seconds.labels(kind) for kind in ("read", "write", "lease")}
 
     @property
     def dialect(self) -> str:
@@ -243,7 +244,7 @@ class SQLSessionStore(SessionStore):
             raise StoreUnavailableError(f"the session store failed: {exc}") from exc
         finally:
             kind = "read" if not write else "write" if synced else "lease"
-            self._seconds.labels(kind).observe(time.perf_counter() - started)
+            self._seconds[kind].observe(time.perf_counter() - started)
 
     # ------------------------------------------------------------------ rows
     async def create(self, record: SessionRecord) -> None:
