@@ -76,9 +76,10 @@ class Podman:
         """``podman build``, with the host's pip settings passed in; seconds it took."""
         # Docker's image format: OCI's has no HEALTHCHECK (podman drops it, with a warning).
         args = ["build", "--format", "docker", "--network", "host", *self.ulimit_args(), "-f", str(dockerfile), "-t", tag]
-        for name, value in {**pip_build_args(), **(build_args or {})}.items():
+        pip_args, pip_volumes = pip_build_options()
+        for name, value in {**pip_args, **(build_args or {})}.items():
             args += ["--build-arg", f"{name}={value}"]
-        args += pip_build_volumes()
+        args += pip_volumes
         args.append(str(context))
         log = log or self.workdir / f"build-{re.sub(r'[^a-z0-9]+', '-', tag)}.log"
         start = time.monotonic()
@@ -124,24 +125,20 @@ def _pip_setting(name: str) -> str | None:
     return found.stdout.strip() or None if found.returncode == 0 else None
 
 
-def pip_build_args() -> dict[str, str]:
+def pip_build_options() -> tuple[dict[str, str], list[str]]:
+    """The build arguments and read-only mounts that hand the host's pip settings to a build."""
+    cert, links = _pip_setting("cert"), _pip_setting("find-links")
     args: dict[str, str] = {}
-    if _pip_setting("cert"):
+    volumes: list[str] = []
+    if cert:
         args["PIP_CERT"] = CERT_IN_BUILD
-    if _pip_setting("find-links"):
+        volumes += ["-v", f"{cert}:{CERT_IN_BUILD}:ro"]
+    if links:
         args["PIP_FIND_LINKS"] = WHEELS_IN_BUILD
         args["PIP_EXTRA_INDEX_URL"] = ""  # torch comes from the wheel folder, not PyTorch's index
-    return args
-
-
-def pip_build_volumes() -> list[str]:
-    volumes = []
-    cert, links = _pip_setting("cert"), _pip_setting("find-links")
-    if cert:
-        volumes += ["-v", f"{cert}:{CERT_IN_BUILD}:ro"]
-    if links and Path(links).is_dir():
-        volumes += ["-v", f"{links}:{WHEELS_IN_BUILD}:ro"]
-    return volumes
+        if Path(links).is_dir():
+            volumes += ["-v", f"{links}:{WHEELS_IN_BUILD}:ro"]
+    return args, volumes
 
 
 def apt_mirror() -> str:
