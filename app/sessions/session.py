@@ -33,11 +33,19 @@ from app.sessions.chat import ChatState
 from app.sessions.chunk import CANCELLED, ENGINE_ERROR, ChunkDelta, ChunkResult
 from app.sessions.errors import ChunkRefusedError, SessionFailedError, is_input_error
 from app.store import SessionRecord
+from connectors.streaming_stats import register_chunk_trace
 
 logger = logging.getLogger(__name__)
 
 # How long a graceful close waits for the engine to finish the request before aborting.
 GRACEFUL_CLOSE_S = 10.0
+
+
+def current_trace_headers() -> dict[str, str]:
+    """The current span's context as W3C headers (none unless tracing)."""
+    headers: dict[str, str] = {}
+    propagate.inject(headers)
+    return headers
 
 
 class StreamingSession:
@@ -196,6 +204,7 @@ class StreamingSession:
         if new_request:
             self._new_request(input_ids, params)
         else:
+            register_chunk_trace(self.request_id, current_trace_headers())
             prompt = tokens_input(self._unsent + list(input_ids))
             self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
 
@@ -287,11 +296,11 @@ class StreamingSession:
         self._inputs, self._outputs = asyncio.Queue(), asyncio.Queue()
         prompt = tokens_input(list(self.token_ids) + list(input_ids), cache_salt=self.cache_salt)
         self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
-        # The engine request's trace context: this chunk's span. vLLM 0.32 makes no span of
-        # its own for a streaming-input request (its end takes a path without tracing);
-        # the chunk's span carries what the engine did (app.sessions.service).
-        trace_headers: dict[str, str] = {}
-        propagate.inject(trace_headers)
+        # The engine request's trace context: this chunk's span. vLLM carries one context
+        # a request; each later chunk's own goes to connectors.streaming_stats, which
+        # makes vLLM's engine span (``llm_request``) of every chunk.
+        trace_headers = current_trace_headers()
+        register_chunk_trace(self.request_id, trace_headers)
         self._pump = asyncio.create_task(self._run_engine(params, self._inputs, self._outputs, trace_headers),
                                          name=f"session-{self.id}")
 
@@ -318,6 +327,8 @@ class StreamingSession:
             outputs.put_nowait(exc)
         finally:
             self.device_tokens = 0
+            if self._pump is None or self._pump is asyncio.current_task():
+                register_chunk_trace(self.request_id, None)
 
     # ------------------------------------------------------------------ parking
     async def park(self) -> bool:

@@ -2,8 +2,10 @@
 in this test. A session chunk sent with a ``traceparent`` is one trace: the route's server
 span, the chunk's admission and run (with what the engine did: prompt tokens by source),
 and its commit. A chat completion on vLLM's route is one trace with vLLM's own engine span
-(``llm_request``). vLLM 0.32 makes no engine span for a streaming-input request (a
-session's: its end takes a path without tracing), so the chunk's span carries those facts.
+(``llm_request``), and so is each chunk, the first on a new engine request and the next
+on the live one: vLLM 0.32 makes no engine span for a streaming-input request's chunk,
+connectors/streaming_stats.py makes it, under the chunk's own context (vLLM keeps the
+first chunk's for the whole request).
 Oracle: the spans the server exported, decoded with OpenTelemetry's own protobuf types."""
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.server
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+NEXT_TRACE_ID = "6bf92f3577b34da6a3ce929d0e0e4738"  # the session's second chunk
 
 
 @contextlib.contextmanager
@@ -76,13 +79,17 @@ def test_chunks_and_engine_requests_are_traced(tmp_path: Path, monkeypatch: pyte
                 answer = http.post(f"/v1/sessions/{session}/chunks", json={"input": "hello there"},
                                    headers={"traceparent": TRACEPARENT})
                 assert answer.status_code == 200, answer.text
+                following = http.post(f"/v1/sessions/{session}/chunks", json={"input": " and more"},
+                                      headers={"traceparent": f"00-{NEXT_TRACE_ID}-00f067aa0ba902b9-01"})
+                assert following.status_code == 200, following.text
                 model = http.get("/v1/models").json()["data"][0]["id"]
                 chat = http.post("/v1/chat/completions", headers={"traceparent": f"00-{chat_trace}-00f067aa0ba902b8-01"},
                                  json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
                 assert chat.status_code == 200, chat.text
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not any(
-                    s["name"] == "llm_request" and s["trace_id"] == chat_trace for s in spans):
+            while time.monotonic() < deadline and not all(
+                    any(s["name"] == "llm_request" and s["trace_id"] == trace for s in spans)
+                    for trace in (chat_trace, TRACE_ID, NEXT_TRACE_ID)):
                 time.sleep(0.2)
         ours = {span["span_id"]: span for span in spans if span["trace_id"] == TRACE_ID}
         by_name = {span["name"]: span for span in ours.values()}
@@ -98,3 +105,9 @@ def test_chunks_and_engine_requests_are_traced(tmp_path: Path, monkeypatch: pyte
         assert chunk["streamsess.prompt_tokens.computed"].int_value == answer.json()["usage"]["prompt_tokens_details"]["computed_tokens"]
         chat_spans = {span["name"] for span in spans if span["trace_id"] == chat_trace}
         assert "llm_request" in chat_spans and "POST /v1/chat/completions" in chat_spans, chat_spans
+        for trace, usage in ((TRACE_ID, answer.json()["usage"]), (NEXT_TRACE_ID, following.json()["usage"])):
+            spans_of_chunk = {span["name"]: span for span in spans if span["trace_id"] == trace}
+            assert "llm_request" in spans_of_chunk, (trace, sorted(spans_of_chunk))
+            (engine,) = [span for span in spans if span["trace_id"] == trace and span["name"] == "llm_request"]
+            assert engine["parent"] == spans_of_chunk["streamsess.chunk"]["span_id"]  # vLLM's span in the chunk's
+            assert engine["attributes"]["gen_ai.usage.completion_tokens"].int_value == usage["completion_tokens"]
