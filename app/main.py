@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from argparse import Namespace
 from collections.abc import AsyncIterator
@@ -263,6 +264,11 @@ class AppServer(uvicorn.Server):
     exit_status = 0
     _drain: asyncio.Task[None] | None = None
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if sockets and self.started:
+            self._log_started_message(sockets)  # uvicorn says where only on a socket of its own
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         app = self.config.app
         state = app.state if isinstance(app, FastAPI) else None
@@ -291,6 +297,23 @@ class AppServer(uvicorn.Server):
 MODEL_UNAVAILABLE_EXIT = 2
 # The exit status when the start failed after the engine was built (uvicorn's own).
 STARTUP_FAILED_EXIT = 4
+# The exit status when the server's address cannot be bound (a port in use).
+PORT_UNAVAILABLE_EXIT = 5
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound as uvicorn binds it and not yet listening: connections
+    are refused until uvicorn listens on it, once the engine has started."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -301,6 +324,13 @@ def cli(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
+        # The port first, held from here on: a busy one fails now, not after the engine's start.
+        listener = bound_socket(settings.host, settings.port)
+    except OSError as error:
+        print(f"streamsess-server: cannot listen on {settings.host}:{settings.port}: {error.strerror or error} "
+              "(another server there? set --port or STREAMSESS_PORT)", file=sys.stderr)
+        sys.exit(PORT_UNAVAILABLE_EXIT)
+    try:
         app = create_app(settings)
         kv_transfer_config(settings)  # the connector's vLLM surface, before the engine starts
     except (ModelUnavailable, EngineConfigError) as error:
@@ -309,7 +339,7 @@ def cli(argv: list[str] | None = None) -> None:
         print(f"streamsess-server: cannot {what}: {error}", file=sys.stderr)
         sys.exit(MODEL_UNAVAILABLE_EXIT)
     app.state.uvicorn_server = server = AppServer(uvicorn_config(app, settings))
-    server.run()
+    server.run(sockets=[listener])
     # A start that failed (the lifespan raised: a replica conflict, the store) is not a clean stop.
     sys.exit(server.exit_status if server.started else STARTUP_FAILED_EXIT)
 
