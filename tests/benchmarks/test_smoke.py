@@ -180,3 +180,29 @@ def test_cluster_quick(tmp_path: Path) -> None:
     # Our replicas drain and exit cleanly when restarted.
     assert all(sides[side]["restarted_exit_status"] == 0
                for side in ("ours-keyed", "ours-old-routing", "ours-old-configuration"))
+
+
+def own_process_quick(tmp_path: Path, module: str) -> dict:
+    """A quick run in a process of its own: the benchmark sets its servers' environment
+    (cpu_decode's LD_PRELOAD) or runs vLLM's tool on an event loop of its own (vllm_bench)."""
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / f"{module}-quick.png").stat().st_size > 10_000
+    return dict(json.loads((tmp_path / f"{module}-quick.json").read_text()))
+
+
+def test_cpu_decode_quick(tmp_path: Path) -> None:
+    result = own_process_quick(tmp_path, "cpu_decode")
+    assert set(result["rounds"]) == {"eager", "eager+preload"}
+    assert all(len(rounds) == 2 and all(r["decode_tokens_per_s"] > 0 for r in rounds)
+               for rounds in result["rounds"].values())
+    assert result["summary"]["eager"]["ratio_to_eager"] == 1.0
+
+
+def test_vllm_bench_quick(tmp_path: Path) -> None:
+    result = own_process_quick(tmp_path, "vllm_bench")
+    (key,) = result["summary"]
+    assert key == "chat@inf" and result["summary"][key]["failed"] == {"ours": 0, "vllm-serve": 0}
+    assert all(run[key]["completed"] == 4 and run[key]["output_throughput"] > 0 for run in result["runs"].values())
+

@@ -1,0 +1,150 @@
+"""Benchmark: one stream's decode speed on this CPU, by what the server is started with.
+
+Our server on the same model and engine settings, started four ways: eager (vLLM's
+``enforce_eager``, our default), with vLLM's recommended CPU runtime preloaded (tcmalloc
+and Intel OpenMP, ``app.cpu_preload``; what ``./scripts/serve`` does), compiled
+(``--no-enforce-eager``: torch.compile and vLLM's CPU graph mode), and both. Each server
+starts alone (its start to ``/health`` timed; a compiled one with an empty compile cache,
+then once more with the cache its first start filled: a warm start), then the rounds run
+side after side: one request of a short prompt generating N tokens (``ignore_eos``,
+greedy), streamed, timed from its first token to its last.
+
+    python -m benchmarks.cpu_decode                  # default model, bf16, 256 tokens, 4 rounds
+    python -m benchmarks.cpu_decode --quick          # tiny model (the suite's smoke run)
+
+Writes benchmarks/results/cpu_decode.json and .png: tokens/s per side and round, the
+median, each side's ratio to eager, start times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.cpu_preload import preload_libraries
+from benchmarks.common import (
+    API_HEADERS,
+    EngineSetup,
+    RunningServer,
+    benchmark_parser,
+    finish,
+    machine,
+    our_server,
+    pyplot,
+    random_tokens,
+)
+from tests.helpers import environment
+
+SIDES: dict[str, tuple[bool, bool]] = {  # name: (compiled, preloaded)
+    "eager": (False, False),
+    "eager+preload": (False, True),
+    "compiled": (True, False),
+    "compiled+preload": (True, True),
+}
+
+
+def decode_once(server: RunningServer, prompt: list[int], tokens: int) -> dict[str, float]:
+    """One streamed completion: seconds to its first token, and decode tokens/s after it."""
+    model = httpx.get(f"{server.base_url}/v1/models", headers=API_HEADERS).json()["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=API_HEADERS,
+                      timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter())
+    return {"ttft_s": stamps[0] - start, "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+
+def start_side(stack: contextlib.ExitStack, setup: EngineSetup, log_dir: Path, name: str, compiled: bool,
+               preloaded: bool, cache_root: Path) -> tuple[RunningServer, float]:
+    """A server of this side, healthy, and the seconds its start took."""
+    env = {"VLLM_CACHE_ROOT": str(cache_root), "LD_PRELOAD": ":".join(preload_libraries()) if preloaded else ""}
+    started = time.perf_counter()
+    with environment(**env):
+        server = stack.enter_context(our_server(setup, log_dir, name=name.replace("+", "-"),
+                                                enforce_eager=str(not compiled).lower()))
+    return server, time.perf_counter() - started
+
+
+def run(args: Any) -> dict[str, Any]:
+    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
+                        dtype=args.dtype, max_num_seqs=8)
+    rng = random.Random(args.seed)
+    sides = [side for side in SIDES if args.sides is None or side in args.sides]
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-decode-"))
+    starts: dict[str, dict[str, float]] = {}
+    rounds: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, RunningServer] = {}
+        for side in sides:
+            compiled, preloaded = SIDES[side]
+            cache_root = log_dir / f"cache-{side}"
+            servers[side], seconds = start_side(stack, setup, log_dir, side, compiled, preloaded, cache_root)
+            starts[side] = {"cold_s": seconds}
+            if compiled:  # the same start again, on the compile cache the first one filled
+                with contextlib.ExitStack() as again:
+                    _, warm = start_side(again, setup, log_dir, f"{side}-warm", compiled, preloaded, cache_root)
+                starts[side]["warm_s"] = warm
+            print(f"{side}: started in {starts[side]}")
+        for server in servers.values():
+            decode_once(server, random_tokens(rng, args.prompt), 8)  # warm-up: first steps are slow
+        for index in range(args.rounds):
+            prompt = random_tokens(rng, args.prompt)
+            for side in (sides if index % 2 == 0 else sides[::-1]):  # alternated: no side always first
+                time.sleep(1.5)  # the last server's spinning threads settle (benchmarks.common)
+                rounds[side].append(decode_once(servers[side], prompt, args.tokens))
+                print(f"round {index} {side}: {rounds[side][-1]}")
+    median = {side: statistics.median(r["decode_tokens_per_s"] for r in rounds[side]) for side in sides}
+    base = median.get("eager")
+    summary = {side: {"decode_tokens_per_s": round(median[side], 2),
+                      "ratio_to_eager": round(median[side] / base, 3) if base else None,
+                      "start_s": {k: round(v, 1) for k, v in starts[side].items()}} for side in sides}
+    return {"benchmark": "cpu_decode", "machine": machine(), "engine": setup.describe(),
+            "preloaded": preload_libraries(), "prompt_tokens": args.prompt, "decode_tokens": args.tokens,
+            "rounds": rounds, "starts": starts, "summary": summary}
+
+
+def plot(result: dict[str, Any]) -> Any:
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(7, 4))
+    sides = list(result["rounds"])
+    for position, side in enumerate(sides):
+        values = [r["decode_tokens_per_s"] for r in result["rounds"][side]]
+        axis.scatter([position] * len(values), values, alpha=0.6)
+        axis.bar(position, statistics.median(values), alpha=0.3)
+    axis.set_xticks(range(len(sides)), sides)
+    axis.set_ylabel("decode tokens/s (one stream)")
+    cpu = result["machine"]
+    axis.set_title(f"{result['engine']['model_preset']} {result['engine']['dtype']}, {cpu['cpus']} CPUs: "
+                   f"{', '.join(cpu['cpu_flags'])}", fontsize=8)
+    return figure
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, kv_cache_gib=0.5)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens decoded a round")
+    parser.add_argument("--sides", nargs="*", choices=list(SIDES), help="a subset of the sides")
+    parser.set_defaults(preset="smollm2-135m-instruct", cpu_tier_gib=1.0)
+    args = parser.parse_args()
+    if args.quick:
+        args.preset, args.kv_cache_gib, args.cpu_tier_gib = "tiny", 0.25, 0.5
+        args.rounds, args.tokens = 2, 16
+        args.sides = args.sides or ["eager", "eager+preload"]
+    finish("cpu_decode-quick" if args.quick else "cpu_decode", run(args), args.out, plot)
+
+
+if __name__ == "__main__":
+    main()
