@@ -109,7 +109,7 @@ class Settings(BaseSettings):
             "False: vLLM's own CPU default. An engine_args distributed_executor_backend wins."
         ),
     )
-    seed: int = 0
+    seed: int = Field(default=0, description="vLLM's seed: sampling with a temperature repeats run to run.")
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description=(
@@ -167,8 +167,8 @@ class Settings(BaseSettings):
     )
 
     # --- server --------------------------------------------------------------
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field(default="127.0.0.1", description="Address to listen on (0.0.0.0: every interface).")
+    port: int = Field(default=8000, description="Port to listen on; bound before the engine starts.")
     # NoDecode: the validator below accepts a JSON list or a comma-separated string.
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="Accepted bearer keys (JSON list or comma-separated). Empty: no auth."
@@ -189,7 +189,7 @@ class Settings(BaseSettings):
         description="Secret the per-key cache salts derive from. Default: made once and kept in "
         "state_dir. Replicas set the same one if their caches should agree.",
     )
-    log_level: str = "info"
+    log_level: str = Field(default="info", description="Log level of the server and uvicorn (debug, info, warning, error).")
     otlp_traces_endpoint: str | None = Field(
         default=None,
         description="Send traces here (OTLP): a span a request (its traceparent honoured), a chunk's "
@@ -228,7 +228,8 @@ class Settings(BaseSettings):
         description="How long a chunk waits for device room (slots, KV) after parking every idle "
         "session, before it fails with 503 server_busy and Retry-After.",
     )
-    max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0,
+                                        description="Largest request body; larger ones get 413.")
     openai_strict_validation: bool = Field(
         default=True,
         description="Validate the bodies of vLLM's OpenAI routes in pydantic's strict mode, as OpenAI's API "
