@@ -4,7 +4,9 @@ These check that each script runs end to end and writes complete results; they
 assert no timings (timings are measured and recorded in docs/benchmarks.md). All the
 quick runs happen in one process, ``python -m benchmarks.smoke``, which shares
 engines and servers between benchmarks with the same settings (started once for the
-module); each test then checks its own benchmark's result."""
+module); each test then checks its own benchmark's result. All but one:
+benchmarks.llama_cpp builds llama.cpp from source first (about 6 minutes on 2 cores),
+more than the suite spends on any benchmark; it is run by hand (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
