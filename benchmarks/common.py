@@ -361,7 +361,7 @@ def add_loop_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--loop", choices=EVENT_LOOPS, default="asyncio",
         help="the event loop of this process (the clients, and an in-process floor): asyncio's own, as every "
-             "figure before session 29; or uvloop, which our server and vLLM's own run AsyncLLM on (on the EPYC, "
+             "figure before 2026-12-05 (commit aad6f92); or uvloop, which our server and vLLM's own run AsyncLLM on (on the EPYC, "
              "10 to 20 us off a loopback hop and no difference in the transport gaps beyond the runs' spread)")
 
 

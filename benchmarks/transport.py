@@ -2,7 +2,7 @@
 session driven in process on AsyncLLM (the floor: the engine's own streaming input).
 Two floors (benchmarks/floor.py): ``in-server``, driven inside our server's process on
 its own engine, the one the transports use (the gap to it is what a transport adds);
-and ``in-process``, on an engine of the benchmark's own, as before session 29 (two
+and ``in-process``, on an engine of the benchmark's own, as before 2026-12-05 (commit 555f9d5; two
 engine processes of the same settings differ in speed from run to run by as much as
 a transport costs). benchmarks/transport_paired.py pairs each chunk with the floor's
 around it instead of p50 with p50: the figure that holds still between runs.

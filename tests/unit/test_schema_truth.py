@@ -492,13 +492,13 @@ def test_a_responses_body_is_stored_or_stateless_each_with_what_its_handler_take
     assert not valid({"tools": web_search}) and valid({"tools": web_search, "store": False})
     assert valid({"tools": [{"type": "function"}]}) and valid({"input": [{"role": "user", "content": "hi"}]})
     assert not valid({"input": [{"type": "reasoning"}]}) and valid({"input": [{"type": "reasoning"}], "store": False})
-    # A chain or a conversation, not both (the route's own 400; a no-parser seed, session 25).
+    # A chain or a conversation, not both (the route's own 400; a no-parser fuzzing seed).
     assert not valid({"previous_response_id": "resp_1", "conversation": "conv_1"})
     assert valid({"previous_response_id": "resp_1", "conversation": None}) and valid({"conversation": {"id": "c"}})
-    # vLLM's handler answers background only when stored, and fails on a null one (session 25).
+    # vLLM's handler answers background only when stored, and fails on a null one (found by fuzzing).
     assert valid({"background": None}) and valid({"background": False, "store": False})
     assert not valid({"background": None, "store": False}) and not valid({"background": True, "store": False})
-    # vLLM's handler converts a reasoning item only without encrypted content (session 25),
+    # vLLM's handler converts a reasoning item only without encrypted content (found by fuzzing),
     # either item model.
     for name in ("ResponseReasoningItemParam", "ResponseReasoningItem"):
         item = jsonschema.Draft202012Validator(schema["components"]["schemas"][name]).is_valid
@@ -664,7 +664,7 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
 
 
 def test_a_structured_outputs_json_object_is_true_or_absent() -> None:
-    """Session 25's first fresh seed on an EPYC machine: a batch chat with
+    """A fresh fuzzing seed on an EPYC machine (2026-12-04): a batch chat with
     ``structured_outputs: {"json_object": false}``, schema-valid, refused by vLLM's
     SamplingParams ("must be True if set"), as on every route that takes structured
     outputs. Oracle: the patched schema, read by a JSON Schema validator; that vLLM
@@ -686,7 +686,7 @@ def test_a_structured_outputs_json_object_is_true_or_absent() -> None:
 
 
 def test_numbers_vllm_sends_its_engine_core_in_extra_args_fit_messagepack() -> None:
-    """Session 25, seven of seven fresh seeds with the hermes parser: a chat whose
+    """Fuzzing (2026-12-04), seven of seven fresh seeds with the hermes parser: a chat whose
     ``ec_transfer_params`` held an integer beyond 64 bits, schema-valid, refused by vLLM
     ("extra_args integers must be between -2**63 and 2**64 - 1"). Oracle: vLLM's own
     SamplingParams on each value's integers, against the published schema and the
@@ -731,7 +731,7 @@ def test_numbers_vllm_sends_its_engine_core_in_extra_args_fit_messagepack() -> N
 
 
 def test_free_form_transfer_params_nest_as_deep_as_the_schema_says() -> None:
-    """Session 26: every fresh seed over /v1/messages ended in schemathesis's "Cannot
+    """Fuzzing (2026-12-04): every fresh seed over /v1/messages ended in schemathesis's "Cannot
     generate an array with 1 demanded elements", from the recursive schema of the
     free-form transfer params' values; the schema now writes out two levels of arrays
     and objects, and the server refuses deeper ones (vLLM would take them; no connector
@@ -763,7 +763,7 @@ def test_free_form_transfer_params_nest_as_deep_as_the_schema_says() -> None:
 
 
 def test_anthropics_thinking_budget_only_with_a_reasoning_parser() -> None:
-    """Session 25, six of nine no-parser seeds: Anthropic's ``thinking: {"type":
+    """Fuzzing (2026-12-04), six of nine no-parser seeds: Anthropic's ``thinking: {"type":
     "enabled", "budget_tokens": n}``, schema-valid, refused by vLLM's engine front end
     ("thinking_token_budget is set but reasoning_config is not configured"), as a chat's
     thinking_token_budget is. Oracle: that check in vLLM's own source, and the patched
@@ -873,7 +873,7 @@ def test_a_completions_rules_between_logprobs_echo_and_beam_search_are_vllms() -
 
 
 def test_a_completions_beam_width_is_bounded_by_half_the_engines_logprobs() -> None:
-    """Session 25, a fresh seed without a tool parser: a completion with beam search and
+    """Fuzzing (2026-12-04), a fresh seed without a tool parser: a completion with beam search and
     n 14, refused by vLLM ("Requested sample logprobs of 28, which is greater than max
     allowed: 20"): a beam search asks the engine for 2 * n logprobs a step. Oracle: that
     factor in vLLM's own beam search source, and the published completion rules (the

@@ -48,7 +48,7 @@ def test_rules_inside_strings_or_between_fields_are_accepted() -> None:
     assert refusal_no_schema_can_prevent(
         error("Invalid structured_outputs structural_tag specification.", "structured_outputs"), {})
     assert refusal_no_schema_can_prevent(error("Value error, thinking.budget_tokens must be less than max_tokens"), {})
-    # Session 25, seven of nine no-parser seeds: a batch's structured output with its json
+    # Fuzzing (2026-12-04, EPYC), seven of nine no-parser seeds: a batch's structured output with its json
     # as a string that is no JSON Schema (the schema takes a string there: vLLM does).
     assert refusal_no_schema_can_prevent(error("Invalid JSON grammar specification."), {})
 
