@@ -2,7 +2,7 @@
 
 Our server on the same model and engine settings, started four ways: eager (vLLM's
 ``enforce_eager``, our default), with vLLM's recommended CPU runtime preloaded (tcmalloc
-and Intel OpenMP, ``app.cpu_preload``; what ``./scripts/serve`` does), compiled
+and Intel OpenMP, ``connectors.cpu_preload``; what ``./scripts/serve`` does), compiled
 (``--no-enforce-eager``: torch.compile and vLLM's CPU graph mode), and both. Each server
 starts alone (its start to ``/health`` timed; a compiled one with an empty compile cache,
 then once more with the cache its first start filled: a warm start), then the rounds run
@@ -28,7 +28,6 @@ from typing import Any
 
 import httpx
 
-from app.cpu_preload import preload_libraries
 from benchmarks.common import (
     API_HEADERS,
     EngineSetup,
@@ -42,6 +41,7 @@ from benchmarks.common import (
     pyplot,
     random_tokens,
 )
+from connectors.cpu_preload import preload_libraries
 from tests.helpers import environment
 
 SIDES: dict[str, tuple[bool, bool]] = {  # name: (compiled, preloaded)

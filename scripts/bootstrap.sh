@@ -81,7 +81,7 @@ if ! installed_ok; then
   echo "$want" > "$stamp"
 fi
 
-# tcmalloc, which vLLM's CPU docs ask to preload (scripts/serve does, app/cpu_preload.py
+# tcmalloc, which vLLM's CPU docs ask to preload (scripts/serve does, connectors/cpu_preload.py
 # finds it): Debian's libtcmalloc-minimal4 where it is missing and can be installed.
 if [ "$STREAMSESS_VLLM" = cpu ] && ! compgen -G "/usr/lib*/*tcmalloc*.so.4" >/dev/null \
    && ! compgen -G "/usr/lib/*-linux-gnu/libtcmalloc*.so.4" >/dev/null; then
