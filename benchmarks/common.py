@@ -379,6 +379,55 @@ def write_result(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) ->
     return path
 
 
+def served_model(server: RunningServer) -> str:
+    """The model a server serves, by the name it answers to (its /v1/models)."""
+    return str(httpx.get(f"{server.base_url}/v1/models", headers=API_HEADERS).json()["data"][0]["id"])
+
+
+def event_text(event: dict[str, Any]) -> str:
+    """The generated text a streamed event carries: an OpenAI completion chunk's, our
+    session delta's, or a llama.cpp ``/completion`` chunk's."""
+    if choices := event.get("choices"):
+        return str(choices[0].get("text") or "")
+    if event.get("object") == "session.chunk.delta":
+        return str(event["delta"]["text"])
+    return "" if event.get("stop") else str(event.get("content") or "")
+
+
+def streamed(server: RunningServer, path: str, body: dict[str, Any]) -> tuple[list[float], str, dict[str, Any]]:
+    """POST a streamed request (synchronously): when each event with generated text
+    arrived, the text, and the last event (the usage, or llama.cpp's timings)."""
+    stamps: list[float] = []
+    texts: list[str] = []
+    last: dict[str, Any] = {}
+    with httpx.stream("POST", f"{server.base_url}{path}", json=body, headers=API_HEADERS, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            last = json.loads(line[len("data: "):])
+            if text := event_text(last):
+                stamps.append(time.perf_counter())
+                texts.append(text)
+    return stamps, "".join(texts), last
+
+
+def decode_speed(server: RunningServer, model: str, prompt: str | list[int], tokens: int) -> dict[str, float]:
+    """One stream on /v1/completions, greedy, ``ignore_eos``: seconds to its first token,
+    and decode tokens/s from the first token to the last."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    start = time.perf_counter()
+    stamps, _, _ = streamed(server, "/v1/completions", body)
+    return {"ttft_s": stamps[0] - start, "tokens": len(stamps),
+            "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+
+def alternated(sides: list[T], index: int) -> list[T]:
+    """The sides in order on even rounds, reversed on odd ones: no side always goes first."""
+    return sides if index % 2 == 0 else sides[::-1]
+
+
 async def sse_completion(http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
     """One streamed /v1/completions request: (time to first token, total time, token ids)."""
     body = {

@@ -26,22 +26,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.common import (
-    API_HEADERS,
+    SWITCH_SETTLE_S,
     EngineSetup,
     RunningServer,
+    alternated,
     benchmark_parser,
     cpu_caption,
+    decode_speed,
     finish,
     machine,
     our_server,
     plot_decode_rounds,
     pyplot,
+    quick_engine,
     random_tokens,
+    served_model,
 )
-from connectors.cpu_preload import preload_libraries
+from connectors.cpu_preload import preload_value
 from tests.helpers import environment
 
 SIDES: dict[str, tuple[bool, bool]] = {  # name: (compiled, preloaded)
@@ -52,26 +54,10 @@ SIDES: dict[str, tuple[bool, bool]] = {  # name: (compiled, preloaded)
 }
 
 
-def decode_once(server: RunningServer, prompt: list[int], tokens: int) -> dict[str, float]:
-    """One streamed completion: seconds to its first token, and decode tokens/s after it."""
-    model = httpx.get(f"{server.base_url}/v1/models", headers=API_HEADERS).json()["data"][0]["id"]
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    start = time.perf_counter()
-    stamps: list[float] = []
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=API_HEADERS,
-                      timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                stamps.append(time.perf_counter())
-    return {"ttft_s": stamps[0] - start, "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
-
-
 def start_side(stack: contextlib.ExitStack, setup: EngineSetup, log_dir: Path, name: str, compiled: bool,
                preloaded: bool, cache_root: Path) -> tuple[RunningServer, float]:
     """A server of this side, healthy, and the seconds its start took."""
-    env = {"VLLM_CACHE_ROOT": str(cache_root), "LD_PRELOAD": ":".join(preload_libraries()) if preloaded else ""}
+    env = {"VLLM_CACHE_ROOT": str(cache_root), "LD_PRELOAD": preload_value("") if preloaded else ""}
     started = time.perf_counter()
     with environment(**env):
         server = stack.enter_context(our_server(setup, log_dir, name=name.replace("+", "-"),
@@ -99,13 +85,14 @@ def run(args: Any) -> dict[str, Any]:
                     _, warm = start_side(again, setup, log_dir, f"{side}-warm", compiled, preloaded, cache_root)
                 starts[side]["warm_s"] = warm
             print(f"{side}: started in {starts[side]}")
-        for server in servers.values():
-            decode_once(server, random_tokens(rng, args.prompt), 8)  # warm-up: first steps are slow
+        models = {side: served_model(server) for side, server in servers.items()}
+        for side, server in servers.items():
+            decode_speed(server, models[side], random_tokens(rng, args.prompt), 8)  # warm-up: first steps are slow
         for index in range(args.rounds):
             prompt = random_tokens(rng, args.prompt)
-            for side in (sides if index % 2 == 0 else sides[::-1]):  # alternated: no side always first
-                time.sleep(1.5)  # the last server's spinning threads settle (benchmarks.common)
-                rounds[side].append(decode_once(servers[side], prompt, args.tokens))
+            for side in alternated(sides, index):
+                time.sleep(SWITCH_SETTLE_S)
+                rounds[side].append(decode_speed(servers[side], models[side], prompt, args.tokens))
                 print(f"round {index} {side}: {rounds[side][-1]}")
     median = {side: statistics.median(r["decode_tokens_per_s"] for r in rounds[side]) for side in sides}
     base = median.get("eager")
@@ -113,7 +100,7 @@ def run(args: Any) -> dict[str, Any]:
                       "ratio_to_eager": round(median[side] / base, 3) if base else None,
                       "start_s": {k: round(v, 1) for k, v in starts[side].items()}} for side in sides}
     return {"benchmark": "cpu_decode", "machine": machine(), "engine": setup.describe(),
-            "preloaded": preload_libraries(), "prompt_tokens": args.prompt, "decode_tokens": args.tokens,
+            "preloaded": preload_value("").split(":"), "prompt_tokens": args.prompt, "decode_tokens": args.tokens,
             "rounds": rounds, "starts": starts, "summary": summary}
 
 
@@ -135,7 +122,7 @@ def main() -> None:
     parser.set_defaults(preset="smollm2-135m-instruct", cpu_tier_gib=1.0)
     args = parser.parse_args()
     if args.quick:
-        args.preset, args.kv_cache_gib, args.cpu_tier_gib = "tiny", 0.25, 0.5
+        quick_engine(args)
         args.rounds, args.tokens = 2, 16
         args.sides = args.sides or ["eager", "eager+preload"]
     finish("cpu_decode-quick" if args.quick else "cpu_decode", run(args), args.out, plot)

@@ -30,7 +30,6 @@ Writes benchmarks/results/llama_cpp.json and .png.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -47,15 +46,20 @@ import httpx
 
 from benchmarks.common import (
     API_HEADERS,
+    SWITCH_SETTLE_S,
     EngineSetup,
     RunningServer,
+    alternated,
     benchmark_parser,
     cpu_caption,
+    decode_speed,
     finish,
     machine,
     our_server,
     plot_decode_rounds,
     pyplot,
+    served_model,
+    streamed,
     word_text,
 )
 from tests.harness.servers import engine_env, free_port, serve
@@ -119,34 +123,10 @@ class Side:
     def __init__(self, name: str, server: RunningServer):
         self.name, self.server = name, server
         self.ours = name == "ours"
-        models = httpx.get(f"{server.base_url}/v1/models", headers=API_HEADERS).json()["data"]
-        self.model = models[0]["id"]
-
-    def _stream(self, path: str, body: dict[str, Any]) -> tuple[list[float], str, dict[str, Any]]:
-        """POST a streamed request: when each event with generated text arrived, the text,
-        and the last event (the usage or timings)."""
-        stamps: list[float] = []
-        texts: list[str] = []
-        last: dict[str, Any] = {}
-        with httpx.stream("POST", f"{self.server.base_url}{path}", json=body, headers=API_HEADERS,
-                          timeout=600) as response:
-            response.raise_for_status()
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                last = json.loads(line[6:])
-                if text := _text_of(last):
-                    stamps.append(time.perf_counter())
-                    texts.append(text)
-        return stamps, "".join(texts), last
+        self.model = served_model(server)
 
     def decode(self, prompt: str, tokens: int) -> dict[str, float]:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        start = time.perf_counter()
-        stamps, _, _ = self._stream("/v1/completions", body)
-        return {"ttft_s": stamps[0] - start, "tokens": len(stamps),
-                "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+        return decode_speed(self.server, self.model, prompt, tokens)
 
     def open_conversation(self) -> dict[str, Any]:
         if not self.ours:
@@ -159,12 +139,12 @@ class Side:
     def turn(self, conversation: dict[str, Any], text: str) -> dict[str, Any]:
         start = time.perf_counter()
         if self.ours:
-            stamps, _, last = self._stream(f"/v1/sessions/{conversation['id']}/chunks",
-                                           {"input": text, "stream": True})
+            stamps, _, last = streamed(self.server, f"/v1/sessions/{conversation['id']}/chunks",
+                                       {"input": text, "stream": True})
             computed = last["usage"]["prompt_tokens_details"]["computed_tokens"]
         else:
             conversation["text"] += text
-            stamps, answer, last = self._stream("/completion", {
+            stamps, answer, last = streamed(self.server, "/completion", {
                 "prompt": conversation["text"], "n_predict": 8, "temperature": 0, "cache_prompt": True,
                 "stream": True})
             conversation["text"] += answer  # the next turn follows the answer, as a session's does
@@ -172,16 +152,6 @@ class Side:
         end = time.perf_counter()
         return {"ttft_s": stamps[0] - start if stamps else end - start, "turn_s": end - start,
                 "computed_prompt_tokens": computed}
-
-
-def _text_of(event: dict[str, Any]) -> str:
-    """The generated text an event carries: an OpenAI completion chunk's, our session
-    delta's, or a llama.cpp ``/completion`` chunk's."""
-    if choices := event.get("choices"):
-        return str(choices[0].get("text") or "")
-    if event.get("object") == "session.chunk.delta":
-        return str(event["delta"]["text"])
-    return "" if event.get("stop") else str(event.get("content") or "")
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -202,8 +172,8 @@ def run(args: Any) -> dict[str, Any]:
             side.decode(word_text(rng, 120), 8)  # warm-up: first steps are slow
         for index in range(args.rounds):
             prompt = word_text(rng, 120)  # about 32 of this tokenizer's tokens
-            for name in (order if index % 2 == 0 else order[::-1]):
-                time.sleep(1.5)  # the last server's spinning threads settle (benchmarks.common)
+            for name in alternated(order, index):
+                time.sleep(SWITCH_SETTLE_S)
                 decode[name].append(sides[name].decode(prompt, args.tokens))
                 print(f"decode round {index} {name}: {decode[name][-1]}", flush=True)
         # The live transcript: the same turns to each side, turn by turn, the order alternating.
@@ -211,7 +181,7 @@ def run(args: Any) -> dict[str, Any]:
         conversations = {name: side.open_conversation() for name, side in sides.items()}
         transcript = {name: [] for name in sides}
         for index, text in enumerate(turns):
-            for name in (order if index % 2 == 0 else order[::-1]):
+            for name in alternated(order, index):
                 transcript[name].append(sides[name].turn(conversations[name], text))
         print({name: transcript[name][-1] for name in sides}, flush=True)
     last = max(1, min(9, args.turns // 2))

@@ -28,20 +28,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.common import (
-    API_HEADERS,
     API_KEY,
     SWITCH_SETTLE_S,
     EngineSetup,
     RunningServer,
+    alternated,
     benchmark_parser,
     cpu_caption,
     finish,
     machine,
     our_server,
     pyplot,
+    quick_engine,
+    served_model,
     vllm_server,
 )
 from tests.harness.servers import enter_together
@@ -56,7 +56,7 @@ def bench_serve(server: RunningServer, api: str, rate: float, args: Any, tokeniz
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     backend, endpoint = APIS[api]
-    model = httpx.get(f"{server.base_url}/v1/models", headers=API_HEADERS).json()["data"][0]["id"]
+    model = served_model(server)
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     options = parser.parse_args([
@@ -87,7 +87,7 @@ def run(args: Any) -> dict[str, Any]:
         for api in args.apis:
             for rate in args.rates:
                 key = f"{api}@{rate:g}"
-                for side in (list(sides) if index % 2 == 0 else list(sides)[::-1]):
+                for side in alternated(list(sides), index):
                     time.sleep(SWITCH_SETTLE_S)
                     runs[side][key] = bench_serve(sides[side], api, rate, args, setup.model_dir())
                     print(f"{key} {side}: {runs[side][key]}")
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()
     if args.quick:
-        args.preset, args.kv_cache_gib, args.cpu_tier_gib = "tiny", 0.25, 0.5
+        quick_engine(args)
         args.rates, args.prompts, args.output_len, args.apis = [math.inf], 4, 8, ["chat"]
     finish("vllm_bench-quick" if args.quick else "vllm_bench", run(args), args.out, plot)
 

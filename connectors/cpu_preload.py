@@ -40,11 +40,6 @@ def iomp5() -> str | None:
     return str(library) if library.exists() else None
 
 
-def preload_libraries() -> list[str]:
-    """Both libraries, where this machine has them."""
-    return [library for library in (tcmalloc(), iomp5()) if library is not None]
-
-
 def preload_value(current: str) -> str:
     """``LD_PRELOAD`` with what is missing added before what ``current`` holds."""
     held = [entry for entry in current.replace(" ", ":").split(":") if entry]

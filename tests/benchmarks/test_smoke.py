@@ -165,14 +165,20 @@ def test_admission_quick(quick_runs: tuple[Path, dict]) -> None:
                for row in result["per_open_sessions"].values())
 
 
-def test_cluster_quick(tmp_path: Path) -> None:
-    """The cluster benchmark restarts replicas, so it runs in a process of its own
-    (the smoke run's pool would keep a stopped server)."""
-    result = subprocess.run([sys.executable, "-m", "benchmarks.cluster", "--quick", "--out", str(tmp_path)],
+def own_process_quick(tmp_path: Path, module: str) -> dict:
+    """A quick run in a process of its own, where the smoke run's pool does not fit: the
+    benchmark restarts replicas (cluster: the pool would keep a stopped server), sets its
+    servers' environment (cpu_decode's LD_PRELOAD) or runs vLLM's tool on an event loop
+    of its own (vllm_bench)."""
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path)],
                             cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
-    written = json.loads((tmp_path / "cluster-quick.json").read_text())
-    assert (tmp_path / "cluster-quick.png").stat().st_size > 10_000
+    assert (tmp_path / f"{module}-quick.png").stat().st_size > 10_000
+    return dict(json.loads((tmp_path / f"{module}-quick.json").read_text()))
+
+
+def test_cluster_quick(tmp_path: Path) -> None:
+    written = own_process_quick(tmp_path, "cluster")
     sides = written["sides"]
     assert set(sides) == {"ours-keyed", "ours-old-routing", "ours-old-configuration", "vllm-least-busy"}
     settings = written["settings"]
@@ -182,16 +188,6 @@ def test_cluster_quick(tmp_path: Path) -> None:
     # Our replicas drain and exit cleanly when restarted.
     assert all(sides[side]["restarted_exit_status"] == 0
                for side in ("ours-keyed", "ours-old-routing", "ours-old-configuration"))
-
-
-def own_process_quick(tmp_path: Path, module: str) -> dict:
-    """A quick run in a process of its own: the benchmark sets its servers' environment
-    (cpu_decode's LD_PRELOAD) or runs vLLM's tool on an event loop of its own (vllm_bench)."""
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path)],
-                            cwd=REPO, capture_output=True, text=True, timeout=1800)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / f"{module}-quick.png").stat().st_size > 10_000
-    return dict(json.loads((tmp_path / f"{module}-quick.json").read_text()))
 
 
 def test_cpu_decode_quick(tmp_path: Path) -> None:
