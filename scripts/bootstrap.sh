@@ -81,10 +81,14 @@ if ! installed_ok; then
   echo "$want" > "$stamp"
 fi
 
-# tcmalloc, which vLLM's CPU docs ask to preload (scripts/serve does, connectors/cpu_preload.py
-# finds it): Debian's libtcmalloc-minimal4 where it is missing and can be installed.
-if [ "$STREAMSESS_VLLM" = cpu ] && ! compgen -G "/usr/lib*/*tcmalloc*.so.4" >/dev/null \
-   && ! compgen -G "/usr/lib/*-linux-gnu/libtcmalloc*.so.4" >/dev/null; then
+# tcmalloc, which vLLM's CPU docs ask to preload (scripts/serve does): Debian's
+# libtcmalloc-minimal4 where connectors/cpu_preload.py finds none and it can be installed
+# (where the package cannot be imported yet, as in the image's first layer, nothing is done).
+tcmalloc_missing() {
+  "$VENV/bin/python" -c 'import sys; from connectors.cpu_preload import tcmalloc; sys.exit(tcmalloc() is not None)' \
+    2>/dev/null
+}
+if [ "$STREAMSESS_VLLM" = cpu ] && tcmalloc_missing; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "bootstrap: installing tcmalloc (Debian's libtcmalloc-minimal4)" >&2
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
