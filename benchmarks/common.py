@@ -375,8 +375,21 @@ def run_on_loop(main: Coroutine[Any, Any, T], loop: str) -> T:
 def write_result(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "machine": machine(), **payload}, indent=2))
+    path.write_text(json.dumps({"benchmark": name, "run": run_record(), "machine": machine(), **payload}, indent=2))
     return path
+
+
+def run_record() -> dict[str, Any]:
+    """When, at which commit and by which command a result was made: what the benchmarks
+    page shows above each table (``benchmarks.report``)."""
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False)
+
+    commit = git("rev-parse", "--short", "HEAD").stdout.strip() or None
+    if commit and git("diff", "--quiet", "HEAD", "--", "app", "connectors", "tests", ":(glob)benchmarks/*.py").returncode:
+        commit += "+changes"  # measured on uncommitted code
+    command = " ".join(["python", "-m", f"benchmarks.{Path(sys.argv[0]).stem}", *sys.argv[1:]])
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": commit, "command": command}
 
 
 def served_model(server: RunningServer) -> str:

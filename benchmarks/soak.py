@@ -14,7 +14,7 @@ afterwards no session left open.
 
     python -m benchmarks.soak                 # 10 minutes, tiny model, float32
     python -m benchmarks.soak --quick         # 8 s (the test suite's smoke run)
-    python -m benchmarks.soak --duration-s 900 --chunks-per-session 4 --name soak-churn --out docs/results
+    python -m benchmarks.soak --duration-s 900 --chunks-per-session=4 --name soak-churn --out docs/results
                                               # past the 1,024 closed sessions remembered
 """
 

@@ -76,8 +76,8 @@ async def test_a_restarted_engine_resumes_sessions_from_disk(tmp_path: Path) -> 
             contexts.append(context)
             files_of.append(sorted(set(after) - set(before), key=after.__getitem__))
 
-    # Session 1 as written. Session 2: one file corrupted (a byte of its KV flipped).
-    # Session 3: one file replaced by another session's, whole: the negative control.
+    # The first session as written; the second with one file corrupted (a byte of its KV
+    # flipped); the third with one file replaced by another session's, whole: the negative control.
     # (Not two of its own files swapped: attention sums over its keys in any order, so
     # a session's blocks swapped give it the same answer.)
     corrupted = files_of[1][3]
