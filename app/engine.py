@@ -74,8 +74,10 @@ def kv_transfer_config(settings: Settings) -> dict[str, Any] | None:
             except RuntimeError as exc:
                 raise EngineConfigError(str(exc)) from None
             if not HostTierOffloadingSpec.loads_synchronously():
-                raise EngineConfigError("the disk tier runs on the CPU platform's host tier only; on a GPU use "
-                                        "vLLM's TieringOffloadingSpec with its file-system tier")
+                raise EngineConfigError(
+                    "the disk tier runs on the CPU platform's host tier only; on a GPU use "
+                    "vLLM's TieringOffloadingSpec with its file-system tier"
+                )
             extra.update(spec_name=DISK_TIER_SPEC_NAME, spec_module_path=DISK_TIER_SPEC_MODULE)
             extra[DISK_TIER_DIR_KEY] = settings.resolved_disk_tier_dir()
             extra[DISK_TIER_BYTES_KEY] = int(settings.disk_tier_gib * GIB)
@@ -154,10 +156,16 @@ def worker_in_engine_core(settings: Settings) -> bool:
     """Whether the model worker runs in the engine-core process (see the setting)."""
     from vllm.platforms import current_platform
 
-    single_worker = all(int(settings.engine_args.get(key, 1)) == 1
-                        for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
-    return (settings.cpu_worker_in_engine_core and current_platform.is_cpu() and single_worker
-            and "distributed_executor_backend" not in settings.engine_args)
+    single_worker = all(
+        int(settings.engine_args.get(key, 1)) == 1
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+    )
+    return (
+        settings.cpu_worker_in_engine_core
+        and current_platform.is_cpu()
+        and single_worker
+        and "distributed_executor_backend" not in settings.engine_args
+    )
 
 
 def worker_omp_env(vllm_config: Any) -> contextlib.AbstractContextManager[None]:
@@ -191,9 +199,12 @@ def build_engine(settings: Settings) -> AsyncLLM:
         vllm_config = engine_args.create_engine_config(usage)
         with worker_omp_env(vllm_config):
             engine = AsyncLLM(
-                vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
-                log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats,
-                usage_context=usage, stat_loggers=[observer.logger_factory],
+                vllm_config=vllm_config,
+                executor_class=Executor.get_class(vllm_config),
+                log_requests=engine_args.enable_log_requests,
+                log_stats=not engine_args.disable_log_stats,
+                usage_context=usage,
+                stat_loggers=[observer.logger_factory],
             )
     _observers[engine] = observer
     return engine
@@ -213,8 +224,9 @@ async def flush_disk_tier(engine: AsyncLLM, timeout_s: float = 30.0) -> None:
     """With a disk tier, wait until what the engine holds is on disk: no request or
     transfer pending (parked sessions' tails stored), then every queued file written.
     A graceful stop calls it before ``shutdown_engine``, which kills the worker."""
-    extra = (engine.vllm_config.kv_transfer_config.kv_connector_extra_config
-             if engine.vllm_config.kv_transfer_config else {})
+    extra = (
+        engine.vllm_config.kv_transfer_config.kv_connector_extra_config if engine.vllm_config.kv_transfer_config else {}
+    )
     if DISK_TIER_DIR_KEY not in extra or engine.errored:
         return
 

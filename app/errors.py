@@ -111,6 +111,7 @@ def most_specific(errors: Sequence[Any]) -> Any:
     client meant (a chat message without content, not "should be a valid string");
     between errors as deep, the one in the branch with the fewest errors (a completion
     body sent to a route that takes a chat or a completion is a completion)."""
+
     def branch(error: Any) -> str | None:
         loc = [str(part) for part in (error.get("loc") or () if isinstance(error, dict) else ())]
         if loc and loc[0] in REQUEST_PARTS:
@@ -118,5 +119,7 @@ def most_specific(errors: Sequence[Any]) -> Any:
         return loc[0] if loc and not _FIELD_NAME.fullmatch(loc[0]) else None
 
     per_branch = Counter(branch(error) for error in errors)
-    return max(errors, key=lambda error: (len(error.get("loc") or ()) if isinstance(error, dict) else 0,
-                                          -per_branch[branch(error)]))
+    return max(
+        errors,
+        key=lambda error: (len(error.get("loc") or ()) if isinstance(error, dict) else 0, -per_branch[branch(error)]),
+    )

@@ -35,8 +35,11 @@ UNLIMITED_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping"})
 def rate_limited(what: str, kind: str, limit: int, retry_after_s: float) -> APIError:
     retry = max(1, math.ceil(retry_after_s))
     return APIError(
-        429, f"Rate limit reached for this API key: {what}, limit {limit}. Retry in {retry} s.",
-        code="rate_limit_exceeded", type=kind, headers={"Retry-After": str(retry)},
+        429,
+        f"Rate limit reached for this API key: {what}, limit {limit}. Retry in {retry} s.",
+        code="rate_limit_exceeded",
+        type=kind,
+        headers={"Retry-After": str(retry)},
     )
 
 
@@ -47,7 +50,9 @@ class KeyLimits:
     def __init__(self, settings: Settings):
         storage = storage_from_string(settings.rate_limit_storage_url)
         if not isinstance(storage, Storage):
-            raise ValueError(f"rate_limit_storage_url must name an async storage (async+...): {settings.rate_limit_storage_url}")
+            raise ValueError(
+                f"rate_limit_storage_url must name an async storage (async+...): {settings.rate_limit_storage_url}"
+            )
         self._limiter = MovingWindowRateLimiter(storage)
         rpm, tpm = settings.rate_limit_requests_per_minute, settings.rate_limit_tokens_per_minute
         self._requests = RateLimitItemPerMinute(rpm) if rpm else None
@@ -78,9 +83,11 @@ class KeyLimits:
             return
         if tokens > self._tokens.amount:
             raise APIError(
-                429, f"This request counts {tokens} tokens (input plus max_tokens), more than this API key's "
+                429,
+                f"This request counts {tokens} tokens (input plus max_tokens), more than this API key's "
                 f"limit of {self._tokens.amount} tokens per minute; lower max_tokens or send less input.",
-                code="rate_limit_exceeded", type="tokens",
+                code="rate_limit_exceeded",
+                type="tokens",
             )
         retry = await self._hit(self._tokens, tokens, "tokens", owner)
         if retry is not None:
@@ -99,8 +106,10 @@ class KeyLimits:
         """Count an open websocket connection of ``owner`` while it lasts."""
         if self.max_connections and self._connections[owner] >= self.max_connections:
             raise APIError(
-                429, f"This API key has {self.max_connections} websocket connections open here, its limit.",
-                code="too_many_connections", type="requests",
+                429,
+                f"This API key has {self.max_connections} websocket connections open here, its limit.",
+                code="too_many_connections",
+                type="requests",
             )
         self._connections[owner] += 1
         try:
@@ -115,6 +124,7 @@ def estimated_tokens(payload: dict[str, Any], default_max_tokens: int) -> int:
     """A generation request's tokens for rate limiting, before tokenizing it: token-id
     prompts exactly, text at 4 bytes a token (OpenAI's own rule of thumb), plus
     max_tokens (or the server's per-request default when it is absent)."""
+
     def text_tokens(value: Any) -> int:
         if isinstance(value, str):
             return math.ceil(len(value.encode()) / 4)
@@ -131,4 +141,3 @@ def estimated_tokens(payload: dict[str, Any], default_max_tokens: int) -> int:
     prompt = sum(text_tokens(payload.get(field)) for field in ("prompt", "messages", "system", "input", "instructions"))
     max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or payload.get("max_output_tokens")
     return prompt + (max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else default_max_tokens)
-

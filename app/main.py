@@ -78,15 +78,23 @@ def vllm_server_args(settings: Settings, model_path: str) -> Namespace:
 
     parser = make_arg_parser(FlexibleArgumentParser())
     args = [
-        "--model", model_path,
-        "--served-model-name", settings.resolved_served_model_name(),
-        "--max-model-len", str(settings.max_model_len),
+        "--model",
+        model_path,
+        "--served-model-name",
+        settings.resolved_served_model_name(),
+        "--max-model-len",
+        str(settings.max_model_len),
         # cached_tokens in usage; our middleware adds the source split.
         "--enable-prompt-tokens-details",
     ]
     if (tool_call_parser := settings.resolved_tool_call_parser()) is not None:
-        args += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser,
-                 "--tool-strict-level", settings.tool_strict_level]
+        args += [
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            tool_call_parser,
+            "--tool-strict-level",
+            settings.tool_strict_level,
+        ]
     if settings.reasoning_parser:
         args += ["--reasoning-parser", settings.reasoning_parser]
     if (chat_template := settings.resolved_chat_template()) is not None:
@@ -102,12 +110,15 @@ def renderer_features(renderer: Any) -> dict[str, bool]:
     from vllm.utils.mistral import is_mistral_tokenizer
 
     parser = getattr(renderer.parser, "tool_parser_cls", None)
-    return {"tool_parsing": (parser is not None or renderer.use_harmony
-                             or is_mistral_tokenizer(renderer.renderer.tokenizer)),
-            "harmony": bool(renderer.use_harmony),
-            "prompt_embeds": bool(renderer.model_config.enable_prompt_embeds),
-            "multimodal": bool(renderer.model_config.is_multimodal_model),
-            "fim": renderer.renderer.render_completion_suffix("", "") is not None}
+    return {
+        "tool_parsing": (
+            parser is not None or renderer.use_harmony or is_mistral_tokenizer(renderer.renderer.tokenizer)
+        ),
+        "harmony": bool(renderer.use_harmony),
+        "prompt_embeds": bool(renderer.model_config.enable_prompt_embeds),
+        "multimodal": bool(renderer.model_config.is_multimodal_model),
+        "fim": renderer.renderer.render_completion_suffix("", "") is not None,
+    }
 
 
 def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
@@ -162,14 +173,20 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     app.router.routes[:] = [route for route in app.router.routes if route not in vllm_routes] + vllm_routes
     install_error_handlers(app)
     patch_openapi(
-        app, declare_error_codes, declare_filled_in_fields,
-        lambda schema: declare_stored_response_rules(schema, settings.resolved_tool_call_parser() is not None,
-                                                     bool(app.state.online_renderer.use_harmony)),
+        app,
+        declare_error_codes,
+        declare_filled_in_fields,
+        lambda schema: declare_stored_response_rules(
+            schema, settings.resolved_tool_call_parser() is not None, bool(app.state.online_renderer.use_harmony)
+        ),
         lambda schema: declare_vllm_input_rules(schema, reasoning=bool(settings.reasoning_parser)),
         lambda schema: app.state.session_service.declare_bounds(schema),
-        lambda schema: declare_model_limits(schema, app.state.session_service.vocab_size,
-                                            app.state.session_service.max_model_len,
-                                            app.state.online_renderer.model_config.max_logprobs),
+        lambda schema: declare_model_limits(
+            schema,
+            app.state.session_service.vocab_size,
+            app.state.session_service.max_model_len,
+            app.state.online_renderer.model_config.max_logprobs,
+        ),
         lambda schema: declare_server_features(schema, **renderer_features(app.state.online_renderer)),
     )
     # vLLM's build_app (its SageMaker bootstrap) prebuilds the middleware stack from
@@ -179,17 +196,22 @@ def create_app(settings: Settings, engine: Any | None = None) -> FastAPI:
     # cache salts and token counts, a dead engine, usage rewriting, then chunk appends
     # served without FastAPI's request machinery where FastAPI would take them as sent.
     if settings.http_direct_chunk_route:
-        app.add_middleware(DirectRoute, prefix="/v1/sessions/", suffix="/chunks", model=ChunkRequest,
-                           handler=rest.direct_chunk_answer)
+        app.add_middleware(
+            DirectRoute, prefix="/v1/sessions/", suffix="/chunks", model=ChunkRequest, handler=rest.direct_chunk_answer
+        )
     app.add_middleware(UsageProvenanceMiddleware)
     app.add_middleware(EngineDeadMiddleware)
     body_routes = openai_body_routes(
-        app, strict=settings.openai_strict_validation, generating=edge.salter is not None or edge.limits.counts_tokens,
+        app,
+        strict=settings.openai_strict_validation,
+        generating=edge.salter is not None or edge.limits.counts_tokens,
     )
     drop_replaced_routes(app)
     if body_routes:
         app.add_middleware(
-            OpenAIRequestMiddleware, routes=body_routes, salter=edge.salter,
+            OpenAIRequestMiddleware,
+            routes=body_routes,
+            salter=edge.salter,
             limits=edge.limits if edge.limits.counts_tokens else None,
             default_max_tokens=settings.max_chunk_output_tokens,
         )
@@ -240,14 +262,18 @@ def uvicorn_config(app: FastAPI, settings: Settings, **overrides: Any) -> uvicor
     server would answer with no engine behind it (seen once here, not reproduced)."""
     options: dict[str, Any] = {
         "lifespan": "on",
-        "host": settings.host, "port": settings.port, "log_level": settings.log_level,
-        "ws": "websockets-sansio", "ws_max_size": settings.ws_max_message_bytes,
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "ws": "websockets-sansio",
+        "ws_max_size": settings.ws_max_message_bytes,
         "ws_per_message_deflate": settings.ws_per_message_deflate,
         "http": CoalescingHttpToolsProtocol if settings.http_coalesce_writes else "auto",
         # After the drain, requests still open (vLLM's own) get as long again.
         "timeout_graceful_shutdown": settings.drain_timeout_s,
         # JSON logs: uvicorn's loggers are configured with the others (app.http.log_context).
-        **({"log_config": None} if settings.log_format == "json" else {}), **overrides,
+        **({"log_config": None} if settings.log_format == "json" else {}),
+        **overrides,
     }
     return uvicorn.Config(app, **options)
 
@@ -286,8 +312,11 @@ class AppServer(uvicorn.Server):
 
     async def _drain_then_exit(self, service: SessionService, settings: Settings) -> None:
         timeout_s = settings.drain_timeout_s
-        logger.warning("draining: /ready answers 503, new work is refused in %.1f s; chunks in flight have %.0f s",
-                       settings.drain_notice_s, timeout_s)
+        logger.warning(
+            "draining: /ready answers 503, new work is refused in %.1f s; chunks in flight have %.0f s",
+            settings.drain_notice_s,
+            timeout_s,
+        )
         if not await service.drain(timeout_s, settings.drain_notice_s):
             logger.warning("drain: chunks still running after %.0f s are undone", timeout_s)
         self.should_exit = True
@@ -318,8 +347,7 @@ def bound_socket(host: str, port: int) -> socket.socket:
 
 def cli(argv: list[str] | None = None) -> None:
     settings = load_settings(sys.argv[1:] if argv is None else argv)
-    log_context.configure(settings.log_format, settings.log_level, settings.resolved_state_dir(),
-                          settings.replica_name)
+    log_context.configure(settings.log_format, settings.log_level, settings.resolved_state_dir(), settings.replica_name)
     # Models are local directories: nothing is looked up on a hub, at start or later.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -330,8 +358,11 @@ def cli(argv: list[str] | None = None) -> None:
         # The port first, held from here on: a busy one fails now, not after the engine's start.
         listener = bound_socket(settings.host, settings.port)
     except OSError as error:
-        print(f"streamsess-server: cannot listen on {settings.host}:{settings.port}: {error.strerror or error} "
-              "(another server there? set --port or STREAMSESS_PORT)", file=sys.stderr)
+        print(
+            f"streamsess-server: cannot listen on {settings.host}:{settings.port}: {error.strerror or error} "
+            "(another server there? set --port or STREAMSESS_PORT)",
+            file=sys.stderr,
+        )
         sys.exit(PORT_UNAVAILABLE_EXIT)
     try:
         app = create_app(settings)

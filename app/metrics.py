@@ -10,15 +10,15 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 class SessionMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY):
-        self.sessions_open = Gauge(
-            "streamsess_sessions_open", "Streaming sessions open now.", registry=registry
-        )
+        self.sessions_open = Gauge("streamsess_sessions_open", "Streaming sessions open now.", registry=registry)
         self.sessions_parked = Gauge(
-            "streamsess_sessions_parked", "Open sessions parked: no engine request, KV in the CPU tier.",
+            "streamsess_sessions_parked",
+            "Open sessions parked: no engine request, KV in the CPU tier.",
             registry=registry,
         )
         self.sessions_with_engine_request = Gauge(
-            "streamsess_sessions_active", "Open sessions with a live engine request (KV on the device).",
+            "streamsess_sessions_active",
+            "Open sessions with a live engine request (KV on the device).",
             registry=registry,
         )
         self.session_parks = Counter(
@@ -30,8 +30,7 @@ class SessionMetrics:
         )
         self.session_resumes = Counter(
             "streamsess_session_resumes",
-            "Parked sessions resumed, by where most of their prefix came from: disk_tier, cpu_tier, device, "
-            "recompute.",
+            "Parked sessions resumed, by where most of their prefix came from: disk_tier, cpu_tier, device, recompute.",
             ["source"],
             registry=registry,
         )
@@ -42,9 +41,7 @@ class SessionMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=registry,
         )
-        self.sessions_total = Counter(
-            "streamsess_sessions_created", "Streaming sessions created.", registry=registry
-        )
+        self.sessions_total = Counter("streamsess_sessions_created", "Streaming sessions created.", registry=registry)
         self.sessions_closed = Counter(
             "streamsess_sessions_closed",
             "Streaming sessions closed, by reason.",
@@ -78,8 +75,9 @@ class SessionMetrics:
             registry=registry,
         )
         # Bound once: a chunk counts into all four, and labels() is a lookup under a lock.
-        self._prompt_tokens_from = {source: self.prompt_tokens.labels(source)
-                                    for source in ("device", "cpu_tier", "disk_tier", "computed")}
+        self._prompt_tokens_from = {
+            source: self.prompt_tokens.labels(source) for source in ("device", "cpu_tier", "disk_tier", "computed")
+        }
 
     def observe_chunk(self, result: Any, transport: str) -> None:
         """A committed chunk (a ``ChunkResult``): its count, first-token time, resume source

@@ -85,6 +85,8 @@ class SessionDefaults(SamplingOptions):
 
 
 Metadata = Annotated[dict[str, str], Field(max_length=16)]
+
+
 class ChatMessage(BaseModel):
     """One chat message of a chunk; the session renders it with the model's chat template."""
 
@@ -98,9 +100,11 @@ ChunkInput = Annotated[
     Annotated[str, Field(min_length=1)]
     | Annotated[list[TokenId], Field(min_length=1)]
     | Annotated[list[ChatMessage], Field(min_length=1)],
-    Field(description="The chunk: text, token ids (each below the model's vocabulary size), or chat messages "
-                      "(rendered with the model's chat template as the next turn of the session's conversation, "
-                      "after the close of its previous reply, with the assistant prefix)."),
+    Field(
+        description="The chunk: text, token ids (each below the model's vocabulary size), or chat messages "
+        "(rendered with the model's chat template as the next turn of the session's conversation, "
+        "after the close of its previous reply, with the assistant prefix)."
+    ),
 ]
 # A client-chosen session id (the X-Session-ID header).
 SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"

@@ -31,8 +31,11 @@ class PrefillSources:
 def resume_source(sources: PrefillSources) -> str:
     """Where most of a resumed request's prefix came from: disk_tier, cpu_tier, device or
     recompute."""
-    tiers = {"device": sources.device_tokens, "cpu_tier": sources.cpu_tier_tokens,
-             "disk_tier": sources.disk_tier_tokens}
+    tiers = {
+        "device": sources.device_tokens,
+        "cpu_tier": sources.cpu_tier_tokens,
+        "disk_tier": sources.disk_tier_tokens,
+    }
     source = max(reversed(tiers), key=tiers.__getitem__)  # a tie goes to the farther tier
     return source if tiers[source] else "recompute"
 
@@ -82,8 +85,9 @@ class ProvenanceRecorder:
         a disk tier)."""
         if not (self._disk_tier and sources.cpu_tier_tokens and sources.engine_request_id and self._engine):
             return sources
-        shares = await self._engine.engine_core.call_utility_async(DISK_TIER_TOKENS_UTILITY,
-                                                                   [sources.engine_request_id])
+        shares = await self._engine.engine_core.call_utility_async(
+            DISK_TIER_TOKENS_UTILITY, [sources.engine_request_id]
+        )
         disk = min(int(shares.get(sources.engine_request_id, 0)), sources.cpu_tier_tokens)
         return replace(sources, cpu_tier_tokens=sources.cpu_tier_tokens - disk, disk_tier_tokens=disk)
 

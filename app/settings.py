@@ -94,7 +94,8 @@ class Settings(BaseSettings):
     )
     enforce_eager: bool = Field(default=True, description="Skip torch.compile (faster start, slower decode).")
     max_model_len: int = Field(
-        default=8192, gt=0,
+        default=8192,
+        gt=0,
         description="Longest context, and so longest session (at most the model's own: 8,192 for every preset).",
     )
     max_num_seqs: int = Field(default=64, gt=0, description="Engine slots; each open session holds one.")
@@ -134,13 +135,15 @@ class Settings(BaseSettings):
         "with none to spare, and with false, copies run inline before the forward pass.",
     )
     tier_copy_thread_min_load_bytes: int = Field(
-        default=16 << 20, ge=0,
+        default=16 << 20,
+        ge=0,
         description="Smaller tier loads are copied inline even with a copy thread: a small "
         "load gains little from overlapping the forward pass, and on the thread it shares the "
         "memory bus with it (measured: benchmarks.tier_reuse). Stores always go to the thread.",
     )
     disk_tier_gib: float = Field(
-        default=0.0, ge=0,
+        default=0.0,
+        ge=0,
         description="A disk tier under the CPU tier, this many GiB at most (0: none): every chunk the CPU "
         "tier stores is also written to a file, so a restarted server resumes its sessions from disk "
         "instead of recomputing them. The CPU platform's host tier only.",
@@ -189,7 +192,9 @@ class Settings(BaseSettings):
         description="Secret the per-key cache salts derive from. Default: made once and kept in "
         "state_dir. Replicas set the same one if their caches should agree.",
     )
-    log_level: str = Field(default="info", description="Log level of the server and uvicorn (debug, info, warning, error).")
+    log_level: str = Field(
+        default="info", description="Log level of the server and uvicorn (debug, info, warning, error)."
+    )
     otlp_traces_endpoint: str | None = Field(
         default=None,
         description="Send traces here (OTLP): a span a request (its traceparent honoured), a chunk's "
@@ -208,7 +213,8 @@ class Settings(BaseSettings):
 
     # --- sessions ------------------------------------------------------------
     max_sessions: int = Field(
-        default=4096, gt=0,
+        default=4096,
+        gt=0,
         description="Open sessions at once (active and parked), across all keys. Parked sessions hold "
         "no engine slot and no device KV, only their transcript (and their KV in the CPU tier).",
     )
@@ -218,33 +224,38 @@ class Settings(BaseSettings):
         default=3600.0, gt=0, description="A session idle this long (active or parked) is closed."
     )
     session_park_after_s: float = Field(
-        default=30.0, gt=0,
+        default=30.0,
+        gt=0,
         description="A session idle this long is parked: its engine request ends, its KV goes to the "
         "CPU tier, and its next chunk resumes it. Sessions also park at once, least recently used "
         "first, when a request would not fit on the device beside them.",
     )
     admission_timeout_s: float = Field(
-        default=10.0, gt=0,
+        default=10.0,
+        gt=0,
         description="How long a chunk waits for device room (slots, KV) after parking every idle "
         "session, before it fails with 503 server_busy and Retry-After.",
     )
-    max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0,
-                                        description="Largest request body; larger ones get 413.")
+    max_request_body_bytes: int = Field(
+        default=4 * 1024 * 1024, gt=0, description="Largest request body; larger ones get 413."
+    )
     openai_strict_validation: bool = Field(
         default=True,
         description="Validate the bodies of vLLM's OpenAI routes in pydantic's strict mode, as OpenAI's API "
-        "does: a string is not an integer (\"1\" for 1) nor a boolean, so the published schema is what the "
+        'does: a string is not an integer ("1" for 1) nor a boolean, so the published schema is what the '
         "server enforces (400 otherwise). false: vLLM's own lax coercion.",
     )
 
     # --- limits per API key (see app/limits.py) ------------------------------
     rate_limit_requests_per_minute: int = Field(
-        default=0, ge=0,
+        default=0,
+        ge=0,
         description="Requests per minute per key (HTTP requests, websocket connections and chunk "
         "appends), over a moving window; over it, 429 rate_limit_exceeded with Retry-After. 0: no limit.",
     )
     rate_limit_tokens_per_minute: int = Field(
-        default=0, ge=0,
+        default=0,
+        ge=0,
         description="Tokens per minute per key, counted when a request is admitted: its new input "
         "tokens plus max_tokens. 0: no limit.",
     )
@@ -254,7 +265,8 @@ class Settings(BaseSettings):
         "e.g. async+redis://host:6379 for one budget per key across replicas.",
     )
     ws_max_message_bytes: int = Field(
-        default=1024 * 1024, gt=0,
+        default=1024 * 1024,
+        gt=0,
         description="Largest websocket message; a larger one closes the connection with 1009.",
     )
     http_coalesce_writes: bool = Field(
@@ -275,7 +287,8 @@ class Settings(BaseSettings):
         "(benchmarks/transport.py measures both).",
     )
     ws_events_per_second: int = Field(
-        default=100, ge=0,
+        default=100,
+        ge=0,
         description="Client events per second per websocket connection; over it, an error event and "
         "the event is dropped. 0: no limit.",
     )
@@ -284,7 +297,8 @@ class Settings(BaseSettings):
     )
 
     engine_dead_exit_delay_s: float = Field(
-        default=5.0, ge=0,
+        default=5.0,
+        ge=0,
         description="When the engine dies the server answers 503 engine_dead (and /health 503) for "
         "this long, so probes and proxies see it, then exits with status 3 to be restarted.",
     )
@@ -305,7 +319,8 @@ class Settings(BaseSettings):
         "database, the same across restarts of one. Default: host name and port.",
     )
     session_lease_s: float = Field(
-        default=6.0, gt=0,
+        default=6.0,
+        gt=0,
         description="A chunk's lease in the store lasts this long and is renewed every third of it while "
         "the chunk runs; a killed replica's lease expires after it, and another replica may then extend "
         "the session (until then: 409 chunk_in_flight). A server that stops releases its leases at once.",
@@ -316,20 +331,24 @@ class Settings(BaseSettings):
         "one they share (PostgreSQL). Compose's scale profile and the Kubernetes manifests set it.",
     )
     drain_notice_s: float = Field(
-        default=2.0, ge=0,
+        default=2.0,
+        ge=0,
         description="On SIGTERM, /ready answers 503 at once but new work is still taken for this long, so "
         "that proxies checking /ready (HAProxy: every second) stop sending before the server refuses; "
         "it counts within drain_timeout_s.",
     )
     drain_timeout_s: float = Field(
-        default=20.0, ge=0,
+        default=20.0,
+        ge=0,
         description="On SIGTERM the server drains: /ready answers 503 and new work is refused (503 "
         "server_draining, retried elsewhere by the proxy) while chunks in flight finish, for at most "
         "this long; then they are undone, every session is parked and websockets are closed with 1012. "
         "A second signal stops at once. Keep a supervisor's grace period longer.",
     )
     closed_session_retention_s: float = Field(
-        default=86400.0, ge=0, description="Closed sessions (and their transcripts) are deleted from the store after this."
+        default=86400.0,
+        ge=0,
+        description="Closed sessions (and their transcripts) are deleted from the store after this.",
     )
 
     @field_validator("api_keys", "admin_api_keys", mode="before")

@@ -81,8 +81,13 @@ def attached_recorder(engine: Any, settings: Settings) -> ProvenanceRecorder:
 
 
 def session_service(
-    engine: Any, settings: Settings, *, recorder: ProvenanceRecorder | None = None,
-    store: SessionStore | None = None, edge: EdgeParts | None = None, tokenizer: Any | None = None,
+    engine: Any,
+    settings: Settings,
+    *,
+    recorder: ProvenanceRecorder | None = None,
+    store: SessionStore | None = None,
+    edge: EdgeParts | None = None,
+    tokenizer: Any | None = None,
 ) -> SessionService:
     """The session service as the server builds it: the served model's name, the chat
     tokenizer, the process-wide metrics, the store of the settings (or ``store``), a
@@ -90,23 +95,34 @@ def session_service(
     limits and salter (or the settings'), and the engine's scheduler observer."""
     edge = edge if edge is not None else EdgeParts.from_settings(settings)
     return SessionService(
-        engine=engine, settings=settings, model_name=settings.resolved_served_model_name(),
+        engine=engine,
+        settings=settings,
+        model_name=settings.resolved_served_model_name(),
         tokenizer=tokenizer if tokenizer is not None else chat_tokenizer(engine, settings),
-        metrics=session_metrics(), recorder=recorder if recorder is not None else attached_recorder(engine, settings),
-        store=store if store is not None else open_store(settings), salter=edge.salter, limits=edge.limits,
+        metrics=session_metrics(),
+        recorder=recorder if recorder is not None else attached_recorder(engine, settings),
+        store=store if store is not None else open_store(settings),
+        salter=edge.salter,
+        limits=edge.limits,
         observer=scheduler_observer(engine),
     )
 
 
 def build_serving(engine: Any, settings: Settings, edge: EdgeParts) -> Serving:
     tokenizer = chat_tokenizer(engine, settings)
-    parsers = ReplyParsers(tokenizer, settings.resolved_tool_call_parser(), settings.reasoning_parser,
-                           settings.tool_strict_level)
+    parsers = ReplyParsers(
+        tokenizer, settings.resolved_tool_call_parser(), settings.reasoning_parser, settings.tool_strict_level
+    )
     recorder = attached_recorder(engine, settings)
     store = open_store(settings)
     sessions = session_service(engine, settings, recorder=recorder, store=store, edge=edge, tokenizer=tokenizer)
     responses = ResponsesService(sessions, store, tokenizer, parsers)
     return Serving(
-        settings=settings, limits=edge.limits, recorder=recorder, sessions=sessions, responses=responses,
-        conversations=ConversationsService(responses), realtime=RealtimeService(sessions, tokenizer, parsers),
+        settings=settings,
+        limits=edge.limits,
+        recorder=recorder,
+        sessions=sessions,
+        responses=responses,
+        conversations=ConversationsService(responses),
+        realtime=RealtimeService(sessions, tokenizer, parsers),
     )

@@ -35,12 +35,15 @@ def sessions_and_engine(open_sessions: int, on_device: int) -> tuple[dict[str, S
     holders: set[StreamingSession] = set()
     held = {}
     for index in range(open_sessions):
-        session = StreamingSession(f"sess_{index}", "owner", "model", None, SessionDefaults(), {}, 4096,
-                                   device_holders=holders)
+        session = StreamingSession(
+            f"sess_{index}", "owner", "model", None, SessionDefaults(), {}, 4096, device_holders=holders
+        )
         session.device_tokens = 700 if index < on_device else 0  # the rest parked
         held[session.id] = session
-    states = {name: SimpleNamespace(external_req_id=name, request_id=name, prompt_len=700, max_tokens_param=16)
-              for name in list(held)[:on_device]}
+    states = {
+        name: SimpleNamespace(external_req_id=name, request_id=name, prompt_len=700, max_tokens_param=16)
+        for name in list(held)[:on_device]
+    }
     return held, SimpleNamespace(output_processor=SimpleNamespace(request_states=states))
 
 
@@ -106,8 +109,10 @@ async def run(name: str, args: argparse.Namespace) -> None:
     }
     finish(name, result, args.out, plot)
     for count, row in result["per_open_sessions"].items():
-        print(f"{count} open: every session {row['every_session_us']:.1f} us, device holders "
-              f"{row['device_holders_us']:.1f} us ({row['ratio']:.1f}x)")
+        print(
+            f"{count} open: every session {row['every_session_us']:.1f} us, device holders "
+            f"{row['device_holders_us']:.1f} us ({row['ratio']:.1f}x)"
+        )
 
 
 def main() -> None:

@@ -17,8 +17,9 @@ import uvicorn
 
 from app.http.uvicorn_protocol import CoalescingHttpToolsProtocol
 
-ANSWER = json.dumps({"id": "bare", "object": "session.chunk", "output": {"text": "", "token_ids": [0]},
-                     "finish_reason": "length"}).encode()
+ANSWER = json.dumps(
+    {"id": "bare", "object": "session.chunk", "output": {"text": "", "token_ids": [0]}, "finish_reason": "length"}
+).encode()
 
 
 async def lifespan(receive: Any, send: Any) -> None:
@@ -30,8 +31,9 @@ async def lifespan(receive: Any, send: Any) -> None:
 
 def run(asgi: Any, port: int) -> None:
     """``asgi`` on loopback, on the app's own uvicorn setup (its HTTP protocol, its websockets)."""
-    uvicorn.run(asgi, host="127.0.0.1", port=port, log_level="warning", ws="websockets-sansio",
-                http=CoalescingHttpToolsProtocol)
+    uvicorn.run(
+        asgi, host="127.0.0.1", port=port, log_level="warning", ws="websockets-sansio", http=CoalescingHttpToolsProtocol
+    )
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -47,7 +49,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         stream = bool(body) and json.loads(body).get("stream") is True
         headers = [(b"content-type", b"text/event-stream" if stream else b"application/json")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": b"data: " + ANSWER + b"\n\ndata: [DONE]\n\n" if stream else ANSWER})
+        await send(
+            {"type": "http.response.body", "body": b"data: " + ANSWER + b"\n\ndata: [DONE]\n\n" if stream else ANSWER}
+        )
     elif scope["type"] == "websocket":
         await receive()  # websocket.connect
         await send({"type": "websocket.accept"})

@@ -55,7 +55,9 @@ def metric_samples(text: str, *prefixes: str) -> dict[str, float]:
     return found
 
 
-async def chunk(http: httpx.AsyncClient, session_id: str, tokens: list[int], max_tokens: int) -> tuple[int, float, dict[str, Any]]:
+async def chunk(
+    http: httpx.AsyncClient, session_id: str, tokens: list[int], max_tokens: int
+) -> tuple[int, float, dict[str, Any]]:
     start = time.perf_counter()
     response = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": tokens, "max_tokens": max_tokens})
     elapsed = time.perf_counter() - start
@@ -69,8 +71,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     blocks_per_session = -(-final_tokens // 32)
     dtype_bytes = 4 if args.dtype == "float32" else 2
     kv_gib = args.device_sessions * blocks_per_session * 32 * KV_BYTES_PER_TOKEN * dtype_bytes / 2 / (1 << 30)
-    setup = EngineSetup(preset="tiny", kv_cache_gib=kv_gib, cpu_tier_gib=args.cpu_tier_gib, max_model_len=2048,
-                        dtype=args.dtype)
+    setup = EngineSetup(
+        preset="tiny", kv_cache_gib=kv_gib, cpu_tier_gib=args.cpu_tier_gib, max_model_len=2048, dtype=args.dtype
+    )
     errors: Counter[str] = Counter()
     latencies: dict[str, list[float]] = {"turn 1": [], "turn 2": [], "full device": []}
     log_dir = Path(args.out) / "logs"
@@ -85,8 +88,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     errors[f"{phase}: {status} {body.get('error', {}).get('code')}"] += 1
                 latencies[phase].append(elapsed)
 
-            created = [(await http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}}))
-                       for _ in range(args.sessions)]
+            created = [
+                (await http.post("/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}}))
+                for _ in range(args.sessions)
+            ]
             errors.update(f"create: {r.status_code}" for r in created if r.status_code != 201)
             ids = [r.json()["id"] for r in created if r.status_code == 201]
             started = time.perf_counter()
@@ -103,9 +108,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 full_ids.append(created_one.json()["id"])
                 await one(full_ids[-1], "full device", random_tokens(rng, 1800), 4)
             start = time.perf_counter()
-            completion = await http.post("/v1/completions", json={
-                "model": server.model, "prompt": random_tokens(rng, 500), "max_tokens": 8, "temperature": 0,
-            })
+            completion = await http.post(
+                "/v1/completions",
+                json={
+                    "model": server.model,
+                    "prompt": random_tokens(rng, 500),
+                    "max_tokens": 8,
+                    "temperature": 0,
+                },
+            )
             completion_s = time.perf_counter() - start
             if completion.status_code != 200:
                 errors[f"completion: {completion.status_code}"] += 1
@@ -113,16 +124,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for session_id in ids + full_ids:
                 await http.delete(f"/v1/sessions/{session_id}")
     return {
-        "settings": {**setup.describe(), "sessions": args.sessions, "chunk_tokens": args.chunk,
-                     "gen_tokens": args.gen, "concurrency": args.concurrency,
-                     "device_holds_sessions": args.device_sessions, "full_device_sessions": args.full_device_sessions},
+        "settings": {
+            **setup.describe(),
+            "sessions": args.sessions,
+            "chunk_tokens": args.chunk,
+            "gen_tokens": args.gen,
+            "concurrency": args.concurrency,
+            "device_holds_sessions": args.device_sessions,
+            "full_device_sessions": args.full_device_sessions,
+        },
         "errors": dict(errors),
         "chunks_answered": sum(len(v) for v in latencies.values()) - sum(errors.values()),
         "phase1_seconds": phase1_s,
         "session_states_after_phase1": dict(states),
         "completion_on_full_device_s": completion_s,
-        "latency_s": {phase: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)}
-                      for phase, v in latencies.items()},
+        "latency_s": {
+            phase: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)} for phase, v in latencies.items()
+        },
         "metrics_after_phase1": after_phase1,
         "metrics_at_end": metrics,
     }
@@ -139,11 +157,23 @@ def plot(result: dict[str, Any]) -> Any:
     left.set_xticks(list(positions), phases)
     left.legend()
     left.set_ylabel("chunk latency (ms)")
-    left.set_title(f"{result['settings']['sessions']} sessions, device holds {result['settings']['device_holds_sessions']}")
+    left.set_title(
+        f"{result['settings']['sessions']} sessions, device holds {result['settings']['device_holds_sessions']}"
+    )
     metrics = result["metrics_at_end"]
-    parks = {k.split("reason=")[1].rstrip("}"): v for k, v in metrics.items() if k.startswith("streamsess_session_parks_total")}
-    resumes = {k.split("source=")[1].rstrip("}"): v for k, v in metrics.items() if k.startswith("streamsess_session_resumes_total")}
-    right.bar([f"park: {k}" for k in parks] + [f"resume: {k}" for k in resumes], list(parks.values()) + list(resumes.values()))
+    parks = {
+        k.split("reason=")[1].rstrip("}"): v
+        for k, v in metrics.items()
+        if k.startswith("streamsess_session_parks_total")
+    }
+    resumes = {
+        k.split("source=")[1].rstrip("}"): v
+        for k, v in metrics.items()
+        if k.startswith("streamsess_session_resumes_total")
+    }
+    right.bar(
+        [f"park: {k}" for k in parks] + [f"resume: {k}" for k in resumes], list(parks.values()) + list(resumes.values())
+    )
     right.set_title(f"errors: {sum(result['errors'].values())}")
     right.tick_params(axis="x", rotation=30)
     return figure

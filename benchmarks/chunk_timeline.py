@@ -56,8 +56,23 @@ from benchmarks.common import (
     run_on_loop,
 )
 
-SERVER_PATH = ("start", "recv", "route", "admitted", "run", "add0", "add1", "engine", "out", "stats0", "stats1",
-               "released", "answered", "written", "end")
+SERVER_PATH = (
+    "start",
+    "recv",
+    "route",
+    "admitted",
+    "run",
+    "add0",
+    "add1",
+    "engine",
+    "out",
+    "stats0",
+    "stats1",
+    "released",
+    "answered",
+    "written",
+    "end",
+)
 FLOOR_PATH = ("start", "add0", "add1", "engine", "out", "stats0", "stats1", "end")
 # Stamps a chunk passes more than once (a delta before its result): the first counts
 # before the engine, the last after it.
@@ -73,6 +88,7 @@ def _around(owner: Any, name: str, before: str | None, after: str | None) -> Non
     """Stamp ``before`` and ``after`` around ``owner.name`` (a function or coroutine function)."""
     original = getattr(owner, name)
     if asyncio.iscoroutinefunction(original):
+
         async def wrapped_async(*args: Any, **kwargs: Any) -> Any:
             if before:
                 stamp(before)
@@ -80,8 +96,10 @@ def _around(owner: Any, name: str, before: str | None, after: str | None) -> Non
             if after:
                 stamp(after)
             return result
+
         setattr(owner, name, wrapped_async)
     else:
+
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if before:
                 stamp(before)
@@ -89,6 +107,7 @@ def _around(owner: Any, name: str, before: str | None, after: str | None) -> Non
             if after:
                 stamp(after)
             return result
+
         setattr(owner, name, wrapped)
 
 
@@ -137,6 +156,7 @@ def stamp_server() -> None:
 
 def serve(out: str) -> None:
     """The API server with its stamps, written to ``out`` every second and at exit."""
+
     def write() -> None:
         Path(out + ".tmp").write_text(json.dumps(list(STAMPS)))
         os.replace(out + ".tmp", out)
@@ -159,12 +179,14 @@ def segments(path: tuple[str, ...], stamps: list[tuple[str, int]], spans: list[t
     rows = []
     for start, end in spans:
         row = {"start": start, "end": end}
-        for name, at in stamps[bisect.bisect_left(times, start):bisect.bisect_right(times, end)]:
+        for name, at in stamps[bisect.bisect_left(times, start) : bisect.bisect_right(times, end)]:
             if name in path and (name in AFTER_ENGINE or name not in row):
                 row[name] = at
         rows.append(row)
-    return {f"{a}->{b}": percentile([(row[b] - row[a]) / 1e3 for row in rows if a in row and b in row], 50)
-            for a, b in itertools.pairwise(path)}
+    return {
+        f"{a}->{b}": percentile([(row[b] - row[a]) / 1e3 for row in rows if a in row and b in row], 50)
+        for a, b in itertools.pairwise(path)
+    }
 
 
 async def rest_chunks(base: str, inputs: list[list[int]]) -> list[tuple[int, int]]:
@@ -191,8 +213,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.transport import chunks
 
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     inputs = chunks(args.seed, args.chunks + 10)
     per_round = args.chunks // args.rounds
     server_stamps = Path(args.out) / "logs" / "server-stamps.json"
@@ -201,13 +224,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     rest_spans: list[tuple[int, int]] = []
     command = [sys.executable, "-m", "benchmarks.chunk_timeline", "serve", str(server_stamps)]
     settings = {**our_settings(setup), "store_url": "none"}
-    with app_server("ours", server_stamps.parent / "ours.log", settings, model=f"embedded-{setup.preset}",
-                    command=command) as server:
+    with app_server(
+        "ours", server_stamps.parent / "ours.log", settings, model=f"embedded-{setup.preset}", command=command
+    ) as server:
         async with aiohttp.ClientSession(server.base_url, headers=API_HEADERS) as http:
             await floor.spans_in_server(http, inputs[:10])
             await rest_chunks(server.base_url, inputs[:10])
             for index in range(args.rounds):
-                part = inputs[10 + index * per_round:10 + (index + 1) * per_round]
+                part = inputs[10 + index * per_round : 10 + (index + 1) * per_round]
                 floor_spans += await floor.spans_in_server(http, part)
                 rest_spans += await rest_chunks(server.base_url, part)
         await asyncio.sleep(1.5)  # the server's next write of its stamps
@@ -232,8 +256,10 @@ def plot(result: dict[str, Any]) -> Any:
             axis.text(left + width / 2, row, segment.split("->")[1], ha="center", va="center", fontsize=6, rotation=90)
             left += width
     axis.set_yticks(range(len(sides)), list(sides))
-    axis.set_xlabel("microseconds along one 1-token chunk: p50 per segment, each named by the stamp it ends at "
-                    "(the engine's step left out)")
+    axis.set_xlabel(
+        "microseconds along one 1-token chunk: p50 per segment, each named by the stamp it ends at "
+        "(the engine's step left out)"
+    )
     axis.set_title("where a chunk's time goes")
     return figure
 

@@ -92,13 +92,27 @@ class Agent:
         start = time.perf_counter()
         first: float | None = None
         if self.stateful:
-            body: dict[str, Any] = {"model": model, "input": text, "max_output_tokens": gen, "temperature": 0,
-                                    "ignore_eos": True, "stream": True, "previous_response_id": self.previous}
+            body: dict[str, Any] = {
+                "model": model,
+                "input": text,
+                "max_output_tokens": gen,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "previous_response_id": self.previous,
+            }
             path = "/v1/responses"
         else:
             self.messages.append({"role": "user", "content": text})
-            body = {"model": model, "messages": self.messages, "max_tokens": gen, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "messages": self.messages,
+                "max_tokens": gen,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             path = "/v1/chat/completions"
         reply, usage = [], {}
         async with http.stream("POST", path, json=body) as stream:
@@ -115,8 +129,11 @@ class Agent:
                     if event["type"] in ("response.completed", "response.incomplete"):
                         self.previous = event["response"]["id"]
                         details = event["response"]["usage"]
-                        usage = {"prompt": details["input_tokens"], "output": details["output_tokens"],
-                                 "computed": details["input_tokens_details"]["computed_tokens"]}
+                        usage = {
+                            "prompt": details["input_tokens"],
+                            "output": details["output_tokens"],
+                            "computed": details["input_tokens_details"]["computed_tokens"],
+                        }
                 else:
                     for choice in event.get("choices") or []:
                         piece = choice["delta"].get("content") or ""
@@ -126,16 +143,26 @@ class Agent:
                     if event.get("usage"):
                         details = event["usage"]
                         cached = (details.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                        usage = {"prompt": details["prompt_tokens"], "output": details["completion_tokens"],
-                                 "computed": details["prompt_tokens"] - cached}
+                        usage = {
+                            "prompt": details["prompt_tokens"],
+                            "output": details["completion_tokens"],
+                            "computed": details["prompt_tokens"] - cached,
+                        }
         if not self.stateful:
             self.messages.append({"role": "assistant", "content": "".join(reply)})
         if not usage:  # cut short (a replica stopping): sent again
             raise RuntimeError("the stream ended without usage")
         added = usage["prompt"] - (before["prompt"] + before["output"] if before else 0)
-        self.turns.append({"ttft_s": first if first is not None else time.perf_counter() - start,
-                           "prompt": usage["prompt"], "output": usage["output"], "computed": usage["computed"],
-                           "added": added, "moved": float(bool(self.replicas) and replica != self.replicas[-1])})
+        self.turns.append(
+            {
+                "ttft_s": first if first is not None else time.perf_counter() - start,
+                "prompt": usage["prompt"],
+                "output": usage["output"],
+                "computed": usage["computed"],
+                "added": added,
+                "moved": float(bool(self.replicas) and replica != self.replicas[-1]),
+            }
+        )
         self.replicas.append(replica)
 
     async def run(self, base_url: str, model: str, gen: int, pause_s: float, progress: Progress) -> None:
@@ -156,8 +183,14 @@ class Agent:
                 await asyncio.sleep(pause_s)
 
 
-async def run_side(label: str, base_url: str, model: str, restarted: Restartable, args: argparse.Namespace,
-                   conversations: list[list[str]]) -> dict[str, Any]:
+async def run_side(
+    label: str,
+    base_url: str,
+    model: str,
+    restarted: Restartable,
+    args: argparse.Namespace,
+    conversations: list[list[str]],
+) -> dict[str, Any]:
     agents = [Agent(texts, stateful=label.startswith("ours")) for texts in conversations]
     progress = Progress(len(agents) * args.turns)
     tasks = [asyncio.create_task(agent.run(base_url, model, args.gen, args.pause, progress)) for agent in agents]
@@ -186,8 +219,13 @@ def summarize(agents: list[Agent], turns: int, extra: dict[str, Any]) -> dict[st
         "ttft_p99_s": percentile([t["ttft_s"] for t in later], 99),
         f"turn_{turns}_ttft_p50_s": percentile(last, 50),
         f"turn_{turns}_ttft_p99_s": percentile(last, 99),
-        "per_turn": [{key: statistics.median(agent.turns[i][key] for agent in agents)
-                      for key in ("ttft_s", "prompt", "computed", "added")} for i in range(turns)],
+        "per_turn": [
+            {
+                key: statistics.median(agent.turns[i][key] for agent in agents)
+                for key in ("ttft_s", "prompt", "computed", "added")
+            }
+            for i in range(turns)
+        ],
     }
 
 
@@ -199,8 +237,14 @@ def percentile(values: list[float], q: float) -> float:
 def replica_settings(setup: EngineSetup, name: str, store_url: str, shared_tier: Path | None) -> dict[str, str]:
     # A state directory of its own: a replica restarted keeps its instance (and is never a
     # pooled server of the smoke run, which a restart would stop under the pool).
-    settings = {**our_settings(setup), "replica_name": name, "replica_id": name, "store_url": store_url,
-                "shared_store_required": "true", "state_dir": tempfile.mkdtemp(prefix=f"streamsess-{name}-")}
+    settings = {
+        **our_settings(setup),
+        "replica_name": name,
+        "replica_id": name,
+        "store_url": store_url,
+        "shared_store_required": "true",
+        "state_dir": tempfile.mkdtemp(prefix=f"streamsess-{name}-"),
+    }
     settings |= {"disk_tier_gib": "4", "cache_salt_secret": "cluster-bench-secret"}
     if shared_tier is not None:  # a conversation moved by the restart resumes from the other's files
         settings |= {"disk_tier_dir": str(shared_tier), "disk_tier_shared": "true"}
@@ -208,8 +252,9 @@ def replica_settings(setup: EngineSetup, name: str, store_url: str, shared_tier:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     rng = random.Random(args.seed)
 
     def text() -> str:
@@ -231,7 +276,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             return Restartable(name, starting)
 
         # One pair of replicas a configuration, the other pair stopped: they never share the CPUs.
-        configurations: list[tuple[bool, tuple[str, ...]]] = [(bool(args.shared_tier), ("ours-keyed", "ours-old-routing"))]
+        configurations: list[tuple[bool, tuple[str, ...]]] = [
+            (bool(args.shared_tier), ("ours-keyed", "ours-old-routing"))
+        ]
         if args.old_configuration:
             configurations.append((False, ("ours-old-configuration",)))
         for shared, labels in configurations:
@@ -246,10 +293,17 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     print(label, {k: v for k, v in sides[label].items() if k != "per_turn"}, flush=True)
     if not args.skip_vllm:  # the peer: two vLLM servers, a client re-sending its history
         with contextlib.ExitStack() as stack:
+
             def vllm_peer(name: str) -> Restartable:
                 def starting(port: int, start: int) -> contextlib.AbstractContextManager[RunningServer]:
-                    return vllm_server(setup, log_dir, prefix_caching=True, extra_args=["--enable-prompt-tokens-details"],
-                                       label=f"cluster-{name}-{start}", port=port)
+                    return vllm_server(
+                        setup,
+                        log_dir,
+                        prefix_caching=True,
+                        extra_args=["--enable-prompt-tokens-details"],
+                        label=f"cluster-{name}-{start}",
+                        port=port,
+                    )
 
                 return Restartable(name, starting)
 
@@ -257,24 +311,37 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             start_together(stack, peers)
             conversations = [[text() for _ in range(args.turns)] for _ in range(args.agents)]
             with haproxy({p.name: p.port for p in peers}, workdir, "least-busy", check_path="/health") as proxy:
-                sides["vllm-least-busy"] = await run_side("vllm-least-busy", proxy, model, peers[1], args, conversations)
+                sides["vllm-least-busy"] = await run_side(
+                    "vllm-least-busy", proxy, model, peers[1], args, conversations
+                )
             print("vllm-least-busy", {k: v for k, v in sides["vllm-least-busy"].items() if k != "per_turn"}, flush=True)
     last = f"turn_{args.turns}_ttft_p50_s"
     return {
-        "settings": {**setup.describe(), "agents": args.agents, "turns": args.turns, "chunk_tokens": args.chunk,
-                     "gen_tokens": args.gen, "pause_s": args.pause, "seed": args.seed,
-                     "shared_disk_tier": args.shared_tier,
-                     "restart": "replica 2 of 2 gets SIGTERM and starts again when half the turns are done"},
+        "settings": {
+            **setup.describe(),
+            "agents": args.agents,
+            "turns": args.turns,
+            "chunk_tokens": args.chunk,
+            "gen_tokens": args.gen,
+            "pause_s": args.pause,
+            "seed": args.seed,
+            "shared_disk_tier": args.shared_tier,
+            "restart": "replica 2 of 2 gets SIGTERM and starts again when half the turns are done",
+        },
         "summary": {
             "computed_over_added": {side: result["computed_over_added"] for side, result in sides.items()},
             last: {side: result[last] for side, result in sides.items()},
-            f"turn_{args.turns}_ttft_p99_s": {side: result[f"turn_{args.turns}_ttft_p99_s"]
-                                               for side, result in sides.items()},
+            f"turn_{args.turns}_ttft_p99_s": {
+                side: result[f"turn_{args.turns}_ttft_p99_s"] for side, result in sides.items()
+            },
             "keyed_vs_old_routing_last_turn_ttft_p50": sides["ours-keyed"][last] / sides["ours-old-routing"][last],
             "keyed_vs_old_configuration_last_turn_ttft_p50": sides["ours-keyed"][last]
-            / sides["ours-old-configuration"][last] if "ours-old-configuration" in sides else None,
+            / sides["ours-old-configuration"][last]
+            if "ours-old-configuration" in sides
+            else None,
             "keyed_vs_vllm_last_turn_ttft_p50": sides["ours-keyed"][last] / sides["vllm-least-busy"][last]
-            if "vllm-least-busy" in sides else None,
+            if "vllm-least-busy" in sides
+            else None,
         },
         "sides": sides,
     }
@@ -285,7 +352,8 @@ def plot(result: dict[str, Any]) -> Any:
     return plot_ttft_per_turn(
         {side: data["per_turn"] for side, data in result["sides"].items()},
         f"{settings['agents']} agents x {settings['turns']} turns, 2 replicas, one restarted midway\n"
-        f"({settings['model_preset']} model; TTFT median over agents)")
+        f"({settings['model_preset']} model; TTFT median over agents)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
@@ -295,11 +363,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.add_argument("--chunk", type=int, default=64, help="new tokens per turn, about")
     parser.add_argument("--gen", type=int, default=16, help="tokens generated per turn")
     parser.add_argument("--pause", type=float, default=2.0, help="seconds between an agent's turns (its tool)")
-    parser.add_argument("--shared-tier", action=argparse.BooleanOptionalAction, default=True,
-                        help="our replicas share a disk tier (disk_tier_shared), so a conversation the restart "
-                        "moves resumes from the other's files")
-    parser.add_argument("--old-configuration", action=argparse.BooleanOptionalAction, default=True,
-                        help="also the deployment before the key and the shared tier (ours-old-configuration)")
+    parser.add_argument(
+        "--shared-tier",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="our replicas share a disk tier (disk_tier_shared), so a conversation the restart "
+        "moves resumes from the other's files",
+    )
+    parser.add_argument(
+        "--old-configuration",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the deployment before the key and the shared tier (ours-old-configuration)",
+    )
     parser.add_argument("--skip-vllm", action="store_true", help="our sides only")
     args = parser.parse_args(argv)
     name = "cluster"

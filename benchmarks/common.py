@@ -85,8 +85,9 @@ class EngineSetup:
         }
 
 
-def in_process_engine(setup: EngineSetup, served_model_name: str, shareable: bool = True,
-                      **settings: Any) -> tuple[Any, Any, Any]:
+def in_process_engine(
+    setup: EngineSetup, served_model_name: str, shareable: bool = True, **settings: Any
+) -> tuple[Any, Any, Any]:
     """(engine, provenance recorder, settings) for a benchmark that drives AsyncLLM in
     process, with ``setup``'s engine settings and the same thread count as the servers.
     Hand the engine back with ``release_engine``. ``shareable`` False: never a pool's (two
@@ -97,9 +98,16 @@ def in_process_engine(setup: EngineSetup, served_model_name: str, shareable: boo
 
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = RESERVED_CPUS
     engine_settings = Settings(
-        _env_file=None, model_preset=setup.preset, kv_cache_gib=setup.kv_cache_gib,
-        cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size, max_model_len=setup.max_model_len,
-        enforce_eager=setup.enforce_eager, dtype=setup.dtype, served_model_name=served_model_name, **settings,
+        _env_file=None,
+        model_preset=setup.preset,
+        kv_cache_gib=setup.kv_cache_gib,
+        cpu_tier_gib=setup.cpu_tier_gib,
+        block_size=setup.block_size,
+        max_model_len=setup.max_model_len,
+        enforce_eager=setup.enforce_eager,
+        dtype=setup.dtype,
+        served_model_name=served_model_name,
+        **settings,
     )
     if (pool := current_pool()) is None or not shareable:
         engine = build_engine(engine_settings)
@@ -125,8 +133,9 @@ def our_server(
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """Our server on ``setup``; ``settings`` are more STREAMSESS_* values (name=value);
     ``name`` names its log (two of ours side by side need two)."""
-    return app_server(name, log_dir / f"{name}.log", {**our_settings(setup, connector), **settings},
-                      model=f"embedded-{setup.preset}")
+    return app_server(
+        name, log_dir / f"{name}.log", {**our_settings(setup, connector), **settings}, model=f"embedded-{setup.preset}"
+    )
 
 
 def our_settings(setup: EngineSetup, connector: str = "offloading") -> dict[str, str]:
@@ -148,8 +157,13 @@ def our_settings(setup: EngineSetup, connector: str = "offloading") -> dict[str,
 
 
 def vllm_server(
-    setup: EngineSetup, log_dir: Path, prefix_caching: bool, extra_args: list[str] | None = None,
-    label: str | None = None, env: dict[str, str] | None = None, port: int | None = None,
+    setup: EngineSetup,
+    log_dir: Path,
+    prefix_caching: bool,
+    extra_args: list[str] | None = None,
+    label: str | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """vLLM's own OpenAI server, as a user would run it, with the same engine settings
     (``extra_args``: more of its flags, e.g. a --kv-transfer-config; ``env``: more of
@@ -157,15 +171,25 @@ def vllm_server(
     port = port or free_port()
     name = f"embedded-{setup.preset}"
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", setup.model_dir(), "--served-model-name", name,
-        "--block-size", str(setup.block_size),
-        "--kv-cache-memory-bytes", str(int(setup.kv_cache_gib * (1 << 30))),
-        "--max-model-len", str(setup.max_model_len),
-        "--max-num-seqs", str(setup.max_num_seqs),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        setup.model_dir(),
+        "--served-model-name",
+        name,
+        "--block-size",
+        str(setup.block_size),
+        "--kv-cache-memory-bytes",
+        str(int(setup.kv_cache_gib * (1 << 30))),
+        "--max-model-len",
+        str(setup.max_model_len),
+        "--max-num-seqs",
+        str(setup.max_num_seqs),
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         "--enforce-eager" if setup.enforce_eager else "--no-enforce-eager",
-        "--dtype", setup.dtype,
+        "--dtype",
+        setup.dtype,
         "--disable-log-stats",
         *(extra_args or []),
     ]
@@ -181,8 +205,20 @@ def py_spy_sampled(pid: int, out: Path, rate_hz: int, subprocesses: bool = False
     runs; collapsed stacks into ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     profile: dict[str, Any] = {"path": out, "rate_hz": rate_hz}
-    command = ["py-spy", "record", "--pid", str(pid), "--rate", str(rate_hz), "--nonblocking",
-               "--format", "raw", "--output", str(out), *(["--subprocesses"] if subprocesses else [])]
+    command = [
+        "py-spy",
+        "record",
+        "--pid",
+        str(pid),
+        "--rate",
+        str(rate_hz),
+        "--nonblocking",
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+        *(["--subprocesses"] if subprocesses else []),
+    ]
     sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # let py-spy attach before the work starts
     start = time.perf_counter()
@@ -194,8 +230,9 @@ def py_spy_sampled(pid: int, out: Path, rate_hz: int, subprocesses: bool = False
         sampler.wait(timeout=60)
 
 
-def summarize_profile(profile: dict[str, Any], per: int, top: int = 15,
-                      functions: tuple[str, ...] = ()) -> dict[str, Any]:
+def summarize_profile(
+    profile: dict[str, Any], per: int, top: int = 15, functions: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Non-idle milliseconds per unit of work (``per`` units sampled), the frames with
     the most self time, and the inclusive time of the named ``functions`` (a frame's
     function name, e.g. ``HostTierWorker._copy``; ``execute_model`` matches any class's)."""
@@ -229,8 +266,12 @@ def benchmark_parser(doc: str | None, kv_cache_gib: float) -> argparse.ArgumentP
     parser.add_argument("--preset", default="bench", help="embedded model preset")
     parser.add_argument("--kv-cache-gib", type=float, default=kv_cache_gib)
     parser.add_argument("--cpu-tier-gib", type=float, default=4.0)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="model dtype on every side (float32 on CPUs without native bf16)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="model dtype on every side (float32 on CPUs without native bf16)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG results go")
     return parser
@@ -266,8 +307,28 @@ def pyplot() -> Any:
 
 
 # Random words for filler text: the embedded models' tokenizer spends about 4.4 tokens on each.
-WORDS = ("amber", "basalt", "cobalt", "dune", "ember", "fjord", "glacier", "harbor", "island", "jade", "kelp",
-         "lagoon", "meadow", "nebula", "orchid", "prairie", "quartz", "river", "summit", "tundra")
+WORDS = (
+    "amber",
+    "basalt",
+    "cobalt",
+    "dune",
+    "ember",
+    "fjord",
+    "glacier",
+    "harbor",
+    "island",
+    "jade",
+    "kelp",
+    "lagoon",
+    "meadow",
+    "nebula",
+    "orchid",
+    "prairie",
+    "quartz",
+    "river",
+    "summit",
+    "tundra",
+)
 PerTurn = list[dict[str, float]]
 TOKENS_PER_WORD = 4.44  # the embedded models' tokenizer on WORDS
 
@@ -336,13 +397,22 @@ def machine() -> dict[str, Any]:
     cpu: dict[str, Any] = {"cpu_model": None, "cpu_flags": []}
     with contextlib.suppress(OSError):
         info = Path("/proc/cpuinfo").read_text()
-        fields = {key.strip(): value.strip() for key, value in
-                  (line.split(":", 1) for line in info.splitlines() if ":" in line)}  # the last CPU's (all alike)
+        fields = {
+            key.strip(): value.strip()
+            for key, value in (line.split(":", 1) for line in info.splitlines() if ":" in line)
+        }  # the last CPU's (all alike)
         flags = set(fields.get("flags", "").split())
-        cpu = {"cpu_model": fields.get("model name") or None,
-               "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags]}
-    return {"cpus": os.cpu_count(), **cpu, "platform": platform.platform(), "python": platform.python_version(),
-            "event_loop": _event_loop()}
+        cpu = {
+            "cpu_model": fields.get("model name") or None,
+            "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
+        }
+    return {
+        "cpus": os.cpu_count(),
+        **cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "event_loop": _event_loop(),
+    }
 
 
 def _event_loop() -> str | None:
@@ -359,15 +429,19 @@ EVENT_LOOPS = ("asyncio", "uvloop")
 
 def add_loop_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--loop", choices=EVENT_LOOPS, default="asyncio",
+        "--loop",
+        choices=EVENT_LOOPS,
+        default="asyncio",
         help="the event loop of this process (the clients, and an in-process floor): asyncio's own, as every "
-             "figure before 2026-12-05 (commit aad6f92); or uvloop, which our server and vLLM's own run AsyncLLM on (on the EPYC, "
-             "10 to 20 us off a loopback hop and no difference in the transport gaps beyond the runs' spread)")
+        "figure before 2026-12-05 (commit aad6f92); or uvloop, which our server and vLLM's own run AsyncLLM on (on the EPYC, "
+        "10 to 20 us off a loopback hop and no difference in the transport gaps beyond the runs' spread)",
+    )
 
 
 def run_on_loop(main: Coroutine[Any, Any, T], loop: str) -> T:
     if loop == "uvloop":
         import uvloop
+
         return uvloop.run(main)
     return asyncio.run(main)
 
@@ -382,11 +456,15 @@ def write_result(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) ->
 def run_record() -> dict[str, Any]:
     """When, at which commit and by which command a result was made: what the benchmarks
     page shows above each table (``benchmarks.report``)."""
+
     def git(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False)
 
     commit = git("rev-parse", "--short", "HEAD").stdout.strip() or None
-    if commit and git("diff", "--quiet", "HEAD", "--", "app", "connectors", "tests", ":(glob)benchmarks/*.py").returncode:
+    if (
+        commit
+        and git("diff", "--quiet", "HEAD", "--", "app", "connectors", "tests", ":(glob)benchmarks/*.py").returncode
+    ):
         commit += "+changes"  # measured on uncommitted code
     command = " ".join(["python", "-m", f"benchmarks.{Path(sys.argv[0]).stem}", *sys.argv[1:]])
     return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": commit, "command": command}
@@ -418,7 +496,7 @@ def streamed(server: RunningServer, path: str, body: dict[str, Any]) -> tuple[li
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            last = json.loads(line[len("data: "):])
+            last = json.loads(line[len("data: ") :])
             if text := event_text(last):
                 stamps.append(time.perf_counter())
                 texts.append(text)
@@ -428,12 +506,21 @@ def streamed(server: RunningServer, path: str, body: dict[str, Any]) -> tuple[li
 def decode_speed(server: RunningServer, model: str, prompt: str | list[int], tokens: int) -> dict[str, float]:
     """One stream on /v1/completions, greedy, ``ignore_eos``: seconds to its first token,
     and decode tokens/s from the first token to the last."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = time.perf_counter()
     stamps, _, _ = streamed(server, "/v1/completions", body)
-    return {"ttft_s": stamps[0] - start, "tokens": len(stamps),
-            "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+    return {
+        "ttft_s": stamps[0] - start,
+        "tokens": len(stamps),
+        "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+    }
 
 
 def alternated(sides: list[T], index: int) -> list[T]:
@@ -441,11 +528,18 @@ def alternated(sides: list[T], index: int) -> list[T]:
     return sides if index % 2 == 0 else sides[::-1]
 
 
-async def sse_completion(http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
+async def sse_completion(
+    http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int
+) -> tuple[float, float, list[int]]:
     """One streamed /v1/completions request: (time to first token, total time, token ids)."""
     body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True, "return_token_ids": True,
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
     }
     start = time.perf_counter()
     first: float | None = None
@@ -455,7 +549,7 @@ async def sse_completion(http: httpx.AsyncClient, model: str, prompt: list[int],
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            payload = json.loads(line[len("data: "):])
+            payload = json.loads(line[len("data: ") :])
             for choice in payload.get("choices") or ():
                 ids = choice.get("token_ids") or []
                 if ids and first is None:

@@ -82,7 +82,9 @@ async def measure(run_one: Any, workloads: list[list[list[int]]]) -> dict[str, f
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     rng = random.Random(args.seed)
     workloads = {
         n: [[random_tokens(rng, args.chunk) for _ in range(args.turns)] for _ in range(n)] for n in args.sessions
@@ -94,6 +96,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     async def ours(side: str, **settings: str) -> None:
         results[side] = {}
         with our_server(setup, log_dir, **settings) as server:
+
             async def run_ours(chunks: list[list[int]], ttfts: list[float]) -> int:
                 return await ours_session(server.base_url, chunks, args.gen, ttfts)
 
@@ -111,6 +114,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if not args.skip_vllm:
         results["vllm-prefix-on"] = {}
         with vllm_server(setup, log_dir, prefix_caching=True) as server:
+
             async def run_vllm(chunks: list[list[int]], ttfts: list[float]) -> int:
                 return await vllm_session(server.base_url, server.model, chunks, args.gen, ttfts)
 
@@ -119,19 +123,32 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 results["vllm-prefix-on"][str(n)] = await measure(run_vllm, workload)
 
     def ratios_of(side: str, peer: str, name: str) -> dict[str, dict[str, float]]:
-        return {n: {f"throughput_{name}": results[side][n]["tokens_per_s"] / results[peer][n]["tokens_per_s"],
-                    f"ttft_p50_{name}": results[side][n]["ttft_p50_s"] / results[peer][n]["ttft_p50_s"]}
-                for n in results[side]}
+        return {
+            n: {
+                f"throughput_{name}": results[side][n]["tokens_per_s"] / results[peer][n]["tokens_per_s"],
+                f"ttft_p50_{name}": results[side][n]["ttft_p50_s"] / results[peer][n]["ttft_p50_s"],
+            }
+            for n in results[side]
+        }
 
     ratios: dict[str, dict[str, float]] = {str(n): {} for n in args.sessions}
-    for side, peer, name in (("ours-sse", "vllm-prefix-on", "ours_vs_vllm"),
-                             ("ours-sse-disk-tier", "ours-sse", "disk_tier_vs_without")):
+    for side, peer, name in (
+        ("ours-sse", "vllm-prefix-on", "ours_vs_vllm"),
+        ("ours-sse-disk-tier", "ours-sse", "disk_tier_vs_without"),
+    ):
         if side in results and peer in results:
             for n, row in ratios_of(side, peer, name).items():
                 ratios[n].update(row)
     return {
-        "settings": {**setup.describe(), "sessions": args.sessions, "turns": args.turns, "chunk_tokens": args.chunk,
-                     "gen_tokens": args.gen, "seed": args.seed, "disk_tier_gib": args.disk_tier_gib},
+        "settings": {
+            **setup.describe(),
+            "sessions": args.sessions,
+            "turns": args.turns,
+            "chunk_tokens": args.chunk,
+            "gen_tokens": args.gen,
+            "seed": args.seed,
+            "disk_tier_gib": args.disk_tier_gib,
+        },
         "results": results,
         "ratios": ratios,
     }
@@ -165,8 +182,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--gen", type=int, default=16)
-    parser.add_argument("--disk-tier-gib", type=float, default=0.0,
-                        help="also run our server with a disk tier of this size (0: not)")
+    parser.add_argument(
+        "--disk-tier-gib", type=float, default=0.0, help="also run our server with a disk tier of this size (0: not)"
+    )
     parser.add_argument("--disk-tier-dir", default=None, help="where that side's disk tier goes (a disk, not tmpfs)")
     parser.add_argument("--skip-vllm", action="store_true", help="our sides only")
     args = parser.parse_args(argv)

@@ -54,20 +54,33 @@ SIDES: dict[str, tuple[bool, bool]] = {  # name: (compiled, preloaded)
 }
 
 
-def start_side(stack: contextlib.ExitStack, setup: EngineSetup, log_dir: Path, name: str, compiled: bool,
-               preloaded: bool, cache_root: Path) -> tuple[RunningServer, float]:
+def start_side(
+    stack: contextlib.ExitStack,
+    setup: EngineSetup,
+    log_dir: Path,
+    name: str,
+    compiled: bool,
+    preloaded: bool,
+    cache_root: Path,
+) -> tuple[RunningServer, float]:
     """A server of this side, healthy, and the seconds its start took."""
     env = {"VLLM_CACHE_ROOT": str(cache_root), "LD_PRELOAD": preload_value("") if preloaded else ""}
     started = time.perf_counter()
     with environment(**env):
-        server = stack.enter_context(our_server(setup, log_dir, name=name.replace("+", "-"),
-                                                enforce_eager=str(not compiled).lower()))
+        server = stack.enter_context(
+            our_server(setup, log_dir, name=name.replace("+", "-"), enforce_eager=str(not compiled).lower())
+        )
     return server, time.perf_counter() - started
 
 
 def run(args: Any) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype, max_num_seqs=8)
+    setup = EngineSetup(
+        preset=args.preset,
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_tier_gib=args.cpu_tier_gib,
+        dtype=args.dtype,
+        max_num_seqs=8,
+    )
     rng = random.Random(args.seed)
     sides = [side for side in SIDES if args.sides is None or side in args.sides]
     log_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-decode-"))
@@ -96,20 +109,32 @@ def run(args: Any) -> dict[str, Any]:
                 print(f"round {index} {side}: {rounds[side][-1]}")
     median = {side: statistics.median(r["decode_tokens_per_s"] for r in rounds[side]) for side in sides}
     base = median.get("eager")
-    summary = {side: {"decode_tokens_per_s": round(median[side], 2),
-                      "ratio_to_eager": round(median[side] / base, 3) if base else None,
-                      "start_s": {k: round(v, 1) for k, v in starts[side].items()}} for side in sides}
-    return {"benchmark": "cpu_decode", "machine": machine(), "engine": setup.describe(),
-            "preloaded": preload_value("").split(":"), "prompt_tokens": args.prompt, "decode_tokens": args.tokens,
-            "rounds": rounds, "starts": starts, "summary": summary}
+    summary = {
+        side: {
+            "decode_tokens_per_s": round(median[side], 2),
+            "ratio_to_eager": round(median[side] / base, 3) if base else None,
+            "start_s": {k: round(v, 1) for k, v in starts[side].items()},
+        }
+        for side in sides
+    }
+    return {
+        "benchmark": "cpu_decode",
+        "machine": machine(),
+        "engine": setup.describe(),
+        "preloaded": preload_value("").split(":"),
+        "prompt_tokens": args.prompt,
+        "decode_tokens": args.tokens,
+        "rounds": rounds,
+        "starts": starts,
+        "summary": summary,
+    }
 
 
 def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4))
     plot_decode_rounds(axis, result["rounds"])
-    axis.set_title(f"{result['engine']['model_preset']} {result['engine']['dtype']}, {cpu_caption(result)}",
-                   fontsize=8)
+    axis.set_title(f"{result['engine']['model_preset']} {result['engine']['dtype']}, {cpu_caption(result)}", fontsize=8)
     return figure
 
 

@@ -38,8 +38,18 @@ from connectors.disk_files import HEADER, DiskIndex, FileWriter, scan
 def mapper(root: Path) -> Any:
     from vllm.v1.kv_offload.file_mapper import FileMapper
 
-    return FileMapper(str(root), "model", tokens_per_hash=32, blocks_per_file=1, tp_size=1, pp_size=1,
-                      pcp_size=1, dcp_size=1, rank=0, dtype="float32")
+    return FileMapper(
+        str(root),
+        "model",
+        tokens_per_hash=32,
+        blocks_per_file=1,
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        rank=0,
+        dtype="float32",
+    )
 
 
 def key(number: int) -> Any:
@@ -80,13 +90,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(root)
     return {
-        "settings": {"files": args.files, "file_bytes": HEADER.size + args.file_bytes, "dir": args.dir,
-                     "page_cache_dropped": dropped, "cpu_flags": kernel_flags()},
-        "ready_s": ready_s, "first_hit_s": first_hit_s, "walk_s": walk_s, "warm_walk_s": warm_walk_s,
-        "summary": {"files": args.files, "start waits (s)": round(ready_s, 4),
-                    "first hit after (s)": round(first_hit_s, 4), "full index after (s)": round(walk_s, 2),
-                    "walk per file, cold (us)": round(walk_s / args.files * 1e6),
-                    "walk per file, warm (us)": round(warm_walk_s / args.files * 1e6)},
+        "settings": {
+            "files": args.files,
+            "file_bytes": HEADER.size + args.file_bytes,
+            "dir": args.dir,
+            "page_cache_dropped": dropped,
+            "cpu_flags": kernel_flags(),
+        },
+        "ready_s": ready_s,
+        "first_hit_s": first_hit_s,
+        "walk_s": walk_s,
+        "warm_walk_s": warm_walk_s,
+        "summary": {
+            "files": args.files,
+            "start waits (s)": round(ready_s, 4),
+            "first hit after (s)": round(first_hit_s, 4),
+            "full index after (s)": round(walk_s, 2),
+            "walk per file, cold (us)": round(walk_s / args.files * 1e6),
+            "walk per file, warm (us)": round(warm_walk_s / args.files * 1e6),
+        },
     }
 
 

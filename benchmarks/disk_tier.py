@@ -99,16 +99,26 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.dir)
     disk_dir = tempfile.mkdtemp(prefix="streamsess-bench-disk-tier-", dir=root)
     store_url = f"sqlite:///{tempfile.mkdtemp(prefix='streamsess-bench-store-')}/sessions.db"
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype, max_model_len=max(4096, max(args.contexts) + 2 * NEXT_CHUNK))
-    tier = {"disk_tier_gib": args.disk_tier_gib, "disk_tier_dir": disk_dir, "session_park_after_s": 3600,
-            "max_chunk_tokens": max(args.contexts) + NEXT_CHUNK}
+    setup = EngineSetup(
+        preset=args.preset,
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_tier_gib=args.cpu_tier_gib,
+        dtype=args.dtype,
+        max_model_len=max(4096, max(args.contexts) + 2 * NEXT_CHUNK),
+    )
+    tier = {
+        "disk_tier_gib": args.disk_tier_gib,
+        "disk_tier_dir": disk_dir,
+        "session_park_after_s": 3600,
+        "max_chunk_tokens": max(args.contexts) + NEXT_CHUNK,
+    }
     rng = random.Random(args.seed)
     times: dict[str, dict[int, list[float]]] = {side: {c: [] for c in args.contexts} for side in SIDES}
     usage: dict[str, dict[int, Any]] = {side: {} for side in SIDES}
 
-    async def timed(bench: Bench, service: Any, side: str, context: int, session_id: str,
-                    tokens: int = NEXT_CHUNK) -> None:
+    async def timed(
+        bench: Bench, service: Any, side: str, context: int, session_id: str, tokens: int = NEXT_CHUNK
+    ) -> None:
         result = await bench.chunk(service, session_id, random_tokens(rng, tokens))
         times[side][context].append(result.time_to_first_token)
         usage[side][context] = result.usage.prompt_tokens_details.model_dump()
@@ -152,8 +162,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             for session_id in survivors[context]:
                 await timed(bench, service, "disk_tier", context, session_id)
             for _ in range(args.repeats):  # the context and the next chunk, computed
-                await timed(bench, service, "recompute", context, await bench.open(service),
-                            tokens=context - 1 + NEXT_CHUNK)
+                await timed(
+                    bench, service, "recompute", context, await bench.open(service), tokens=context - 1 + NEXT_CHUNK
+                )
     shutil.rmtree(disk_dir)  # about 1 GB at the defaults
     sequential = sequential_read_bytes_per_s(str(root))
 
@@ -170,16 +181,31 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         row["disk_over_cpu_tier"] = row["disk_tier_p50_s"] / row["cpu_tier_p50_s"]
         row["recompute_over_disk"] = row["recompute_p50_s"] / row["disk_tier_p50_s"]
         rows[str(context)] = row
-    return {"settings": {**setup.describe(), "repeats": args.repeats, "next_chunk": NEXT_CHUNK,
-                         "disk_tier_gib": args.disk_tier_gib, "dir": str(root), "files_written": files,
-                         "bytes_written": stored, "page_cache_dropped_before_restart": dropped,
-                         "index_rebuild_s": index_rebuild_s},
-            "sequential_read": sequential, "contexts": rows,
-            "summary": {context: {"disk/cpu_tier": round(row["disk_over_cpu_tier"], 2),
-                                  "recompute/disk": round(row["recompute_over_disk"], 2),
-                                  "load/sequential": round(row["disk_load_bytes_per_s"] / sequential["bytes_per_s"], 2)
-                                  if row["disk_load_bytes_per_s"] else None}
-                        for context, row in rows.items()}}
+    return {
+        "settings": {
+            **setup.describe(),
+            "repeats": args.repeats,
+            "next_chunk": NEXT_CHUNK,
+            "disk_tier_gib": args.disk_tier_gib,
+            "dir": str(root),
+            "files_written": files,
+            "bytes_written": stored,
+            "page_cache_dropped_before_restart": dropped,
+            "index_rebuild_s": index_rebuild_s,
+        },
+        "sequential_read": sequential,
+        "contexts": rows,
+        "summary": {
+            context: {
+                "disk/cpu_tier": round(row["disk_over_cpu_tier"], 2),
+                "recompute/disk": round(row["recompute_over_disk"], 2),
+                "load/sequential": round(row["disk_load_bytes_per_s"] / sequential["bytes_per_s"], 2)
+                if row["disk_load_bytes_per_s"]
+                else None,
+            }
+            for context, row in rows.items()
+        },
+    }
 
 
 def plot_sides(result: dict[str, Any], sides: tuple[str, ...], what: str) -> Any:
@@ -188,8 +214,12 @@ def plot_sides(result: dict[str, Any], sides: tuple[str, ...], what: str) -> Any
     figure, axis = plt.subplots(figsize=(7, 4))
     contexts = list(result["contexts"])
     for offset, side in zip((-0.27, 0, 0.27), sides):
-        axis.bar([i + offset for i in range(len(contexts))],
-                 [result["contexts"][c][f"{side}_p50_s"] * 1000 for c in contexts], width=0.27, label=side)
+        axis.bar(
+            [i + offset for i in range(len(contexts))],
+            [result["contexts"][c][f"{side}_p50_s"] * 1000 for c in contexts],
+            width=0.27,
+            label=side,
+        )
     axis.set_xticks(range(len(contexts)), [f"{c} tokens" for c in contexts])
     axis.set_ylabel("resume, time to first token p50 (ms)")
     axis.set_yscale("log")
@@ -202,8 +232,9 @@ def plot(result: dict[str, Any]) -> Any:
     return plot_sides(result, SIDES, "resume after a restart")
 
 
-def parse_disk_args(doc: str | None, name: str, argv: list[str] | None, repeats: int, contexts: list[int],
-                    dir_help: str) -> tuple[str, argparse.Namespace]:
+def parse_disk_args(
+    doc: str | None, name: str, argv: list[str] | None, repeats: int, contexts: list[int], dir_help: str
+) -> tuple[str, argparse.Namespace]:
     """The arguments of a benchmark on a disk tier (this and moved_resume)."""
     parser = benchmark_parser(doc, kv_cache_gib=1.0)
     parser.add_argument("--repeats", type=int, default=repeats)
@@ -221,8 +252,14 @@ def parse_disk_args(doc: str | None, name: str, argv: list[str] | None, repeats:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
-    return parse_disk_args(__doc__, "disk_tier", argv, 3, [512, 2048, 8160],
-                           "where the disk tier and the sequential-read file go (a disk, not tmpfs)")
+    return parse_disk_args(
+        __doc__,
+        "disk_tier",
+        argv,
+        3,
+        [512, 2048, 8160],
+        "where the disk tier and the sequential-read file go (a disk, not tmpfs)",
+    )
 
 
 async def run(name: str, args: argparse.Namespace) -> None:

@@ -37,8 +37,9 @@ class EngineSession:
         self.engine = engine
         # skip_clone as the server's chunks have it: vLLM's deep copy of the params
         # per chunk (about 20 us) is not a transport's cost.
-        self.params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
-                                     skip_clone=True)
+        self.params = SamplingParams(
+            max_tokens=1, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA, skip_clone=True
+        )
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         # vLLM drops a chunk's last sampled token when the next chunk comes (it has no KV
         # yet); a session sends it again at the next chunk's head (app/sessions/session.py),

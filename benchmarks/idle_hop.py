@@ -106,10 +106,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     hops[side][str(wait)] += await client(base, int(wait * 1000), args.chunks // args.rounds)
     return {
         "settings": {"waits_ms": args.waits_ms, "chunks": args.chunks, "rounds": args.rounds},
-        "hop_p50_ms": {side: {wait: percentile(values, 50) for wait, values in per_wait.items()}
-                       for side, per_wait in hops.items()},
-        "hop_p90_ms": {side: {wait: percentile(values, 90) for wait, values in per_wait.items()}
-                       for side, per_wait in hops.items()},
+        "hop_p50_ms": {
+            side: {wait: percentile(values, 50) for wait, values in per_wait.items()} for side, per_wait in hops.items()
+        },
+        "hop_p90_ms": {
+            side: {wait: percentile(values, 90) for wait, values in per_wait.items()} for side, per_wait in hops.items()
+        },
     }
 
 

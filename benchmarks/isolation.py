@@ -42,8 +42,11 @@ def headers(key: str) -> dict[str, str]:
 
 def timed_completion(http: httpx.Client, model: str, tokens: list[int], key: str) -> tuple[float, int]:
     start = time.perf_counter()
-    reply = http.post("/v1/completions", headers=headers(key),
-                      json={"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0})
+    reply = http.post(
+        "/v1/completions",
+        headers=headers(key),
+        json={"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0},
+    )
     reply.raise_for_status()
     return time.perf_counter() - start, int(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
@@ -56,23 +59,35 @@ def probe(base_url: str, model: str, rng: random.Random, prompt: int, repeats: i
             secret = random_tokens(rng, prompt)
             session = http.post("/v1/sessions", headers=headers(KEYS[0]), json={"defaults": {"temperature": 0}})
             session_id = session.json()["id"]
-            http.post(f"/v1/sessions/{session_id}/chunks", headers=headers(KEYS[0]),
-                      json={"input": secret, "max_tokens": 1}).raise_for_status()
+            http.post(
+                f"/v1/sessions/{session_id}/chunks", headers=headers(KEYS[0]), json={"input": secret, "max_tokens": 1}
+            ).raise_for_status()
             http.delete(f"/v1/sessions/{session_id}", headers=headers(KEYS[0]))
-            for side, tokens, key in (("cross_key_probe", secret, KEYS[1]), ("same_key_hit", secret, KEYS[0]),
-                                      ("cold_prefill", random_tokens(rng, prompt), KEYS[1])):
+            for side, tokens, key in (
+                ("cross_key_probe", secret, KEYS[1]),
+                ("same_key_hit", secret, KEYS[0]),
+                ("cold_prefill", random_tokens(rng, prompt), KEYS[1]),
+            ):
                 elapsed, hit = timed_completion(http, model, tokens, key)
                 samples[side].append(elapsed)
                 cached[side].append(hit)
     medians = {side: statistics.median(values) for side, values in samples.items()}
-    return {"ttft_s": medians, "cached_tokens": {side: statistics.median(v) for side, v in cached.items()},
-            "probe_vs_cold": medians["cross_key_probe"] / medians["cold_prefill"],
-            "probe_vs_hit": medians["cross_key_probe"] / medians["same_key_hit"]}
+    return {
+        "ttft_s": medians,
+        "cached_tokens": {side: statistics.median(v) for side, v in cached.items()},
+        "probe_vs_cold": medians["cross_key_probe"] / medians["cold_prefill"],
+        "probe_vs_hit": medians["cross_key_probe"] / medians["same_key_hit"],
+    }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype, max_model_len=args.prompt + 256)
+    setup = EngineSetup(
+        preset=args.preset,
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_tier_gib=args.cpu_tier_gib,
+        dtype=args.dtype,
+        max_model_len=args.prompt + 256,
+    )
     log_dir = Path(args.out) / "logs"
     rng = random.Random(args.seed)
     results = {}
@@ -88,8 +103,12 @@ def plot(result: dict[str, Any]) -> Any:
     modes = list(result["results"])
     sides = ("cross_key_probe", "same_key_hit", "cold_prefill")
     for offset, side in zip((-0.27, 0, 0.27), sides):
-        axis.bar([i + offset for i in range(len(modes))],
-                 [result["results"][m]["ttft_s"][side] * 1000 for m in modes], width=0.27, label=side)
+        axis.bar(
+            [i + offset for i in range(len(modes))],
+            [result["results"][m]["ttft_s"][side] * 1000 for m in modes],
+            width=0.27,
+            label=side,
+        )
     axis.set_xticks(range(len(modes)), [f"cache_isolation={m}" for m in modes])
     axis.set_ylabel("time to first token (ms)")
     axis.legend()
@@ -110,8 +129,14 @@ def main() -> None:
     result = measure(args)
     finish(name, result, args.out, plot)
     for mode, row in result["results"].items():
-        print(mode, {k: round(v, 3) for k, v in row["ttft_s"].items()}, "probe/cold", round(row["probe_vs_cold"], 2),
-              "cached", row["cached_tokens"])
+        print(
+            mode,
+            {k: round(v, 3) for k, v in row["ttft_s"].items()},
+            "probe/cold",
+            round(row["probe_vs_cold"], 2),
+            "cached",
+            row["cached_tokens"],
+        )
 
 
 if __name__ == "__main__":

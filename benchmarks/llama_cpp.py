@@ -78,17 +78,46 @@ def llama_cpp_build() -> Path:
     PEERS.mkdir(parents=True, exist_ok=True)
     sdist = PEERS / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     if not sdist.exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d",
-                        str(PEERS), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(PEERS),
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+            ],
+            check=True,
+        )
     if not source.exists():
         with tarfile.open(sdist) as archive:
             archive.extractall(PEERS, filter="data")
     cmake = shutil.which("cmake") or _pip_cmake()
     print(f"building llama.cpp's server in {source} (about 6 minutes on 2 cores, once)", flush=True)
-    subprocess.run([cmake, "-B", "build", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
-                    "-DCMAKE_BUILD_TYPE=Release"], cwd=source, check=True, stdout=subprocess.DEVNULL)
-    subprocess.run([cmake, "--build", "build", "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count())],
-                   cwd=source, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            cmake,
+            "-B",
+            "build",
+            "-DLLAMA_CURL=OFF",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_BUILD_SERVER=ON",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ],
+        cwd=source,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    subprocess.run(
+        [cmake, "--build", "build", "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count())],
+        cwd=source,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return binaries
 
 
@@ -105,15 +134,36 @@ def gguf_files(binaries: Path) -> dict[str, Path]:
     shipped = gguf_file()
     bf16 = PEERS / "SmolLM2-135M-Instruct.BF16.gguf"
     if not bf16.exists():
-        subprocess.run([str(binaries / "llama-quantize"), "--allow-requantize", str(shipped), str(bf16), "BF16"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [str(binaries / "llama-quantize"), "--allow-requantize", str(shipped), str(bf16), "BF16"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     return {"llama.cpp-bf16": bf16, "llama.cpp-q4_1": shipped}
 
 
 def llama_server(binaries: Path, gguf: Path, name: str, log_dir: Path) -> contextlib.AbstractContextManager[Any]:
     port = free_port()
-    command = [str(binaries / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "-t", "1", "-tb", "1", "-c", "4096", "-np", "1", "--alias", name]
+    command = [
+        str(binaries / "llama-server"),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        "1",
+        "-tb",
+        "1",
+        "-c",
+        "4096",
+        "-np",
+        "1",
+        "--alias",
+        name,
+    ]
     return serve(name, command, engine_env(), port, name, log_dir / f"{name}.log")
 
 
@@ -131,34 +181,54 @@ class Side:
     def open_conversation(self) -> dict[str, Any]:
         if not self.ours:
             return {"text": ""}
-        created = httpx.post(f"{self.server.base_url}/v1/sessions", headers=API_HEADERS,
-                             json={"defaults": {"max_tokens": 8, "temperature": 0}})
+        created = httpx.post(
+            f"{self.server.base_url}/v1/sessions",
+            headers=API_HEADERS,
+            json={"defaults": {"max_tokens": 8, "temperature": 0}},
+        )
         created.raise_for_status()
         return {"id": created.json()["id"]}
 
     def turn(self, conversation: dict[str, Any], text: str) -> dict[str, Any]:
         start = time.perf_counter()
         if self.ours:
-            stamps, _, last = streamed(self.server, f"/v1/sessions/{conversation['id']}/chunks",
-                                       {"input": text, "stream": True})
+            stamps, _, last = streamed(
+                self.server, f"/v1/sessions/{conversation['id']}/chunks", {"input": text, "stream": True}
+            )
             computed = last["usage"]["prompt_tokens_details"]["computed_tokens"]
         else:
             conversation["text"] += text
-            stamps, answer, last = streamed(self.server, "/completion", {
-                "prompt": conversation["text"], "n_predict": 8, "temperature": 0, "cache_prompt": True,
-                "stream": True})
+            stamps, answer, last = streamed(
+                self.server,
+                "/completion",
+                {
+                    "prompt": conversation["text"],
+                    "n_predict": 8,
+                    "temperature": 0,
+                    "cache_prompt": True,
+                    "stream": True,
+                },
+            )
             conversation["text"] += answer  # the next turn follows the answer, as a session's does
             computed = last["timings"]["prompt_n"]
         end = time.perf_counter()
-        return {"ttft_s": stamps[0] - start if stamps else end - start, "turn_s": end - start,
-                "computed_prompt_tokens": computed}
+        return {
+            "ttft_s": stamps[0] - start if stamps else end - start,
+            "turn_s": end - start,
+            "computed_prompt_tokens": computed,
+        }
 
 
 def run(args: Any) -> dict[str, Any]:
     binaries = llama_cpp_build()
     ggufs = gguf_files(binaries)
-    setup = EngineSetup(preset="smollm2-135m-instruct", kv_cache_gib=args.kv_cache_gib,
-                        cpu_tier_gib=args.cpu_tier_gib, dtype="bfloat16", max_num_seqs=8)
+    setup = EngineSetup(
+        preset="smollm2-135m-instruct",
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_tier_gib=args.cpu_tier_gib,
+        dtype="bfloat16",
+        max_num_seqs=8,
+    )
     rng = random.Random(args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-llama-cpp-"))
     decode: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
@@ -197,12 +267,26 @@ def run(args: Any) -> dict[str, Any]:
     for peer in ("llama.cpp-bf16", "llama.cpp-q4_1"):
         summary[f"ours/{peer}"] = {
             key: round(summary["ours"][key] / summary[peer][key], 3)
-            for key in ("decode_tokens_per_s", "transcript_ttft_p50_s", "transcript_turn_p50_s")}
-    return {"benchmark": "llama_cpp", "machine": machine(), "llama_cpp_python": LLAMA_CPP_PYTHON,
-            "threads": {"ours": "VLLM_CPU_NUM_OF_RESERVED_CPU=1 (one model thread)", "llama.cpp": "-t 1 -tb 1"},
-            "workload": {"decode_prompt_words": 32, "decode_tokens": args.tokens, "rounds": args.rounds,
-                         "turns": args.turns, "turn_tokens": 16, "answer_tokens": 8, "summarized_turns": last},
-            "decode": decode, "transcript": transcript, "summary": summary}
+            for key in ("decode_tokens_per_s", "transcript_ttft_p50_s", "transcript_turn_p50_s")
+        }
+    return {
+        "benchmark": "llama_cpp",
+        "machine": machine(),
+        "llama_cpp_python": LLAMA_CPP_PYTHON,
+        "threads": {"ours": "VLLM_CPU_NUM_OF_RESERVED_CPU=1 (one model thread)", "llama.cpp": "-t 1 -tb 1"},
+        "workload": {
+            "decode_prompt_words": 32,
+            "decode_tokens": args.tokens,
+            "rounds": args.rounds,
+            "turns": args.turns,
+            "turn_tokens": 16,
+            "answer_tokens": 8,
+            "summarized_turns": last,
+        },
+        "decode": decode,
+        "transcript": transcript,
+        "summary": summary,
+    }
 
 
 def plot(result: dict[str, Any]) -> Any:

@@ -45,8 +45,9 @@ def our_tier_config(setup: EngineSetup) -> str:
     from app.engine import kv_transfer_config
     from app.settings import Settings
 
-    settings = Settings(_env_file=None, kv_cache_gib=setup.kv_cache_gib, cpu_tier_gib=setup.cpu_tier_gib,
-                        block_size=setup.block_size)
+    settings = Settings(
+        _env_file=None, kv_cache_gib=setup.kv_cache_gib, cpu_tier_gib=setup.cpu_tier_gib, block_size=setup.block_size
+    )
     return json.dumps(kv_transfer_config(settings))
 
 
@@ -54,8 +55,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     total_context = args.sessions * args.turns * (args.chunk + args.gen)
     dtype_bytes = 4 if args.dtype == "float32" else 2
     kv_gib = total_context / args.context_per_device * KV_BYTES_PER_TOKEN[args.preset] * dtype_bytes / 2 / GIB
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=kv_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype,
-                        max_model_len=args.turns * (args.chunk + args.gen) + 256)
+    setup = EngineSetup(
+        preset=args.preset,
+        kv_cache_gib=kv_gib,
+        cpu_tier_gib=args.cpu_tier_gib,
+        dtype=args.dtype,
+        max_model_len=args.turns * (args.chunk + args.gen) + 256,
+    )
     rng = random.Random(args.seed)
     workloads = [[random_tokens(rng, args.chunk) for _ in range(args.turns)] for _ in range(args.sessions)]
     log_dir = Path(args.out) / "logs"
@@ -73,13 +79,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             )
     base = results["vllm"]
     return {
-        "settings": {**setup.describe(), "sessions": args.sessions, "turns": args.turns, "chunk": args.chunk,
-                     "gen": args.gen, "total_context_tokens": total_context,
-                     "context_over_device": args.context_per_device},
+        "settings": {
+            **setup.describe(),
+            "sessions": args.sessions,
+            "turns": args.turns,
+            "chunk": args.chunk,
+            "gen": args.gen,
+            "total_context_tokens": total_context,
+            "context_over_device": args.context_per_device,
+        },
         "results": results,
         "ratios_vs_vllm": {
-            side: {"throughput": r["tokens_per_s"] / base["tokens_per_s"],
-                   "ttft_p50": r["ttft_p50_s"] / base["ttft_p50_s"], "ttft_p99": r["ttft_p99_s"] / base["ttft_p99_s"]}
+            side: {
+                "throughput": r["tokens_per_s"] / base["tokens_per_s"],
+                "ttft_p50": r["ttft_p50_s"] / base["ttft_p50_s"],
+                "ttft_p99": r["ttft_p99_s"] / base["ttft_p99_s"],
+            }
             for side, r in results.items()
         },
     }
@@ -92,15 +107,21 @@ def plot(result: dict[str, Any]) -> Any:
     left.bar(sides, [result["results"][s]["tokens_per_s"] for s in sides])
     left.set_ylabel("generated tokens / s")
     for offset, key in ((-0.2, "ttft_p50_s"), (0.2, "ttft_p99_s")):
-        right.bar([i + offset for i in range(len(sides))], [result["results"][s][key] * 1000 for s in sides],
-                  width=0.4, label=key.replace("ttft_", "").replace("_s", ""))
+        right.bar(
+            [i + offset for i in range(len(sides))],
+            [result["results"][s][key] * 1000 for s in sides],
+            width=0.4,
+            label=key.replace("ttft_", "").replace("_s", ""),
+        )
     right.set_xticks(range(len(sides)), sides)
     right.set_ylabel("chunk time to first token (ms)")
     right.set_yscale("log")
     right.legend()
     settings = result["settings"]
-    figure.suptitle(f"{settings['sessions']} sessions x {settings['turns']} turns, context "
-                    f"{settings['context_over_device']}x the device ({settings['model_preset']} model)")
+    figure.suptitle(
+        f"{settings['sessions']} sessions x {settings['turns']} turns, context "
+        f"{settings['context_over_device']}x the device ({settings['model_preset']} model)"
+    )
     return figure
 
 

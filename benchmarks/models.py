@@ -37,21 +37,25 @@ PRESETS = ("tiny", "bench", "smollm2-135m-instruct")
 DTYPES = ("bfloat16", "float32")
 
 
-async def measure(setup: EngineSetup, prefill_tokens: int, decode_tokens: int, repeats: int,
-                  rng: random.Random) -> dict[str, Any]:
+async def measure(
+    setup: EngineSetup, prefill_tokens: int, decode_tokens: int, repeats: int, rng: random.Random
+) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
     engine, _, _ = in_process_engine(setup, f"models-{setup.preset}")
     try:
+
         async def run(prompt: list[int], max_tokens: int) -> tuple[float, float]:
             """(seconds to the first token, seconds from the first token to the last)."""
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                    skip_reading_prefix_cache=True)
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, skip_reading_prefix_cache=True
+            )
             start = time.perf_counter()
             first = last = start
-            async for output in engine.generate(prompt=tokens_input(prompt), sampling_params=params,
-                                                request_id=f"models-{rng.random()}"):
+            async for output in engine.generate(
+                prompt=tokens_input(prompt), sampling_params=params, request_id=f"models-{rng.random()}"
+            ):
                 last = time.perf_counter()
                 if len(output.outputs[0].token_ids) == 1:
                     first = last
@@ -65,8 +69,12 @@ async def measure(setup: EngineSetup, prefill_tokens: int, decode_tokens: int, r
     prefill_s = statistics.median(first for first, _ in prefill)
     decode_s = statistics.median(rest for _, rest in decode)
     return {
-        "prefill_tokens": prefill_tokens, "prefill_s": prefill_s, "prefill_tok_s": prefill_tokens / prefill_s,
-        "decode_tokens": decode_tokens, "decode_s": decode_s, "decode_tok_s": (decode_tokens - 1) / decode_s,
+        "prefill_tokens": prefill_tokens,
+        "prefill_s": prefill_s,
+        "prefill_tok_s": prefill_tokens / prefill_s,
+        "decode_tokens": decode_tokens,
+        "decode_s": decode_s,
+        "decode_tok_s": (decode_tokens - 1) / decode_s,
     }
 
 
@@ -75,7 +83,10 @@ def plot(result: dict[str, Any]) -> Any:
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     rows = result["rows"]
     labels = [f"{row['preset']}\n{row['dtype']}" for row in rows]
-    for axis, key, title in ((axes[0], "prefill_tok_s", "prefill tokens/s"), (axes[1], "decode_tok_s", "decode tokens/s")):
+    for axis, key, title in (
+        (axes[0], "prefill_tok_s", "prefill tokens/s"),
+        (axes[1], "decode_tok_s", "decode tokens/s"),
+    ):
         axis.bar(range(len(rows)), [row[key] for row in rows])
         axis.set_xticks(range(len(rows)), labels, fontsize=7)
         axis.set_title(title)
@@ -112,10 +123,18 @@ async def run_all(args: argparse.Namespace, name: str = "models") -> None:
     rows = []
     for preset in args.presets.split(","):
         for dtype in args.dtypes.split(","):
-            setup = EngineSetup(preset=preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                                dtype=dtype, max_model_len=max(4096, args.prefill_tokens + 64))
-            row = {"preset": preset, "dtype": dtype,
-                   **await measure(setup, args.prefill_tokens, args.decode_tokens, args.repeats, rng)}
+            setup = EngineSetup(
+                preset=preset,
+                kv_cache_gib=args.kv_cache_gib,
+                cpu_tier_gib=args.cpu_tier_gib,
+                dtype=dtype,
+                max_model_len=max(4096, args.prefill_tokens + 64),
+            )
+            row = {
+                "preset": preset,
+                "dtype": dtype,
+                **await measure(setup, args.prefill_tokens, args.decode_tokens, args.repeats, rng),
+            }
             print(row, flush=True)
             rows.append(row)
     finish(name, {"cpu_flags": " ".join(kernel_flags()), "repeats": args.repeats, "rows": rows}, args.out, plot)

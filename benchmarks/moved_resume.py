@@ -79,6 +79,7 @@ def tier_files(directory: str) -> set[Path]:
 def cold_read_s(paths: list[Path]) -> float:
     """The disk's floor for a moved resume: the files read once, cold, in parallel, into
     reused buffers (no engine, no checksum); dropped from the page cache again after."""
+
     def read(path: Path) -> None:
         buffer = bytearray(1 << 20)
         with path.open("rb", buffering=0) as file:
@@ -97,11 +98,21 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.dir)
     shared = tempfile.mkdtemp(prefix="streamsess-bench-shared-tier-", dir=root)
     store_url = f"sqlite:///{tempfile.mkdtemp(prefix='streamsess-bench-store-')}/sessions.db"
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype, max_model_len=max(4096, max(args.contexts) + 2 * NEXT_CHUNK))
-    tier = {"disk_tier_gib": args.disk_tier_gib, "disk_tier_dir": shared, "disk_tier_shared": True,
-            "session_park_after_s": 3600, "max_chunk_tokens": max(args.contexts) + NEXT_CHUNK,
-            "cache_salt_secret": "bench-secret"}
+    setup = EngineSetup(
+        preset=args.preset,
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_tier_gib=args.cpu_tier_gib,
+        dtype=args.dtype,
+        max_model_len=max(4096, max(args.contexts) + 2 * NEXT_CHUNK),
+    )
+    tier = {
+        "disk_tier_gib": args.disk_tier_gib,
+        "disk_tier_dir": shared,
+        "disk_tier_shared": True,
+        "session_park_after_s": 3600,
+        "max_chunk_tokens": max(args.contexts) + NEXT_CHUNK,
+        "cache_salt_secret": "bench-secret",
+    }
     rng = random.Random(args.seed)
     times: dict[str, dict[int, list[float]]] = {side: {c: [] for c in args.contexts} for side in SIDES}
     floors: dict[int, list[float]] = {c: [] for c in args.contexts}
@@ -110,16 +121,20 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for name in ("a", "b"):
             state = tempfile.mkdtemp(prefix=f"streamsess-bench-replica-{name}-")
-            engines.append(in_process_engine(setup, f"moved-{name}", shareable=False, replica_id=f"bench-{name}",
-                                             state_dir=state, **tier))
+            engines.append(
+                in_process_engine(
+                    setup, f"moved-{name}", shareable=False, replica_id=f"bench-{name}", state_dir=state, **tier
+                )
+            )
         (engine_a, recorder_a, settings_a), (engine_b, recorder_b, settings_b) = engines
         bench_a, bench_b = Bench(engine_a, recorder_a, settings_a), Bench(engine_b, recorder_b, settings_b)
         async with bench_a.service(store_url) as on_a, bench_b.service(store_url) as on_b:
             for bench, service in ((bench_a, on_a), (bench_b, on_b)):
                 await warm_up(bench, service, rng)
 
-            async def timed(bench: Bench, service: Any, side: str, context: int, session_id: str,
-                            tokens: int = NEXT_CHUNK) -> None:
+            async def timed(
+                bench: Bench, service: Any, side: str, context: int, session_id: str, tokens: int = NEXT_CHUNK
+            ) -> None:
                 await asyncio.sleep(SWITCH_SETTLE_S)  # the other engine's spinning readers settle
                 result = await bench.chunk(service, session_id, random_tokens(rng, tokens))
                 times[side][context].append(result.time_to_first_token)
@@ -145,8 +160,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     drop_from_page_cache(shared)
                     await timed(bench_b, on_b, "moved_disk", context, moved)
 
-                    await timed(bench_b, on_b, "moved_recompute", context, await bench_b.open(on_b),
-                                tokens=context - 1 + NEXT_CHUNK)
+                    await timed(
+                        bench_b,
+                        on_b,
+                        "moved_recompute",
+                        context,
+                        await bench_b.open(on_b),
+                        tokens=context - 1 + NEXT_CHUNK,
+                    )
     finally:
         for engine, _, _ in engines:
             release_engine(engine)
@@ -161,14 +182,26 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         row["moved_over_own_cpu_tier"] = row["moved_disk_p50_s"] / row["own_cpu_tier_p50_s"]
         row["recompute_over_moved"] = row["moved_recompute_p50_s"] / row["moved_disk_p50_s"]
         rows[str(context)] = row
-    return {"settings": {**setup.describe(), "repeats": args.repeats, "next_chunk": NEXT_CHUNK,
-                         "disk_tier_gib": args.disk_tier_gib, "dir": str(root), "shared": True,
-                         "page_cache": "the tier's files dropped before each moved resume (posix_fadvise)"},
-            "contexts": rows,
-            "summary": {context: {"moved/own_cpu_tier": round(row["moved_over_own_cpu_tier"], 2),
-                                  "recompute/moved": round(row["recompute_over_moved"], 2),
-                                  "floor: (own + one cold read)/own": round(row["own_plus_cold_read_over_own"], 2)}
-                        for context, row in rows.items()}}
+    return {
+        "settings": {
+            **setup.describe(),
+            "repeats": args.repeats,
+            "next_chunk": NEXT_CHUNK,
+            "disk_tier_gib": args.disk_tier_gib,
+            "dir": str(root),
+            "shared": True,
+            "page_cache": "the tier's files dropped before each moved resume (posix_fadvise)",
+        },
+        "contexts": rows,
+        "summary": {
+            context: {
+                "moved/own_cpu_tier": round(row["moved_over_own_cpu_tier"], 2),
+                "recompute/moved": round(row["recompute_over_moved"], 2),
+                "floor: (own + one cold read)/own": round(row["own_plus_cold_read_over_own"], 2),
+            }
+            for context, row in rows.items()
+        },
+    }
 
 
 def plot(result: dict[str, Any]) -> Any:
@@ -176,8 +209,9 @@ def plot(result: dict[str, Any]) -> Any:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
-    return parse_disk_args(__doc__, "moved_resume", argv, 2, [2048, 8160],
-                           "where the shared disk tier goes (a disk, not tmpfs)")
+    return parse_disk_args(
+        __doc__, "moved_resume", argv, 2, [2048, 8160], "where the shared disk tier goes (a disk, not tmpfs)"
+    )
 
 
 async def run(name: str, args: argparse.Namespace) -> None:

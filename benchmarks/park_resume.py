@@ -47,7 +47,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from app.protocol import SamplingOptions, SessionCreateRequest, SessionDefaults
     from app.wiring import session_service
 
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     engine, recorder, settings = in_process_engine(setup, "park-bench", session_park_after_s=3600)
     service = session_service(engine, settings, recorder=recorder)
     await service.start()
@@ -97,19 +99,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     if side == "parked-cpu-tier":
                         tier_tokens.append(from_tier)
             medians = {side: statistics.median(values) for side, values in samples.items()}
-            rows.append({
-                "context_tokens": context,
-                "ttft_s": medians,
-                "cpu_tier_tokens": statistics.median(tier_tokens),
-                "tier_vs_never_parked": medians["parked-cpu-tier"] / medians["never-parked"],
-                "device_vs_never_parked": medians["parked-device"] / medians["never-parked"],
-                "recompute_vs_tier": medians["recompute"] / medians["parked-cpu-tier"],
-            })
+            rows.append(
+                {
+                    "context_tokens": context,
+                    "ttft_s": medians,
+                    "cpu_tier_tokens": statistics.median(tier_tokens),
+                    "tier_vs_never_parked": medians["parked-cpu-tier"] / medians["never-parked"],
+                    "device_vs_never_parked": medians["parked-device"] / medians["never-parked"],
+                    "recompute_vs_tier": medians["recompute"] / medians["parked-cpu-tier"],
+                }
+            )
     finally:
         await service.stop()
         release_engine(engine)
-    return {"settings": {**setup.describe(), "repeats": args.repeats, "seed": args.seed, "next_chunk": NEXT_CHUNK},
-            "rows": rows}
+    return {
+        "settings": {**setup.describe(), "repeats": args.repeats, "seed": args.seed, "next_chunk": NEXT_CHUNK},
+        "rows": rows,
+    }
 
 
 def plot(result: dict[str, Any]) -> Any:
@@ -118,8 +124,12 @@ def plot(result: dict[str, Any]) -> Any:
     figure, axis = plt.subplots(figsize=(9, 5))
     width = 0.2
     for offset, side in enumerate(SIDES):
-        axis.bar([i + (offset - 1.5) * width for i in range(len(rows))],
-                 [row["ttft_s"][side] * 1000 for row in rows], width, label=side)
+        axis.bar(
+            [i + (offset - 1.5) * width for i in range(len(rows))],
+            [row["ttft_s"][side] * 1000 for row in rows],
+            width,
+            label=side,
+        )
     axis.set_xticks(range(len(rows)), [f"{row['context_tokens']} tokens" for row in rows])
     axis.set_yscale("log")
     axis.set_ylabel("next chunk: time to first token (ms)")

@@ -63,9 +63,11 @@ def render_block(name: str) -> str:
 def provenance(name: str, result: dict[str, Any]) -> str:
     run, machine = result["run"], result["machine"]
     flags = " ".join(machine.get("cpu_flags") or []) or "flags not recorded"
-    return (f"*{run['date']}, commit `{run['commit']}`, {machine.get('cpu_model') or 'CPU not recorded'} "
-            f"(`{flags}`), {machine['cpus']} cores: `{run['command']}` "
-            f"(`benchmarks/results/{name}.json`)*")
+    return (
+        f"*{run['date']}, commit `{run['commit']}`, {machine.get('cpu_model') or 'CPU not recorded'} "
+        f"(`{flags}`), {machine['cpus']} cores: `{run['command']}` "
+        f"(`benchmarks/results/{name}.json`)*"
+    )
 
 
 def table(title: str, value: Any) -> list[str]:
@@ -82,7 +84,10 @@ def table(title: str, value: Any) -> list[str]:
         out = [heading, ""] if heading else []
         if nested:
             columns = union(nested.values())
-            out += [*markdown(["", *columns], [[words(k), *(row.get(c) for c in columns)] for k, row in nested.items()]), ""]
+            out += [
+                *markdown(["", *columns], [[words(k), *(row.get(c) for c in columns)] for k, row in nested.items()]),
+                "",
+            ]
         if scalars:
             out += [*markdown(["", "value"], [[words(k), "none" if v == {} else v] for k, v in scalars.items()]), ""]
         return out

@@ -50,8 +50,15 @@ async def run_chain(base_url: str, model: str, texts: list[str], gen: int, heade
     previous: str | None = None
     async with httpx.AsyncClient(base_url=base_url, timeout=600, headers=headers) as http:
         for text in texts:
-            body = {"model": model, "input": text, "max_output_tokens": gen, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "previous_response_id": previous}
+            body = {
+                "model": model,
+                "input": text,
+                "max_output_tokens": gen,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "previous_response_id": previous,
+            }
             start = time.perf_counter()
             first: float | None = None
             final: dict[str, Any] = {}
@@ -68,17 +75,22 @@ async def run_chain(base_url: str, model: str, texts: list[str], gen: int, heade
             total = time.perf_counter() - start
             assert final.get("status") in ("completed", "incomplete"), final
             usage = final["usage"]
-            turns.append({"ttft_s": first if first is not None else total, "total_s": total,
-                          "input_tokens": usage["input_tokens"],
-                          "cached_tokens": usage["input_tokens_details"]["cached_tokens"]})
+            turns.append(
+                {
+                    "ttft_s": first if first is not None else total,
+                    "total_s": total,
+                    "input_tokens": usage["input_tokens"],
+                    "cached_tokens": usage["input_tokens_details"]["cached_tokens"],
+                }
+            )
             previous = final["id"]
     return turns
 
 
-
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     rng = random.Random(args.seed)
 
     def text() -> str:
@@ -94,8 +106,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     # both alike, with a pause at each switch so that neither runs beside the other's
     # engine still spinning after its last step (vLLM's busy_loop_s).
     with contextlib.ExitStack() as stack:
-        ours = dict(zip(("ours", "ours-no-store"), enter_together(stack, [
-            our_server(setup, log_dir), our_server(setup, log_dir, name="ours-no-store", store_url="none")])))
+        ours = dict(
+            zip(
+                ("ours", "ours-no-store"),
+                enter_together(
+                    stack,
+                    [our_server(setup, log_dir), our_server(setup, log_dir, name="ours-no-store", store_url="none")],
+                ),
+            )
+        )
         runs: dict[str, list[Turns]] = {label: [] for label in ours}
         for server in ours.values():
             await run_chain(server.base_url, server.model, warmup, args.gen, API_HEADERS)
@@ -106,24 +125,32 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         sides.update({label: median_per_turn(label_runs) for label, label_runs in runs.items()})
     for prefix_caching in (True, False):
         label = f"vllm-store-prefix-{'on' if prefix_caching else 'off'}"
-        with vllm_server(setup, log_dir, prefix_caching, label=label,
-                         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) as server:
+        with vllm_server(
+            setup, log_dir, prefix_caching, label=label, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+        ) as server:
             await run_chain(server.base_url, server.model, warmup, args.gen, {})
-            sides[label] = median_per_turn([await run_chain(server.base_url, server.model, chain, args.gen, {})
-                                   for chain in chains])
+            sides[label] = median_per_turn(
+                [await run_chain(server.base_url, server.model, chain, args.gen, {}) for chain in chains]
+            )
     last = args.turns - 1
     ours = sides["ours"][last]["ttft_s"]
     return {
-        "settings": {**setup.describe(), "turns": args.turns, "chunk_tokens": args.chunk, "gen_tokens": args.gen,
-                     "repeats": args.repeats, "seed": args.seed},
+        "settings": {
+            **setup.describe(),
+            "turns": args.turns,
+            "chunk_tokens": args.chunk,
+            "gen_tokens": args.gen,
+            "repeats": args.repeats,
+            "seed": args.seed,
+        },
         "summary": {
             "last_turn_ttft_s": {side: turns[last]["ttft_s"] for side, turns in sides.items()},
             "last_turn_ours_vs_vllm_store_prefix_on": ours / sides["vllm-store-prefix-on"][last]["ttft_s"],
             "last_turn_vllm_store_prefix_off_vs_ours": sides["vllm-store-prefix-off"][last]["ttft_s"] / ours,
             "last_turn_input_tokens": sides["ours"][last]["input_tokens"],
             # the store's share of a turn, over all turns (total time, ours against ours-no-store)
-            "store_cost_share_of_turn": 1 - sum(t["total_s"] for t in sides["ours-no-store"])
-            / sum(t["total_s"] for t in sides["ours"]),
+            "store_cost_share_of_turn": 1
+            - sum(t["total_s"] for t in sides["ours-no-store"]) / sum(t["total_s"] for t in sides["ours"]),
         },
         "per_turn": sides,
     }
@@ -131,8 +158,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(result: dict[str, Any]) -> Any:
     settings = result["settings"]
-    return plot_ttft_per_turn(result["per_turn"], f"Responses chain: about {settings['chunk_tokens']} new tokens "
-                              f"+ {settings['gen_tokens']} generated per turn ({settings['model_preset']} model)")
+    return plot_ttft_per_turn(
+        result["per_turn"],
+        f"Responses chain: about {settings['chunk_tokens']} new tokens "
+        f"+ {settings['gen_tokens']} generated per turn ({settings['model_preset']} model)",
+    )
 
 
 def main() -> None:

@@ -51,7 +51,8 @@ async def run_ours(base_url: str, transport: str, chunks: list[list[int]], gen: 
     turns: Turns = []
     async with AsyncSessionsClient(base_url, API_KEY, max_retries=0, timeout=600) as client:
         async with client.sessions.create(
-            defaults={"temperature": 0, "ignore_eos": True}, transport=transport  # type: ignore[arg-type]
+            defaults={"temperature": 0, "ignore_eos": True},
+            transport=transport,  # type: ignore[arg-type]
         ) as session:
             for chunk in chunks:
                 start = time.perf_counter()
@@ -132,7 +133,9 @@ def median_turns(runs: list[Turns]) -> list[dict[str, float]]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     rng = random.Random(args.seed)
     # One warm-up session (2 turns) and REPEATS measured sessions, the same on every side.
     warmup = [random_tokens(rng, args.chunk) for _ in range(2)]
@@ -168,15 +171,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "in_process_last_vs_first_ttft": floor[last]["ttft_s"] / floor[0]["ttft_s"],
         "last_turn_ttft_s": {side: turns[last]["ttft_s"] for side, turns in per_turn.items()},
-        "last_turn_ours_sse_vs_vllm_prefix_on": per_turn["ours-sse"][last]["ttft_s"] / per_turn["vllm-prefix-on"][last]["ttft_s"],
+        "last_turn_ours_sse_vs_vllm_prefix_on": per_turn["ours-sse"][last]["ttft_s"]
+        / per_turn["vllm-prefix-on"][last]["ttft_s"],
     }
     if "vllm-prefix-off" in per_turn:
         summary["last_turn_vllm_prefix_off_vs_ours_sse"] = (
             per_turn["vllm-prefix-off"][last]["ttft_s"] / per_turn["ours-sse"][last]["ttft_s"]
         )
     return {
-        "settings": {**setup.describe(), "turns": args.turns, "chunk_tokens": args.chunk, "gen_tokens": args.gen,
-                     "repeats": args.repeats, "seed": args.seed},
+        "settings": {
+            **setup.describe(),
+            "turns": args.turns,
+            "chunk_tokens": args.chunk,
+            "gen_tokens": args.gen,
+            "repeats": args.repeats,
+            "seed": args.seed,
+        },
         "summary": summary,
         "per_turn": per_turn,
     }
@@ -184,8 +194,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(result: dict[str, Any]) -> Any:
     settings = result["settings"]
-    return plot_ttft_per_turn(result["per_turn"], f"Resume: {settings['chunk_tokens']} new tokens + "
-                              f"{settings['gen_tokens']} generated per turn ({settings['model_preset']} model)")
+    return plot_ttft_per_turn(
+        result["per_turn"],
+        f"Resume: {settings['chunk_tokens']} new tokens + "
+        f"{settings['gen_tokens']} generated per turn ({settings['model_preset']} model)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:

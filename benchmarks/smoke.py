@@ -27,8 +27,23 @@ from benchmarks.common import pooled
 # then float32 (models' in-process engine is transport's, transport's server
 # transport_paired's); chunk_timeline, soak and capacity start servers of their own
 # settings, moved_resume two engines of its own; disk_index, idle_hop and admission run no engine.
-QUICK = ("resume", "concurrency", "park_resume", "store", "tier_reuse", "models", "transport", "transport_paired",
-         "chunk_timeline", "soak", "capacity", "moved_resume", "disk_index", "idle_hop", "admission")
+QUICK = (
+    "resume",
+    "concurrency",
+    "park_resume",
+    "store",
+    "tier_reuse",
+    "models",
+    "transport",
+    "transport_paired",
+    "chunk_timeline",
+    "soak",
+    "capacity",
+    "moved_resume",
+    "disk_index",
+    "idle_hop",
+    "admission",
+)
 
 
 async def run_all(names: list[str], out: Path) -> dict[str, Any]:

@@ -91,8 +91,9 @@ async def websocket_worker(url: str, args: Any, record: Record, seed: int, inter
                 nonlocal sent
                 sent += 1
                 chunk = random_tokens(rng, args.chunk)
-                await ws.send(json.dumps({"type": "input.append", "input": chunk, "max_tokens": args.gen,
-                                          "ignore_eos": True}))
+                await ws.send(
+                    json.dumps({"type": "input.append", "input": chunk, "max_tokens": args.gen, "ignore_eos": True})
+                )
                 while (event := json.loads(await ws.recv()))["type"] != "response.done":
                     if event["type"] == "error":
                         raise RuntimeError(event["error"]["code"])
@@ -141,36 +142,46 @@ def rss_mb(pid: int) -> tuple[float, float]:
     return total / 2**20, root.memory_info().rss / 2**20
 
 
-async def sample_rss(pid: int, record: Record, deadline: float, every_s: float,
-                     samples: list[tuple[float, float, float]]) -> None:
+async def sample_rss(
+    pid: int, record: Record, deadline: float, every_s: float, samples: list[tuple[float, float, float]]
+) -> None:
     while time.monotonic() < deadline:
         samples.append((record.now(), *rss_mb(pid)))
         await asyncio.sleep(every_s)
 
 
-def windows(record: Record, rss: list[tuple[float, float, float]], window_s: float, duration_s: float) -> list[dict[str, Any]]:
+def windows(
+    record: Record, rss: list[tuple[float, float, float]], window_s: float, duration_s: float
+) -> list[dict[str, Any]]:
     rows = []
     start = 0.0
     while start < duration_s - 1e-6:
         end = min(start + window_s, duration_s)
         latencies = [latency for t, latency in record.chunks if start <= t < end]
         in_window = [(tree, api) for t, tree, api in rss if start <= t < end]
-        rows.append({
-            "t_end_s": round(end, 1),
-            "chunks": len(latencies),
-            "errors": sum(1 for t, _ in record.errors if start <= t < end),
-            "p50_s": percentile(latencies, 50),
-            "p99_s": percentile(latencies, 99),
-            "rss_mb": max(tree for tree, _ in in_window) if in_window else float("nan"),
-            "api_server_rss_mb": max(api for _, api in in_window) if in_window else float("nan"),
-        })
+        rows.append(
+            {
+                "t_end_s": round(end, 1),
+                "chunks": len(latencies),
+                "errors": sum(1 for t, _ in record.errors if start <= t < end),
+                "p50_s": percentile(latencies, 50),
+                "p99_s": percentile(latencies, 99),
+                "rss_mb": max(tree for tree, _ in in_window) if in_window else float("nan"),
+                "api_server_rss_mb": max(api for _, api in in_window) if in_window else float("nan"),
+            }
+        )
         start = end
     return rows
 
 
 async def main_async(args: Any) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype, max_num_seqs=16)
+    setup = EngineSetup(
+        preset=args.preset,
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_tier_gib=args.cpu_tier_gib,
+        dtype=args.dtype,
+        max_num_seqs=16,
+    )
     log_dir = Path(args.out) / "logs"
     # As users run it: the default SQLite store, so its writes are soaked too.
     with our_server(setup, log_dir, name="soak", admission_timeout_s="120") as server:
@@ -183,33 +194,50 @@ async def main_async(args: Any) -> dict[str, Any]:
         await asyncio.gather(
             sample_rss(server.process.pid, record, deadline, 2.0, rss),
             rest_worker(base, args, record, args.seed, interval_s, deadline),
-            *(websocket_worker(ws_base, args, record, args.seed + 1 + n, interval_s, deadline)
-              for n in range(args.websocket_workers)),
+            *(
+                websocket_worker(ws_base, args, record, args.seed + 1 + n, interval_s, deadline)
+                for n in range(args.websocket_workers)
+            ),
         )
         async with httpx.AsyncClient(base_url=base, headers=API_HEADERS, timeout=30) as http:
-            left_open = [{k: s[k] for k in ("id", "status", "num_chunks")}
-                         for s in (await http.get("/v1/sessions")).json()["data"] if s["status"] != "closed"]
+            left_open = [
+                {k: s[k] for k in ("id", "status", "num_chunks")}
+                for s in (await http.get("/v1/sessions")).json()["data"]
+                if s["status"] != "closed"
+            ]
     rows = windows(record, rss, args.window_s, args.duration_s)
     warm, end = rows[0]["rss_mb"], rows[-1]["rss_mb"]
     growth_pct = 100 * (end - warm) / warm
     latencies = [latency for _, latency in record.chunks]
     return {
         "setup": setup.describe(),
-        "load": {"duration_s": args.duration_s, "rate_chunks_per_s": args.rate, "websocket_workers": args.websocket_workers,
-                 "rest_workers": 1, "chunk_tokens": args.chunk, "gen_tokens": args.gen,
-                 "chunks_per_session": args.chunks_per_session},
+        "load": {
+            "duration_s": args.duration_s,
+            "rate_chunks_per_s": args.rate,
+            "websocket_workers": args.websocket_workers,
+            "rest_workers": 1,
+            "chunk_tokens": args.chunk,
+            "gen_tokens": args.gen,
+            "chunks_per_session": args.chunks_per_session,
+        },
         "windows": rows,
         "errors_sample": record.errors[:20],
         "sessions_left_open": left_open,
         "summary": {
-            "chunks": len(record.chunks), "errors": len(record.errors),
+            "chunks": len(record.chunks),
+            "errors": len(record.errors),
             "achieved_rate": len(record.chunks) / args.duration_s,
-            "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99),
-            "rss_after_warmup_mb": warm, "rss_end_mb": end, "rss_growth_pct": growth_pct,
+            "p50_s": percentile(latencies, 50),
+            "p99_s": percentile(latencies, 99),
+            "rss_after_warmup_mb": warm,
+            "rss_end_mb": end,
+            "rss_growth_pct": growth_pct,
             "api_server_rss_after_warmup_mb": rows[0]["api_server_rss_mb"],
             "api_server_rss_end_mb": rows[-1]["api_server_rss_mb"],
-            "rss_bound_pct": args.rss_bound_pct, "rss_within_bound": growth_pct <= args.rss_bound_pct,
-            "sessions_opened": record.sessions, "sessions_left_open": len(left_open),
+            "rss_bound_pct": args.rss_bound_pct,
+            "rss_within_bound": growth_pct <= args.rss_bound_pct,
+            "sessions_opened": record.sessions,
+            "sessions_left_open": len(left_open),
         },
     }
 
@@ -226,7 +254,9 @@ def plot(result: dict[str, Any]) -> Any:
     latency.grid(True, alpha=0.3)
     latency.legend()
     memory.plot(t, [row["rss_mb"] for row in rows], marker="o", color="tab:green", label="server tree")
-    memory.plot(t, [row["api_server_rss_mb"] for row in rows], marker="o", color="tab:purple", label="API server process")
+    memory.plot(
+        t, [row["api_server_rss_mb"] for row in rows], marker="o", color="tab:purple", label="API server process"
+    )
     memory.set_ylabel("RSS (MiB)")
     memory.legend()
     memory.set_xlabel("time (s)")

@@ -137,8 +137,13 @@ class Bench:
 
 
 async def measure_all(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype, max_model_len=max(4096, max(args.contexts) + 256))
+    setup = EngineSetup(
+        preset=args.preset,
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_tier_gib=args.cpu_tier_gib,
+        dtype=args.dtype,
+        max_model_len=max(4096, max(args.contexts) + 256),
+    )
     engine, recorder, settings = in_process_engine(setup, "store-bench", session_park_after_s=3600)
     bench = Bench(engine, recorder, settings)
     overhead: dict[str, dict[str, float]] = {}
@@ -157,10 +162,18 @@ async def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     for row in overhead.values():
         row["p50_over_none_ms"] = (row["p50_s"] - base) * 1000
         row["p50_ratio_vs_none"] = row["p50_s"] / base
-    return {"settings": {**setup.describe(), "chunks": args.chunks, "repeats": args.repeats,
-                         "next_chunk": NEXT_CHUNK, "sqlite": "WAL, synchronous=FULL",
-                         "postgresql": "Debian's server on loopback, fsync on" if "postgresql" in overhead else "absent"},
-            "per_chunk": overhead, "resume": resume}
+    return {
+        "settings": {
+            **setup.describe(),
+            "chunks": args.chunks,
+            "repeats": args.repeats,
+            "next_chunk": NEXT_CHUNK,
+            "sqlite": "WAL, synchronous=FULL",
+            "postgresql": "Debian's server on loopback, fsync on" if "postgresql" in overhead else "absent",
+        },
+        "per_chunk": overhead,
+        "resume": resume,
+    }
 
 
 def plot(result: dict[str, Any]) -> Any:
@@ -173,8 +186,12 @@ def plot(result: dict[str, Any]) -> Any:
     contexts = list(result["resume"])
     sides = ("device", "cpu_tier", "restart_recompute")
     for offset, side in zip((-0.27, 0, 0.27), sides):
-        right.bar([i + offset for i in range(len(contexts))],
-                  [result["resume"][c][f"{side}_p50_s"] * 1000 for c in contexts], width=0.27, label=side)
+        right.bar(
+            [i + offset for i in range(len(contexts))],
+            [result["resume"][c][f"{side}_p50_s"] * 1000 for c in contexts],
+            width=0.27,
+            label=side,
+        )
     right.set_xticks(range(len(contexts)), [f"{c} tokens" for c in contexts])
     right.set_ylabel("resume, time to first token p50 (ms)")
     right.set_yscale("log")

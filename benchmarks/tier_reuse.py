@@ -199,8 +199,13 @@ async def measure_load_path(setup: EngineSetup, args: argparse.Namespace, load_p
 # the copy thread) and its waits for them, the forward pass, the engine core's steps and
 # scheduling, and the worker's shared-memory wait for its next step (vLLM's spin).
 PROFILED_FUNCTIONS = (
-    "HostTierWorker._copy", "HostTierWorker.wait_for_tensor", "_CopyThread._run",
-    "execute_model", "EngineCore.step", "Scheduler.schedule", "SpinCondition.wait",
+    "HostTierWorker._copy",
+    "HostTierWorker.wait_for_tensor",
+    "_CopyThread._run",
+    "execute_model",
+    "EngineCore.step",
+    "Scheduler.schedule",
+    "SpinCondition.wait",
 )
 PROFILE_RATE_HZ = 250  # lower rates disturb the engine less (3 processes on 2 CPUs)
 
@@ -216,13 +221,18 @@ async def profile_tier_hits(
         for _ in range(args.profile_hits):
             assert await engine.reset_prefix_cache(), "device cache reset refused"
             elapsed.append((await first_token(engine, recorder, prompt)).elapsed_s)
-    return {"prefix_tokens": len(prompt) - 1, "tier_hits": args.profile_hits,
-            "ttft_ms_under_profiler": 1000 * statistics.median(elapsed),
-            **summarize_profile(profile, per=args.profile_hits, functions=PROFILED_FUNCTIONS)}
+    return {
+        "prefix_tokens": len(prompt) - 1,
+        "tier_hits": args.profile_hits,
+        "ttft_ms_under_profiler": 1000 * statistics.median(elapsed),
+        **summarize_profile(profile, per=args.profile_hits, functions=PROFILED_FUNCTIONS),
+    }
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     by_load_path = {path: await measure_load_path(setup, args, path) for path in args.load_paths}
     threads = max(1, (os.cpu_count() or 1) - int(RESERVED_CPUS))
     memcpy = host_memcpy_gbps(threads)
@@ -237,7 +247,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             row["tier_load_vs_memcpy_same_bytes"] = row["tier_load_gbps"] / same_size
     return {
         "settings": {
-            **setup.describe(), "repeats": args.repeats, "seed": args.seed, "worker_threads": threads,
+            **setup.describe(),
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "worker_threads": threads,
             "load_paths": list(args.load_paths),
         },
         "host_memcpy_gbps": memcpy,
@@ -258,12 +271,15 @@ def plot(result: dict[str, Any]) -> Any:
         axis.bar(
             [i + (offset - (len(bars) - 1) / 2) * width for i in range(len(rows))],
             [row["ttft_s"][side] * 1000 for row in bar_rows],
-            width, label=label,
+            width,
+            label=label,
         )
     axis.set_xticks(range(len(rows)), [f"{row['prefix_tokens']} tokens" for row in rows])
     axis.set_yscale("log")
     axis.set_ylabel("time to first token (ms)")
-    axis.set_title(f"Prefix reuse ({result['settings']['model_preset']} model, {result['settings']['dtype']}): recompute vs CPU tier vs device cache")
+    axis.set_title(
+        f"Prefix reuse ({result['settings']['model_preset']} model, {result['settings']['dtype']}): recompute vs CPU tier vs device cache"
+    )
     axis.grid(True, axis="y", which="both", alpha=0.3)
     axis.legend()
     return figure
@@ -275,11 +291,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--recompute-repeats", type=int, default=1, help="recomputes per size")
     parser.add_argument(
-        "--load-paths", nargs="+", choices=LOAD_PATHS, default=list(LOAD_PATHS),
+        "--load-paths",
+        nargs="+",
+        choices=LOAD_PATHS,
+        default=list(LOAD_PATHS),
         help="tier load paths to measure, each on its own engine (the first one is 'rows')",
     )
-    parser.add_argument("--profile", metavar="DIR",
-                        help="also sample each load path's tier hits with py-spy (stacks into DIR)")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="also sample each load path's tier hits with py-spy (stacks into DIR)"
+    )
     parser.add_argument("--profile-hits", type=int, default=60, help="tier hits sampled per load path")
     args = parser.parse_args(argv)
     # bf16 is the embedded models' own dtype; other dtypes are recorded beside it.

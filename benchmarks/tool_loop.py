@@ -43,8 +43,12 @@ from benchmarks.common import (
     vllm_server,
 )
 
-CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
-        "required": ["city"], "additionalProperties": False}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 FUNCTION = {"name": "lookup", "description": "Look a city up.", "parameters": CITY}
 QUESTION = "Look up Paris, then each city the results mention."
 Rounds = PerTurn
@@ -55,10 +59,17 @@ async def ours(http: httpx.AsyncClient, model: str, outputs: list[str], gen: int
     previous, call_id = None, None
     for output in [None, *outputs[:-1]]:
         body: dict[str, Any] = {
-            "model": model, "tools": [{"type": "function", **FUNCTION}], "tool_choice": "required",
-            "max_output_tokens": gen, "temperature": 0, "stream": True, "previous_response_id": previous,
-            "input": QUESTION if output is None else [{"type": "function_call_output", "call_id": call_id,
-                                                       "output": output}]}
+            "model": model,
+            "tools": [{"type": "function", **FUNCTION}],
+            "tool_choice": "required",
+            "max_output_tokens": gen,
+            "temperature": 0,
+            "stream": True,
+            "previous_response_id": previous,
+            "input": QUESTION
+            if output is None
+            else [{"type": "function_call_output", "call_id": call_id, "output": output}],
+        }
         start, first, final = time.perf_counter(), None, {}
         async with http.stream("POST", "/v1/responses", json=body) as stream:
             assert stream.status_code == 200, await stream.aread()
@@ -73,9 +84,15 @@ async def ours(http: httpx.AsyncClient, model: str, outputs: list[str], gen: int
         calls = [item for item in final.get("output", []) if item["type"] == "function_call"]
         assert final.get("status") == "completed" and calls, final
         usage = final["usage"]
-        rounds.append({"ttft_s": first or 0.0, "total_s": time.perf_counter() - start,
-                       "input_tokens": usage["input_tokens"], "output_tokens": usage["output_tokens"],
-                       "cached_tokens": usage["input_tokens_details"]["cached_tokens"]})
+        rounds.append(
+            {
+                "ttft_s": first or 0.0,
+                "total_s": time.perf_counter() - start,
+                "input_tokens": usage["input_tokens"],
+                "output_tokens": usage["output_tokens"],
+                "cached_tokens": usage["input_tokens_details"]["cached_tokens"],
+            }
+        )
         previous, call_id = final["id"], calls[0]["call_id"]
     return rounds
 
@@ -84,9 +101,16 @@ async def vllm_chat(http: httpx.AsyncClient, model: str, outputs: list[str], gen
     rounds: Rounds = []
     messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
     for output in outputs:
-        body = {"model": model, "messages": messages, "tools": [{"type": "function", "function": FUNCTION}],
-                "tool_choice": "required", "max_tokens": gen, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "messages": messages,
+            "tools": [{"type": "function", "function": FUNCTION}],
+            "tool_choice": "required",
+            "max_tokens": gen,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         start, first = time.perf_counter(), None
         calls: dict[int, dict[str, str]] = {}
         usage: dict[str, Any] = {}
@@ -107,13 +131,30 @@ async def vllm_chat(http: httpx.AsyncClient, model: str, outputs: list[str], gen
                         entry["name"] += function.get("name") or ""
                         entry["arguments"] += function.get("arguments") or ""
         assert calls, "no tool call"
-        rounds.append({"ttft_s": first or 0.0, "total_s": time.perf_counter() - start,
-                       "input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0),
-                       "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
+        rounds.append(
+            {
+                "ttft_s": first or 0.0,
+                "total_s": time.perf_counter() - start,
+                "input_tokens": usage.get("prompt_tokens", 0),
+                "output_tokens": usage.get("completion_tokens", 0),
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            }
+        )
         call = calls[0]
-        messages += [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
-            {"role": "tool", "tool_call_id": call["id"], "content": output}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": call["arguments"]},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call["id"], "content": output},
+        ]
     return rounds
 
 
@@ -131,10 +172,10 @@ def tool_outputs(setup: EngineSetup, rounds: int, size: int, rng: random.Random)
     return texts
 
 
-
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     # Each run's tool outputs are new text (as a real tool's are): a run never finds
     # another run's outputs in a prefix cache. The same runs on every side.
     rng = random.Random(args.seed)
@@ -148,23 +189,41 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     # tier's share of a round from the session's; ours-inline-copies: with the tier, its
     # copies on the model's thread instead of a copy thread on the CPU it shares with the
     # engine core and the API server.
-    for label, connector, extra in (("ours", "offloading", {}), ("ours-no-tier", "none", {}),
-                                    ("ours-inline-copies", "offloading", {"tier_copy_thread": "false"})):
+    for label, connector, extra in (
+        ("ours", "offloading", {}),
+        ("ours-no-tier", "none", {}),
+        ("ours-inline-copies", "offloading", {"tier_copy_thread": "false"}),
+    ):
         with our_server(setup, log_dir, connector, served_model_name=name, **tools, **extra) as server:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=600, headers=API_HEADERS) as http:
                 await ours(http, name, warmup[:2], args.gen)
                 sides[label] = median_per_turn([await ours(http, name, outputs, args.gen) for outputs in runs])
-    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter",
-             "--chat-template", template, "--enable-prompt-tokens-details"]
+    flags = [
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--tool-strict-level",
+        "parameter",
+        "--chat-template",
+        template,
+        "--enable-prompt-tokens-details",
+    ]
     with vllm_server(setup, log_dir, True, extra_args=flags, label="vllm-prefix-on") as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as http:
             await vllm_chat(http, name, warmup[:2], args.gen)
-            sides["vllm-prefix-on"] = median_per_turn([await vllm_chat(http, name, outputs, args.gen)
-                                                       for outputs in runs])
+            sides["vllm-prefix-on"] = median_per_turn(
+                [await vllm_chat(http, name, outputs, args.gen) for outputs in runs]
+            )
     last = args.rounds - 1
     return {
-        "settings": {**setup.describe(), "rounds": args.rounds, "output_tokens": args.output_tokens, "gen": args.gen,
-                     "repeats": args.repeats, "seed": args.seed},
+        "settings": {
+            **setup.describe(),
+            "rounds": args.rounds,
+            "output_tokens": args.output_tokens,
+            "gen": args.gen,
+            "repeats": args.repeats,
+            "seed": args.seed,
+        },
         "summary": {
             "last_round_ttft_s": {side: rounds[last]["ttft_s"] for side, rounds in sides.items()},
             "last_round_ours_vs_vllm": sides["ours"][last]["ttft_s"] / sides["vllm-prefix-on"][last]["ttft_s"],
@@ -179,8 +238,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(result: dict[str, Any]) -> Any:
     settings = result["settings"]
-    return plot_ttft_per_turn(result["per_round"], f"Tool loop: a call per round, {settings['output_tokens']}-token "
-                              f"tool outputs ({settings['model_preset']}); time to the call's first delta")
+    return plot_ttft_per_turn(
+        result["per_round"],
+        f"Tool loop: a call per round, {settings['output_tokens']}-token "
+        f"tool outputs ({settings['model_preset']}); time to the call's first delta",
+    )
 
 
 def main() -> None:

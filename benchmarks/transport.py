@@ -79,8 +79,19 @@ from benchmarks.floor import SERVE_COMMAND, EngineSession, seconds, spans_in_ser
 # Two floors (benchmarks/floor.py): the session on an engine of this process's own, and
 # on the server's own engine, driven inside the server's process (``in-server``), which
 # the transports are compared with first: the same engine, so its speed is not the gap.
-SIDES = ("in-process", "in-server", "rest", "sse", "websocket", "websocket-deflate", "rest-httpx", "sse-httpx",
-         "rest-bare", "sse-bare", "websocket-bare")
+SIDES = (
+    "in-process",
+    "in-server",
+    "rest",
+    "sse",
+    "websocket",
+    "websocket-deflate",
+    "rest-httpx",
+    "sse-httpx",
+    "rest-bare",
+    "sse-bare",
+    "websocket-bare",
+)
 FLOORS = SIDES[:2]
 SERVER_SIDES = SIDES[1:]
 # The hop alone: the same client against benchmarks/bare_hop.py (uvicorn as the app
@@ -88,8 +99,12 @@ SERVER_SIDES = SIDES[1:]
 # over the floor beyond that hop; the hop is this machine's (its loopback and its
 # process wake-ups), and no server can take less.
 BARE = "-bare"
-BARE_HOP_OF = {"rest": "rest-bare", "sse": "sse-bare", "websocket": "websocket-bare",
-               "websocket-deflate": "websocket-bare"}  # the same client library
+BARE_HOP_OF = {
+    "rest": "rest-bare",
+    "sse": "sse-bare",
+    "websocket": "websocket-bare",
+    "websocket-deflate": "websocket-bare",
+}  # the same client library
 PROFILE_RATE_HZ = 250
 # The floor's engine and the server's run side by side: between them the benchmark
 # waits out the spin (common.SWITCH_SETTLE_S), then warms the next side up with
@@ -127,8 +142,9 @@ async def http_session(http: Any, stream: bool) -> tuple[str, Chunk]:
 
     async def chunk(ids: list[int]) -> float:
         start = time.perf_counter()
-        async with http.post(f"/v1/sessions/{session_id}/chunks",
-                             json={"input": ids, "max_tokens": 1, "stream": stream}) as response:
+        async with http.post(
+            f"/v1/sessions/{session_id}/chunks", json={"input": ids, "max_tokens": 1, "stream": stream}
+        ) as response:
             response.raise_for_status()
             if stream:
                 async for line in response.content:
@@ -191,12 +207,13 @@ async def websocket_session(ws: Any) -> Chunk:
 
 
 async def main_async(args: Any) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     inputs = chunks(args.seed, args.warmup + args.chunks)
-    warmup, measured = inputs[:args.warmup], inputs[args.warmup:]
+    warmup, measured = inputs[: args.warmup], inputs[args.warmup :]
     warm = warmup[:WARM_CHUNKS]  # each side's unmeasured chunks in every round
-    rounds = [measured[i::args.rounds] for i in range(args.rounds)]
+    rounds = [measured[i :: args.rounds] for i in range(args.rounds)]
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     by_round: dict[str, list[float]] = {side: [] for side in SIDES}  # each round's p50
     profiles: dict[str, Any] = {}
@@ -211,6 +228,7 @@ async def main_async(args: Any) -> dict[str, Any]:
     try:
         log_dir = Path(args.out) / "logs"
         with transport_server(setup, log_dir, extra=dict(args.server_setting)) as ours, bare_hop(log_dir) as bare:
+
             def server_of(side: str) -> RunningServer:
                 return bare if side.endswith(BARE) else ours
 
@@ -222,7 +240,7 @@ async def main_async(args: Any) -> dict[str, Any]:
             for round_inputs in rounds:
                 await asyncio.sleep(SWITCH_SETTLE_S)
                 cpu_before = time.process_time()
-                round_times = (await floor.run(warm + round_inputs))[len(warm):]
+                round_times = (await floor.run(warm + round_inputs))[len(warm) :]
                 times["in-process"] += round_times
                 by_round["in-process"].append(percentile(round_times, 50))
                 client_cpu["in-process"] += time.process_time() - cpu_before
@@ -231,9 +249,11 @@ async def main_async(args: Any) -> dict[str, Any]:
                     server = server_of(side)
                     with contextlib.ExitStack() as stack:
                         if args.profile:
-                            profile = stack.enter_context(py_spy_sampled(server.process.pid, Path(args.profile) / f"{side}.txt", PROFILE_RATE_HZ))
+                            profile = stack.enter_context(
+                                py_spy_sampled(server.process.pid, Path(args.profile) / f"{side}.txt", PROFILE_RATE_HZ)
+                            )
                         cpu_before, server_before = time.process_time(), process_cpu_s(server.process.pid)
-                        round_times = (await run_side(server.base_url, side, warm + round_inputs))[len(warm):]
+                        round_times = (await run_side(server.base_url, side, warm + round_inputs))[len(warm) :]
                         times[side] += round_times
                         by_round[side].append(percentile(round_times, 50))
                         client_cpu[side] += time.process_time() - cpu_before
@@ -244,24 +264,37 @@ async def main_async(args: Any) -> dict[str, Any]:
         await floor.close()
         release_engine(floor.engine)
     per_side = {
-        side: {"p50_ms": 1000 * percentile(values, 50), "p90_ms": 1000 * percentile(values, 90),
-               **{key: value for name in FLOORS for key, value in over_floor(name, side, times, by_round).items()},
-               # Warm-up chunks included: CPU is counted over a whole side.
-               "client_cpu_ms_per_chunk": 1000 * client_cpu[side] / (len(values) + args.rounds * len(warm)),
-               "server_cpu_ms_per_chunk": 1000 * server_cpu[side] / (len(values) + args.rounds * len(warm))
-               if side in server_cpu else None}
+        side: {
+            "p50_ms": 1000 * percentile(values, 50),
+            "p90_ms": 1000 * percentile(values, 90),
+            **{key: value for name in FLOORS for key, value in over_floor(name, side, times, by_round).items()},
+            # Warm-up chunks included: CPU is counted over a whole side.
+            "client_cpu_ms_per_chunk": 1000 * client_cpu[side] / (len(values) + args.rounds * len(warm)),
+            "server_cpu_ms_per_chunk": 1000 * server_cpu[side] / (len(values) + args.rounds * len(warm))
+            if side in server_cpu
+            else None,
+        }
         for side, values in times.items()
     }
     return {
-        "settings": {**setup.describe(), "chunks": args.chunks, "warmup": args.warmup, "rounds": args.rounds,
-                     "chunk_tokens": 1, "max_tokens": 1, "server_settings": dict(args.server_setting)},
+        "settings": {
+            **setup.describe(),
+            "chunks": args.chunks,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "chunk_tokens": 1,
+            "max_tokens": 1,
+            "server_settings": dict(args.server_setting),
+        },
         "per_side": per_side,
         "samples_ms": {side: [round(1000 * t, 3) for t in values] for side, values in times.items()},
         "profiles": profiles,
     }
 
 
-def over_floor(floor: str, side: str, times: dict[str, list[float]], by_round: dict[str, list[float]]) -> dict[str, Any]:
+def over_floor(
+    floor: str, side: str, times: dict[str, list[float]], by_round: dict[str, list[float]]
+) -> dict[str, Any]:
     """``side``'s p50 over ``floor``'s, in milliseconds: over the whole run, paired by
     round (the floor's p50 of the same round, seconds apart: this machine's speed drifts
     by more than a transport costs within a run), and beyond the bare hop of its client."""
@@ -270,21 +303,28 @@ def over_floor(floor: str, side: str, times: dict[str, list[float]], by_round: d
     hop = BARE_HOP_OF.get(side)
     return {
         f"p50_over_{key}_ms": 1000 * (mine - floor_p50),
-        f"round_p50_over_{key}_ms": [round(1000 * (a - b), 3) for a, b in zip(by_round[side], by_round[floor], strict=True)],
+        f"round_p50_over_{key}_ms": [
+            round(1000 * (a - b), 3) for a, b in zip(by_round[side], by_round[floor], strict=True)
+        ],
         f"p50_over_{key}_and_bare_hop_ms": 1000 * (mine - floor_p50 - percentile(times[hop], 50)) if hop else None,
     }
 
 
-def transport_server(setup: EngineSetup, log_dir: Path, name: str = "ours",
-                     extra: dict[str, str] | None = None) -> contextlib.AbstractContextManager[RunningServer]:
+def transport_server(
+    setup: EngineSetup, log_dir: Path, name: str = "ours", extra: dict[str, str] | None = None
+) -> contextlib.AbstractContextManager[RunningServer]:
     """Our server as the transport benchmarks run it, with the floor's route
     (benchmarks/floor.py): no store, websocket compression offered, no per-connection
     event limit (a long run's appends come faster than its default). The same settings
     for every such benchmark, so the smoke run starts it once."""
-    settings = {**our_settings(setup), "store_url": "none", "ws_per_message_deflate": "true",
-                "ws_events_per_second": "0", **(extra or {})}
-    return app_server(name, log_dir / f"{name}.log", settings, model=f"embedded-{setup.preset}",
-                      command=SERVE_COMMAND)
+    settings = {
+        **our_settings(setup),
+        "store_url": "none",
+        "ws_per_message_deflate": "true",
+        "ws_events_per_second": "0",
+        **(extra or {}),
+    }
+    return app_server(name, log_dir / f"{name}.log", settings, model=f"embedded-{setup.preset}", command=SERVE_COMMAND)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -300,8 +340,14 @@ def process_cpu_s(pid: int) -> float:
 @contextlib.contextmanager
 def bare_hop(log_dir: Path) -> Iterator[RunningServer]:
     port = free_port()
-    with serve("bare-hop", [sys.executable, "-m", "benchmarks.bare_hop", str(port)], dict(os.environ), port, "none",
-               log_dir / "bare-hop.log") as server:
+    with serve(
+        "bare-hop",
+        [sys.executable, "-m", "benchmarks.bare_hop", str(port)],
+        dict(os.environ),
+        port,
+        "none",
+        log_dir / "bare-hop.log",
+    ) as server:
         yield server
 
 
@@ -336,12 +382,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser.set_defaults(preset="tiny", dtype="float32", cpu_tier_gib=0.5)
     parser.add_argument("--chunks", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=8,
-                        help="round-robin rounds over the sides (more: less drift between sides)")
+    parser.add_argument(
+        "--rounds", type=int, default=8, help="round-robin rounds over the sides (more: less drift between sides)"
+    )
     parser.add_argument("--profile", metavar="DIR", help="sample the API server with py-spy, stacks into DIR")
-    parser.add_argument("--server-setting", metavar="NAME=VALUE", action="append", default=[],
-                        type=lambda text: tuple(text.split("=", 1)),
-                        help="a setting of the server (e.g. http_coalesce_writes=false); repeatable")
+    parser.add_argument(
+        "--server-setting",
+        metavar="NAME=VALUE",
+        action="append",
+        default=[],
+        type=lambda text: tuple(text.split("=", 1)),
+        help="a setting of the server (e.g. http_coalesce_writes=false); repeatable",
+    )
     add_loop_option(parser)
     args = parser.parse_args(argv)
     name = "transport"
@@ -360,9 +412,11 @@ async def run(name: str, args: argparse.Namespace) -> None:
         for floor in FLOORS if side not in FLOORS else ():
             key = floor.replace("-", "_")
             beyond_hop, paired = row[f"p50_over_{key}_and_bare_hop_ms"], sorted(row[f"round_p50_over_{key}_ms"])
-            gaps.append(f"over {floor} {row[f'p50_over_{key}_ms']:+.2f} ms"
-                        + (f" ({beyond_hop:+.2f} beyond the bare hop)" if beyond_hop is not None else "")
-                        + f", by round {percentile(paired, 50):+.2f} ({paired[0]:+.2f} to {paired[-1]:+.2f})")
+            gaps.append(
+                f"over {floor} {row[f'p50_over_{key}_ms']:+.2f} ms"
+                + (f" ({beyond_hop:+.2f} beyond the bare hop)" if beyond_hop is not None else "")
+                + f", by round {percentile(paired, 50):+.2f} ({paired[0]:+.2f} to {paired[-1]:+.2f})"
+            )
         print(f"{side}: p50 {row['p50_ms']:.2f} ms" + "".join(f"; {gap}" for gap in gaps))
 
 

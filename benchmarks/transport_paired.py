@@ -42,8 +42,9 @@ SIDES = ("rest", "sse", "websocket")
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     import aiohttp
 
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     inputs = chunks(args.seed, args.warmup + args.groups)
     floors: list[float] = []
     gaps: dict[str, list[float]] = {side: [] for side in SIDES}
@@ -53,8 +54,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         async with aiohttp.ClientSession(server.base_url, headers=API_HEADERS) as http:
             url = server.base_url.replace("http://", "ws://") + "/v1/sessions/ws"
             async with websockets.connect(url, additional_headers=API_HEADERS, compression=None) as ws:
-                sides = {"rest": (await http_session(http, stream=False))[1],
-                         "sse": (await http_session(http, stream=True))[1], "websocket": await websocket_session(ws)}
+                sides = {
+                    "rest": (await http_session(http, stream=False))[1],
+                    "sse": (await http_session(http, stream=True))[1],
+                    "websocket": await websocket_session(ws),
+                }
 
                 async def floor(chunk: list[int]) -> float:
                     (floor_seconds,) = seconds(await spans_in_server(http, [chunk]))
@@ -69,12 +73,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         for side, elapsed in times.items():
                             gaps[side].append(elapsed - around)
     return {
-        "settings": {**setup.describe(), "groups": args.groups, "warmup": args.warmup, "chunk_tokens": 1,
-                     "max_tokens": 1},
+        "settings": {
+            **setup.describe(),
+            "groups": args.groups,
+            "warmup": args.warmup,
+            "chunk_tokens": 1,
+            "max_tokens": 1,
+        },
         "floor_p50_ms": 1000 * percentile(floors, 50),
-        "per_side": {side: {"paired_gap_p50_ms": 1000 * percentile(values, 50),
-                            "paired_gap_p25_ms": 1000 * percentile(values, 25),
-                            "paired_gap_p75_ms": 1000 * percentile(values, 75)} for side, values in gaps.items()},
+        "per_side": {
+            side: {
+                "paired_gap_p50_ms": 1000 * percentile(values, 50),
+                "paired_gap_p25_ms": 1000 * percentile(values, 25),
+                "paired_gap_p75_ms": 1000 * percentile(values, 75),
+            }
+            for side, values in gaps.items()
+        },
         "gaps_ms": {side: [round(1000 * value, 3) for value in values] for side, values in gaps.items()},
     }
 
@@ -110,8 +124,10 @@ async def run(name: str, args: argparse.Namespace) -> None:
     finish(name, result, args.out, plot)
     print(f"floor p50 {result['floor_p50_ms']:.2f} ms")
     for side, row in result["per_side"].items():
-        print(f"{side}: paired gap p50 {row['paired_gap_p50_ms']:+.2f} ms "
-              f"(p25 {row['paired_gap_p25_ms']:+.2f}, p75 {row['paired_gap_p75_ms']:+.2f})")
+        print(
+            f"{side}: paired gap p50 {row['paired_gap_p50_ms']:+.2f} ms "
+            f"(p25 {row['paired_gap_p25_ms']:+.2f}, p75 {row['paired_gap_p75_ms']:+.2f})"
+        )
 
 
 def main() -> None:

@@ -59,29 +59,59 @@ def bench_serve(server: RunningServer, api: str, rate: float, args: Any, tokeniz
     model = served_model(server)
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    options = parser.parse_args([
-        "--backend", backend, "--base-url", server.base_url, "--endpoint", endpoint,
-        "--model", model, "--tokenizer", tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--num-prompts", str(args.prompts),
-        "--request-rate", str(rate), "--ignore-eos", "--seed", str(args.seed), "--disable-tqdm",
-        "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
-        "--ready-check-timeout-sec", "0",
-    ])
+    options = parser.parse_args(
+        [
+            "--backend",
+            backend,
+            "--base-url",
+            server.base_url,
+            "--endpoint",
+            endpoint,
+            "--model",
+            model,
+            "--tokenizer",
+            tokenizer,
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--num-prompts",
+            str(args.prompts),
+            "--request-rate",
+            str(rate),
+            "--ignore-eos",
+            "--seed",
+            str(args.seed),
+            "--disable-tqdm",
+            "--percentile-metrics",
+            "ttft,itl",
+            "--metric-percentiles",
+            "50,99",
+            "--ready-check-timeout-sec",
+            "0",
+        ]
+    )
     result = main(options)
-    return {"completed": result["completed"], "failed": result["failed"],
-            **{name: float(result[name]) for name in METRICS}}
+    return {
+        "completed": result["completed"],
+        "failed": result["failed"],
+        **{name: float(result[name]) for name in METRICS},
+    }
 
 
 def run(args: Any) -> dict[str, Any]:
-    setup = EngineSetup(preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib,
-                        dtype=args.dtype)
+    setup = EngineSetup(
+        preset=args.preset, kv_cache_gib=args.kv_cache_gib, cpu_tier_gib=args.cpu_tier_gib, dtype=args.dtype
+    )
     os.environ["OPENAI_API_KEY"] = API_KEY  # the tool's key: ours checks it, vLLM's server has none
     log_dir = Path(tempfile.mkdtemp(prefix="bench-vllm-bench-"))
     runs: dict[str, dict[str, dict[str, Any]]] = {"ours": {}, "vllm-serve": {}}
     with contextlib.ExitStack() as stack:
-        ours, vllm = enter_together(stack, [our_server(setup, log_dir),
-                                            vllm_server(setup, log_dir, prefix_caching=True)])
+        ours, vllm = enter_together(
+            stack, [our_server(setup, log_dir), vllm_server(setup, log_dir, prefix_caching=True)]
+        )
         sides = {"ours": ours, "vllm-serve": vllm}
         index = 0
         for api in args.apis:
@@ -101,10 +131,21 @@ def run(args: Any) -> dict[str, Any]:
             "p50_ttft_ratio": round(ours_run["median_ttft_ms"] / theirs["median_ttft_ms"], 3),
             "failed": {"ours": ours_run["failed"], "vllm-serve": theirs["failed"]},
         }
-    return {"benchmark": "vllm_bench", "machine": machine(), "engine": setup.describe(),
-            "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
-                         "prompts_per_run": args.prompts, "rates": args.rates, "apis": args.apis},
-            "runs": runs, "summary": summary}
+    return {
+        "benchmark": "vllm_bench",
+        "machine": machine(),
+        "engine": setup.describe(),
+        "workload": {
+            "dataset": "random",
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "prompts_per_run": args.prompts,
+            "rates": args.rates,
+            "apis": args.apis,
+        },
+        "runs": runs,
+        "summary": summary,
+    }
 
 
 def plot(result: dict[str, Any]) -> Any:
@@ -121,16 +162,24 @@ def plot(result: dict[str, Any]) -> Any:
         axis.set_xticks(range(len(keys)), keys, rotation=30, fontsize=8)
         axis.set_ylabel(label)
         axis.legend()
-    figure.suptitle(f"vllm bench serve, random {result['workload']['input_len']} in / "
-                    f"{result['workload']['output_len']} out; {cpu_caption(result)}", fontsize=9)
+    figure.suptitle(
+        f"vllm bench serve, random {result['workload']['input_len']} in / "
+        f"{result['workload']['output_len']} out; {cpu_caption(result)}",
+        fontsize=9,
+    )
     return figure
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
     parser.add_argument("--apis", nargs="+", choices=list(APIS), default=list(APIS))
-    parser.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0, 4.0, math.inf],
-                        help="requests per second (inf: all at once)")
+    parser.add_argument(
+        "--rates",
+        nargs="+",
+        type=float,
+        default=[1.0, 2.0, 4.0, math.inf],
+        help="requests per second (inf: all at once)",
+    )
     parser.add_argument("--prompts", type=int, default=32, help="requests a run")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)

@@ -62,7 +62,7 @@ class ClientConfig:
     def ws_url(self, path: str) -> str:
         base = self.base_url
         if base.startswith("https://"):
-            return "wss://" + base[len("https://"):] + path
+            return "wss://" + base[len("https://") :] + path
         return "ws://" + base.removeprefix("http://") + path
 
 
@@ -183,7 +183,7 @@ def sse_payloads(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
         if not line.startswith("data: "):
             continue
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         if data == "[DONE]":
             return
         yield json.loads(data)

@@ -1,10 +1,10 @@
 """Async client for streaming-input sessions, over REST (JSON/SSE) or a websocket.
 
-    async with AsyncSessionsClient() as client:
-        async with client.sessions.create(defaults={"temperature": 0}) as session:
-            reply = await session.send("The meeting started at nine.")
-            async for delta in session.stream(" Then lunch."):
-                print(delta.text, end="")
+async with AsyncSessionsClient() as client:
+    async with client.sessions.create(defaults={"temperature": 0}) as session:
+        reply = await session.send("The meeting started at nine.")
+        async for delta in session.stream(" Then lunch."):
+            print(delta.text, end="")
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class AsyncSessionsClient:
                     raise error_from_response(response)
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
-                        data = line[len("data: "):]
+                        data = line[len("data: ") :]
                         if data == "[DONE]":
                             return
                         yield json.loads(data)
@@ -189,8 +189,10 @@ class AsyncSession:
         config = self._client.config
         try:
             self._ws = await connect(
-                config.ws_url(f"/v1/sessions/{self.id}/ws"), additional_headers=config.headers,
-                open_timeout=config.timeout, max_size=None,
+                config.ws_url(f"/v1/sessions/{self.id}/ws"),
+                additional_headers=config.headers,
+                open_timeout=config.timeout,
+                max_size=None,
             )
             hello = json.loads(await self._ws.recv())
         except (OSError, WebSocketException, TimeoutError) as exc:

@@ -23,7 +23,9 @@ from clients.sync_client import Session, SessionsClient
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="streamsess", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="streamsess", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", help=f"server URL (default ${BASE_URL_ENV} or http://127.0.0.1:8000)")
     parser.add_argument("--api-key", help=f"bearer key (default ${API_KEY_ENV})")
     parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for the server")
@@ -39,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no per-chunk figures on stderr")
 
     commands.add_parser("list", help="list your open sessions")
-    for name, text in (("show", "a session's state"), ("transcript", "a session's context"), ("close", "close a session")):
+    for name, text in (
+        ("show", "a session's state"),
+        ("transcript", "a session's context"),
+        ("close", "close a session"),
+    ):
         command = commands.add_parser(name, help=text)
         command.add_argument("session_id")
     return parser
@@ -63,7 +69,9 @@ def describe_reply(reply: ChunkReply, position: str, ttft_s: float | None, elaps
     )
 
 
-def run_session(session: Session, chunks: Iterable[str], total: int | None, args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
+def run_session(
+    session: Session, chunks: Iterable[str], total: int | None, args: argparse.Namespace, out: IO[str], err: IO[str]
+) -> int:
     options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     started = time.monotonic()
     count = 0

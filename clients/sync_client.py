@@ -1,10 +1,10 @@
 """Blocking client for streaming-input sessions, over REST (JSON/SSE) or a websocket.
 
-    with SessionsClient() as client:
-        with client.sessions.create(defaults={"temperature": 0}) as session:
-            reply = session.send("The meeting started at nine.")
-            for delta in session.stream(" Then lunch."):
-                print(delta.text, end="")
+with SessionsClient() as client:
+    with client.sessions.create(defaults={"temperature": 0}) as session:
+        reply = session.send("The meeting started at nine.")
+        for delta in session.stream(" Then lunch."):
+            print(delta.text, end="")
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ class SessionsClient:
         max_retries: int | None = None,
     ):
         self.config = ClientConfig.resolve(base_url, api_key, timeout, max_retries)
-        self._http = httpx.Client(base_url=self.config.base_url, headers=self.config.headers, timeout=self.config.timeout)
+        self._http = httpx.Client(
+            base_url=self.config.base_url, headers=self.config.headers, timeout=self.config.timeout
+        )
         self.sessions = Sessions(self)
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
@@ -154,8 +156,10 @@ class Session:
         try:
             # Entered by hand: the connection outlives this call and closes in close().
             self._ws = connect(
-                config.ws_url(f"/v1/sessions/{self.id}/ws"), additional_headers=config.headers,
-                open_timeout=config.timeout, max_size=None,
+                config.ws_url(f"/v1/sessions/{self.id}/ws"),
+                additional_headers=config.headers,
+                open_timeout=config.timeout,
+                max_size=None,
             ).__enter__()
             hello = json.loads(self._ws.recv(timeout=config.timeout))
         except (OSError, WebSocketException, TimeoutError) as exc:
@@ -214,7 +218,9 @@ class Session:
                 self._ws.send(json.dumps({"type": "session.close"}))
                 # Wait for the server's word, so the close is done when we return.
                 with contextlib.suppress(TimeoutError):
-                    while json.loads(self._ws.recv(timeout=self._client.config.timeout)).get("type") != "session.closed":
+                    while (
+                        json.loads(self._ws.recv(timeout=self._client.config.timeout)).get("type") != "session.closed"
+                    ):
                         pass
                 self._ws.close()
                 return

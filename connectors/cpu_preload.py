@@ -21,8 +21,12 @@ import sys
 from pathlib import Path
 
 # Where Debian/Ubuntu (libtcmalloc-minimal4, libgoogle-perftools4) and RHEL put tcmalloc.
-TCMALLOC_GLOBS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/*-linux-gnu/libtcmalloc.so.4",
-                  "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc.so.4")
+TCMALLOC_GLOBS = (
+    "/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/*-linux-gnu/libtcmalloc.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+    "/usr/lib64/libtcmalloc.so.4",
+)
 # Names vLLM reads as an OpenMP runtime in LD_PRELOAD (vllm/utils/ompmultiprocessing.py).
 OPENMP_RUNTIMES = ("libiomp", "libomp", "libgomp")
 

@@ -110,8 +110,7 @@ class DiskIndex:
         self._pool = ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="streamsess-disk-tier-check")
         self._root = f"{mapper.base_path}_r{mapper.rank}"
         self._removed: set[OffloadKey] = set()  # while the walk runs: not to be merged back
-        self._walk: Future[tuple[list[tuple[int, OffloadKey, int]], float]] | None = self._pool.submit(
-            self._timed_scan)
+        self._walk: Future[tuple[list[tuple[int, OffloadKey, int]], float]] | None = self._pool.submit(self._timed_scan)
 
     def _timed_scan(self) -> tuple[list[tuple[int, OffloadKey, int]], float]:
         started = time.monotonic()
@@ -133,14 +132,20 @@ class DiskIndex:
         """The walk's files, oldest first, before the ones used since it began."""
         self._walk = None
         used_since = self.files
-        self.files = OrderedDict((key, size) for _, key, size in found
-                                 if key not in used_since and key not in self._removed)
+        self.files = OrderedDict(
+            (key, size) for _, key, size in found if key not in used_since and key not in self._removed
+        )
         self.files.update(used_since)
         self.bytes = sum(self.files.values())
         self._removed.clear()
         self._evict()
-        logger.info("disk tier: %d files, %.1f MiB, in %s (indexed in %.2f s)", len(self.files),
-                    self.bytes / 2**20, self._root, seconds)
+        logger.info(
+            "disk tier: %d files, %.1f MiB, in %s (indexed in %.2f s)",
+            len(self.files),
+            self.bytes / 2**20,
+            self._root,
+            seconds,
+        )
 
     def path(self, key: OffloadKey) -> str:
         return self.mapper.get_file_name(key)
@@ -352,7 +357,7 @@ def whole_file(data: bytes) -> bool:
     if len(data) < HEADER.size:
         return False
     magic, size, crc = HEADER.unpack_from(data)
-    payload = memoryview(data)[HEADER.size:]
+    payload = memoryview(data)[HEADER.size :]
     return magic == MAGIC and size == len(payload) and zlib.crc32(payload) == crc
 
 

@@ -86,16 +86,20 @@ FORMAT = "streamsess-kv-v1"  # in the namespace: a new format never reads an old
 SAMPLES, SAMPLE_BYTES = 64, 64 * 1024
 # Prometheus, through vLLM's offloading metrics (the gauges, then the counters).
 METRIC_PREFIX = "vllm:kv_offload_disk_tier_"
-GAUGES = {"bytes": "Bytes of KV files in the disk tier this replica knows (queued writes included).",
-          "files": "KV files in the disk tier this replica knows (queued writes included).",
-          "directory_bytes": "A shared disk tier: bytes of every replica's files, at the last sweep.",
-          "cap_bytes": "The disk tier's size cap."}
-COUNTERS = {"hits": "Disk-tier lookups that found a whole file.",
-            "misses": "Disk-tier lookups (of keys not in host memory) that found none.",
-            "foreign_hits": "A shared disk tier: hits on files another replica wrote.",
-            "evictions": "Disk-tier files deleted to keep the tier within its size.",
-            "checksum_failures": "Disk-tier files that failed their checksum (deleted: a miss).",
-            "vanished": "A shared disk tier: files another replica deleted after this one saw them (a miss)."}
+GAUGES = {
+    "bytes": "Bytes of KV files in the disk tier this replica knows (queued writes included).",
+    "files": "KV files in the disk tier this replica knows (queued writes included).",
+    "directory_bytes": "A shared disk tier: bytes of every replica's files, at the last sweep.",
+    "cap_bytes": "The disk tier's size cap.",
+}
+COUNTERS = {
+    "hits": "Disk-tier lookups that found a whole file.",
+    "misses": "Disk-tier lookups (of keys not in host memory) that found none.",
+    "foreign_hits": "A shared disk tier: hits on files another replica wrote.",
+    "evictions": "Disk-tier files deleted to keep the tier within its size.",
+    "checksum_failures": "Disk-tier files that failed their checksum (deleted: a miss).",
+    "vanished": "A shared disk tier: files another replica deleted after this one saw them (a miss).",
+}
 # The writer's backlog, at most: a 8,192-token prefill of the bench model in float32
 # stores about 380 MB in one step, and a write dropped is a miss after a restart.
 WRITE_QUEUE_BYTES = 1 << 30
@@ -132,8 +136,12 @@ def file_mapper(spec: Any) -> FileMapper:
     the same weights at another path (a moved cache, another replica's mount) share files
     and other weights at the same path (a checkpoint replaced in place) share none."""
     weights = weights_fingerprint(spec.config.model.name)
-    namespace = {"format": FORMAT, "weights": weights,
-                 "kv_bytes_per_chunk": spec.kv_bytes_per_chunk, "blocks_per_chunk": spec.blocks_per_chunk}
+    namespace = {
+        "format": FORMAT,
+        "weights": weights,
+        "kv_bytes_per_chunk": spec.kv_bytes_per_chunk,
+        "blocks_per_chunk": spec.blocks_per_chunk,
+    }
     name = hashlib.sha256(repr(sorted(namespace.items())).encode()).hexdigest()[:16]
     config = replace(spec.config, model=replace(spec.config.model, name=f"weights-{weights[:16]}"))
     renamed: Any = SimpleNamespace(config=config)  # all that from_offloading_spec reads of a spec
@@ -192,8 +200,10 @@ class DiskTierManager(CPUOffloadingManager):
         self._prepare_load(in_host, req_context, record_access=True)
         taken = super().prepare_store(from_disk, req_context)
         if taken is None or len(taken.keys_to_store) != len(from_disk):
-            raise RuntimeError("disk tier: no room in the CPU tier for a disk hit (every chunk is in use); "
-                               "give the CPU tier more room (cpu_tier_gib)")
+            raise RuntimeError(
+                "disk tier: no room in the CPU tier for a disk hit (every chunk is in use); "
+                "give the CPU tier more room (cpu_tier_gib)"
+            )
         super().complete_store(from_disk, req_context)  # filled by the worker before the load reads them
         self._prepare_load(from_disk, req_context, record_access=True)
         self.disk.pin(from_disk)
@@ -221,8 +231,11 @@ class DiskTierManager(CPUOffloadingManager):
         new = [(key, chunk) for key, chunk in zip(output.keys_to_store, chunk_ids) if not self.disk.has(key)]
         writes = [(chunk, get_offload_group_idx(key), self.disk.path(key)) for key, chunk in new]
         self.disk.add(key for key, _ in new)
-        return PrepareStoreOutput(keys_to_store=output.keys_to_store, store_spec=DiskFiles(chunk_ids, writes),
-                                  evicted_keys=output.evicted_keys)
+        return PrepareStoreOutput(
+            keys_to_store=output.keys_to_store,
+            store_spec=DiskFiles(chunk_ids, writes),
+            evicted_keys=output.evicted_keys,
+        )
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.DISK if key in self._loading_from_disk else super().get_load_source(key, req_context)
@@ -252,8 +265,15 @@ class DiskTierWorker(HostTierWorker):
     of its pages taken when the store completes: the chunk may be reused after) and
     reading a disk hit's file into its host chunk before the load copies it."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int,
-                 fsync: bool, queue_bytes: int, **kwargs: Any):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        num_chunks: int,
+        fsync: bool,
+        queue_bytes: int,
+        **kwargs: Any,
+    ):
         super().__init__(kv_caches, blocks_per_chunk, num_chunks, **kwargs)
         self._writes: dict[int, list[tuple[int, int, str]]] = {}
         self._writer = FileWriter(fsync, queue_bytes, writer_cpus())
@@ -266,8 +286,10 @@ class DiskTierWorker(HostTierWorker):
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         if isinstance(src_spec, DiskFiles):
-            reads = [self._readers.submit(self._read, chunk, group, path, path not in src_spec.locked)
-                     for chunk, group, path in src_spec.files]
+            reads = [
+                self._readers.submit(self._read, chunk, group, path, path not in src_spec.locked)
+                for chunk, group, path in src_spec.files
+            ]
             for read in reads:
                 read.result()  # every file in its host chunk before the copy; a failed read raises
         return super().submit_load(job_id, src_spec, dst_spec)
@@ -276,8 +298,9 @@ class DiskTierWorker(HostTierWorker):
         finished = super().get_finished()
         for result in finished:
             for chunk, group, path in self._writes.pop(result.job_id, ()):
-                self._writer.put(path, [self.host_pages[t][chunk].numpy().tobytes()
-                                        for t in self.group_tensor_ids[group]])
+                self._writer.put(
+                    path, [self.host_pages[t][chunk].numpy().tobytes() for t in self.group_tensor_ids[group]]
+                )
         return finished
 
     def flush(self) -> int:
@@ -311,19 +334,26 @@ class DiskTierOffloadingSpec(HostTierOffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         definitions = super().build_metric_definitions(extra_config)
-        definitions.update({METRIC_PREFIX + name: OffloadingGaugeMetadata(documentation=text)
-                            for name, text in GAUGES.items()})
-        definitions.update({METRIC_PREFIX + name: OffloadingCounterMetadata(documentation=text)
-                            for name, text in COUNTERS.items()})
+        definitions.update(
+            {METRIC_PREFIX + name: OffloadingGaugeMetadata(documentation=text) for name, text in GAUGES.items()}
+        )
+        definitions.update(
+            {METRIC_PREFIX + name: OffloadingCounterMetadata(documentation=text) for name, text in COUNTERS.items()}
+        )
         return definitions
 
     def get_manager(self) -> DiskTierManager:
         if self._manager is None:
-            disk = DiskIndex(file_mapper(self), int(self.extra_config[DISK_TIER_BYTES_KEY]),
-                             HEADER.size + self.kv_bytes_per_chunk,
-                             shared=bool(self.extra_config.get(DISK_TIER_SHARED_KEY, False)))
+            disk = DiskIndex(
+                file_mapper(self),
+                int(self.extra_config[DISK_TIER_BYTES_KEY]),
+                HEADER.size + self.kv_bytes_per_chunk,
+                shared=bool(self.extra_config.get(DISK_TIER_SHARED_KEY, False)),
+            )
             self._manager = DiskTierManager(
-                disk, num_chunks=self.num_chunks, cache_policy=self.eviction_policy,
+                disk,
+                num_chunks=self.num_chunks,
+                cache_policy=self.eviction_policy,
                 cache_policy_module_path=self.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
             )
@@ -332,12 +362,16 @@ class DiskTierOffloadingSpec(HostTierOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if platform_has_upstream_worker():
-            raise RuntimeError("the disk tier runs on the CPU platform's host tier only; on a GPU use vLLM's "
-                               "TieringOffloadingSpec with its file-system tier")
+            raise RuntimeError(
+                "the disk tier runs on the CPU platform's host tier only; on a GPU use vLLM's "
+                "TieringOffloadingSpec with its file-system tier"
+            )
         if self._host_worker is None:
             extra = self.extra_config
             self._host_worker = DiskTierWorker(
-                kv_caches, self.blocks_per_chunk, self.num_chunks,
+                kv_caches,
+                self.blocks_per_chunk,
+                self.num_chunks,
                 fsync=bool(extra.get(DISK_TIER_FSYNC_KEY, False)),
                 queue_bytes=int(extra.get(DISK_TIER_WRITE_QUEUE_BYTES_KEY, WRITE_QUEUE_BYTES)),
                 copy_thread=tier_copy_thread_wanted(extra),

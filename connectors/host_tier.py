@@ -103,7 +103,11 @@ class HostTierWorker(OffloadingWorker):
     """
 
     def __init__(
-        self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int, copy_thread: bool = False,
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        num_chunks: int,
+        copy_thread: bool = False,
         thread_min_load_bytes: int = 0,
     ):
         self.blocks_per_chunk = blocks_per_chunk
@@ -134,7 +138,9 @@ class HostTierWorker(OffloadingWorker):
         self._copier = _CopyThread(self._copy, spare) if spare else None
         if copy_thread:
             logger.info(
-                "CPU-tier copies: %s", f"on a copy thread, on CPUs {sorted(spare)}" if spare
+                "CPU-tier copies: %s",
+                f"on a copy thread, on CPUs {sorted(spare)}"
+                if spare
                 else "inline (every CPU of this engine runs a compute thread, so a copy thread would only take from them)",
             )
 
@@ -209,8 +215,9 @@ class HostTierWorker(OffloadingWorker):
             num_chunks = cdiv(skip + group_size, self.blocks_per_chunk)
             device_blocks = device_spec.block_ids[device_offset : device_offset + group_size]
             chunks = host_spec.block_ids[chunk_offset : chunk_offset + num_chunks]
-            host_rows = (chunks.astype(np.int64)[:, None] * self.blocks_per_chunk
-                         + np.arange(self.blocks_per_chunk)).ravel()[skip : skip + group_size]
+            host_rows = (
+                chunks.astype(np.int64)[:, None] * self.blocks_per_chunk + np.arange(self.blocks_per_chunk)
+            ).ravel()[skip : skip + group_size]
             runs = _contiguous_runs(device_blocks, host_rows)
             plan.extend((tensor_idx, runs) for tensor_idx in self.group_tensor_ids[group_idx])
             device_offset += group_size
@@ -404,7 +411,9 @@ class HostTierOffloadingSpec(CPUOffloadingSpec):
             return super().get_worker(kv_caches)
         if self._host_worker is None:
             self._host_worker = HostTierWorker(
-                kv_caches, self.blocks_per_chunk, self.num_chunks,
+                kv_caches,
+                self.blocks_per_chunk,
+                self.num_chunks,
                 copy_thread=tier_copy_thread_wanted(self.extra_config),
                 thread_min_load_bytes=int((self.extra_config or {}).get(TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY, 0)),
             )

@@ -70,8 +70,11 @@ def _count_resumed_chunks() -> str:
         if getattr(session, "prefill_stats", ()) is None:  # taken by the chunk before; vLLM makes none
             stats = PrefillStats()
             # The chunk computes what follows the request's computed context.
-            stats.set(num_prompt_tokens=session.num_tokens - session.num_computed_tokens,
-                      num_local_cached_tokens=0, num_external_cached_tokens=0)
+            stats.set(
+                num_prompt_tokens=session.num_tokens - session.num_computed_tokens,
+                num_local_cached_tokens=0,
+                num_external_cached_tokens=0,
+            )
             session.prefill_stats = stats
 
     Scheduler._update_request_as_session = update_request_as_session  # type: ignore[method-assign]
@@ -87,11 +90,17 @@ def _record_chunk_ends() -> str:
     if update_stats is None or not all(callable(getattr(OutputProcessor, name, None)) for name in needed):
         return _nothing_done("the output processor is not the one this plugin mends")
     if list(inspect.signature(update_stats).parameters) != [
-            "self", "req_state", "engine_core_output", "engine_core_timestamp", "iteration_stats"]:
+        "self",
+        "req_state",
+        "engine_core_output",
+        "engine_core_timestamp",
+        "iteration_stats",
+    ]:
         return _nothing_done("the output processor's statistics take other arguments")
 
-    def update_stats_from_output(self: Any, req_state: Any, engine_core_output: Any,
-                                 engine_core_timestamp: float | None, iteration_stats: Any) -> None:
+    def update_stats_from_output(
+        self: Any, req_state: Any, engine_core_output: Any, engine_core_timestamp: float | None, iteration_stats: Any
+    ) -> None:
         update_stats(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats)
         finish_reason = engine_core_output.finish_reason
         if iteration_stats is None or finish_reason is None or not req_state.streaming_input:

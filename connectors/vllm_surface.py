@@ -28,21 +28,53 @@ OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading"
 SURFACE: dict[str, tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...]] = {
     "offloading": (
         ("vllm.distributed.kv_transfer.kv_connector.utils", "yield_req_data", (), ()),
-        (f"{OFFLOADING}.scheduler", "OffloadingConnectorScheduler",
-         ("_calc_num_offloadable_tokens", "_update_req_states", "build_connector_meta", "update_connector_output",
-          "update_state_after_alloc", "get_num_new_matched_tokens"),
-         ("_req_status", "_jobs", "_chunks_being_loaded", "_current_batch_load_jobs", "manager")),
-        (f"{OFFLOADING}_connector", "OffloadingConnector",
-         ("register_kv_caches", "bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
-          "clear_connector_metadata", "get_finished"),
-         ("connector_scheduler", "connector_worker", "_kv_transfer_config")),
+        (
+            f"{OFFLOADING}.scheduler",
+            "OffloadingConnectorScheduler",
+            (
+                "_calc_num_offloadable_tokens",
+                "_update_req_states",
+                "build_connector_meta",
+                "update_connector_output",
+                "update_state_after_alloc",
+                "get_num_new_matched_tokens",
+            ),
+            ("_req_status", "_jobs", "_chunks_being_loaded", "_current_batch_load_jobs", "manager"),
+        ),
+        (
+            f"{OFFLOADING}_connector",
+            "OffloadingConnector",
+            (
+                "register_kv_caches",
+                "bind_connector_metadata",
+                "start_load_kv",
+                "wait_for_layer_load",
+                "clear_connector_metadata",
+                "get_finished",
+            ),
+            ("connector_scheduler", "connector_worker", "_kv_transfer_config"),
+        ),
         ("vllm.v1.kv_offload.cpu.spec", "CPUOffloadingSpec", ("get_worker",), ("extra_config",)),
     ),
     # With a disk tier (connectors.disk_tier), checked besides "offloading".
     "disk_tier": (
-        ("vllm.v1.kv_offload.cpu.manager", "CPUOffloadingManager",
-         ("lookup", "prepare_load", "_prepare_load", "complete_load", "touch", "prepare_store", "complete_store",
-          "get_load_source", "reset_cache", "get_stats"), ("_policy",)),
+        (
+            "vllm.v1.kv_offload.cpu.manager",
+            "CPUOffloadingManager",
+            (
+                "lookup",
+                "prepare_load",
+                "_prepare_load",
+                "complete_load",
+                "touch",
+                "prepare_store",
+                "complete_store",
+                "get_load_source",
+                "reset_cache",
+                "get_stats",
+            ),
+            ("_policy",),
+        ),
         (f"{OFFLOADING}_connector", "OffloadingConnector", ("get_external_cache_hit_sources",), ()),
         (f"{OFFLOADING}.scheduler", "OffloadingConnectorScheduler", ("_lookup",), ()),
         (f"{OFFLOADING}.scheduler", "RequestOffloadState", ("update_offload_keys",), ("group_states",)),
@@ -51,10 +83,18 @@ SURFACE: dict[str, tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...]
     ),
     "simple": (
         ("vllm.distributed.kv_transfer.kv_connector.utils", "yield_req_data", (), ()),
-        ("vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler",
-         ("_prepare_eager_store_specs",), ("_reqs_to_store", "cpu_kv_cache_config")),
-        ("vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector", "SimpleCPUOffloadConnector",
-         (), ("scheduler_manager", "_kv_transfer_config")),
+        (
+            "vllm.v1.simple_kv_offload.manager",
+            "SimpleCPUOffloadScheduler",
+            ("_prepare_eager_store_specs",),
+            ("_reqs_to_store", "cpu_kv_cache_config"),
+        ),
+        (
+            "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector",
+            "SimpleCPUOffloadConnector",
+            (),
+            ("scheduler_manager", "_kv_transfer_config"),
+        ),
     ),
 }
 
@@ -65,13 +105,21 @@ SURFACE: dict[str, tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...]
 # (vLLM 0.34 added a _build_connector_meta, which was a helper's name here).
 SUBCLASSES: dict[str, tuple[tuple[str, str, str, str], ...]] = {
     "offloading": (
-        ("connectors.offloading", "StreamingSafeOffloadingScheduler",
-         f"{OFFLOADING}.scheduler", "OffloadingConnectorScheduler"),
+        (
+            "connectors.offloading",
+            "StreamingSafeOffloadingScheduler",
+            f"{OFFLOADING}.scheduler",
+            "OffloadingConnectorScheduler",
+        ),
         ("connectors.offloading", "StreamingSafeOffloadingConnector", f"{OFFLOADING}_connector", "OffloadingConnector"),
     ),
     "simple": (
-        ("connectors.simple", "StreamingSafeSimpleCPUOffloadScheduler",
-         "vllm.v1.simple_kv_offload.manager", "SimpleCPUOffloadScheduler"),
+        (
+            "connectors.simple",
+            "StreamingSafeSimpleCPUOffloadScheduler",
+            "vllm.v1.simple_kv_offload.manager",
+            "SimpleCPUOffloadScheduler",
+        ),
     ),
 }
 

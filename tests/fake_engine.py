@@ -108,8 +108,9 @@ class FakeEngine:
                         await self._tokens.acquire()
                     token = self.next_token(context)
                     context.append(token)
-                    yield FakeOutput([Completion([token], self.tokenizer.decode([token]),
-                                                 "length" if produced == wanted else None)])
+                    yield FakeOutput(
+                        [Completion([token], self.tokenizer.decode([token]), "length" if produced == wanted else None)]
+                    )
                 context.pop()  # vLLM drops each chunk's last sampled token on resume
                 if request_id in self.end_after_chunk:
                     self.end_after_chunk.discard(request_id)

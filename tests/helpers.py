@@ -171,8 +171,7 @@ def live_request_ids(engine: Any) -> set[str]:
     """External ids of the requests the engine still tracks (vLLM suffixes its
     internal ids, so the raw keys never equal ours)."""
     return {
-        getattr(state, "external_req_id", None) or key
-        for key, state in engine.output_processor.request_states.items()
+        getattr(state, "external_req_id", None) or key for key, state in engine.output_processor.request_states.items()
     }
 
 
@@ -206,7 +205,8 @@ async def reset_device_prefix_cache(engine: Any, timeout_s: float = 10.0) -> Non
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not await engine.reset_prefix_cache():
         assert asyncio.get_running_loop().time() < deadline, (
-            f"device cache reset refused for {timeout_s} s: live requests {sorted(live_request_ids(engine))}")
+            f"device cache reset refused for {timeout_s} s: live requests {sorted(live_request_ids(engine))}"
+        )
         await asyncio.sleep(0.05)
 
 
@@ -237,7 +237,9 @@ async def running_app(settings: Settings, engine: Any) -> AsyncIterator[str]:
     from app.main import create_app, uvicorn_config
 
     app = create_app(settings, engine=engine)
-    uv_server = uvicorn.Server(uvicorn_config(app, settings, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    uv_server = uvicorn.Server(
+        uvicorn_config(app, settings, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    )
     task = asyncio.create_task(uv_server.serve())
     while not uv_server.started:
         if task.done():

@@ -44,8 +44,7 @@ async def reset_device_cache(request: Request, engine: EngineDep, service: Servi
     if not await engine.reset_prefix_cache(reset_running_requests=False, reset_connector=False):
         raise APIError(
             409,
-            "The device cache is in use (open sessions or running requests hold blocks); "
-            "close them and retry.",
+            "The device cache is in use (open sessions or running requests hold blocks); close them and retry.",
             code="device_cache_in_use",
         )
     return ResetCacheResponse(device_cache_reset=True)

@@ -122,8 +122,9 @@ class OutputItems:
             if number not in self.calls:
                 steps += self._open_call(number, call.name)
             steps.append(CallClosed(self.calls[number], call, status))
-        steps += [CallClosed(streamed, None, "incomplete") for number, streamed in self.calls.items()
-                  if number >= len(calls)]
+        steps += [
+            CallClosed(streamed, None, "incomplete") for number, streamed in self.calls.items() if number >= len(calls)
+        ]
         return steps
 
     def _open_message(self) -> list[Step]:

@@ -25,12 +25,17 @@ REASONS = {
 }
 
 
-@router.get(READY_PATH, responses={503: {"description": "Not ready: the error's code says why",
-                                         "model": OpenAIErrorBody}})
+@router.get(
+    READY_PATH, responses={503: {"description": "Not ready: the error's code says why", "model": OpenAIErrorBody}}
+)
 async def ready(service: ServiceDep) -> JSONResponse:
     """200 when this server takes new work; otherwise 503, its code the first reason."""
     reasons = await service.not_ready()
     if reasons:
-        raise APIError(503, "Not ready: " + "; ".join(REASONS[reason] for reason in reasons) + ".",
-                       code=reasons[0], headers={"Retry-After": "1"})
+        raise APIError(
+            503,
+            "Not ready: " + "; ".join(REASONS[reason] for reason in reasons) + ".",
+            code=reasons[0],
+            headers={"Retry-After": "1"},
+        )
     return JSONResponse({"status": "ready"})

@@ -72,8 +72,9 @@ class APIKeyMiddleware:
             state["owner"] = ANONYMOUS
             await self.app(scope, receive, send)
             return
-        await send_refusal(scope, receive, send, unauthorized(), ws_close_code=1008,
-                           extra_headers=[(b"www-authenticate", b"Bearer")])
+        await send_refusal(
+            scope, receive, send, unauthorized(), ws_close_code=1008, extra_headers=[(b"www-authenticate", b"Bearer")]
+        )
 
 
 def owner_of(scope: Scope) -> str:

@@ -8,8 +8,9 @@ from app.errors import APIError
 
 
 def body_too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"The request body exceeds {max_bytes} bytes.", code="request_too_large",
-                    type="invalid_request_error")
+    return APIError(
+        413, f"The request body exceeds {max_bytes} bytes.", code="request_too_large", type="invalid_request_error"
+    )
 
 
 async def read_body(receive: Receive, max_bytes: int | None = None) -> bytes | None:

@@ -39,8 +39,9 @@ DirectHandler = Callable[[Scope, Receive, str, Any], Awaitable[Response]]
 class DirectRoute:
     """``POST {prefix}{param}{suffix}`` with a ``model`` body, answered by ``handler``."""
 
-    def __init__(self, app: ASGIApp, *, prefix: str, suffix: str, model: type[BaseModel],
-                 handler: DirectHandler) -> None:
+    def __init__(
+        self, app: ASGIApp, *, prefix: str, suffix: str, model: type[BaseModel], handler: DirectHandler
+    ) -> None:
         self.app = app
         self.prefix = prefix
         self.suffix = suffix
@@ -54,7 +55,7 @@ class DirectRoute:
         path: str = scope["path"]
         if not (path.startswith(self.prefix) and path.endswith(self.suffix)):
             return None
-        param = path[len(self.prefix):len(path) - len(self.suffix)]
+        param = path[len(self.prefix) : len(path) - len(self.suffix)]
         if not param or "/" in param:
             return None
         for name, value in scope["headers"]:

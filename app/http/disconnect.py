@@ -25,9 +25,7 @@ class CancellableWork(Cancellable, Protocol[T_co]):
     def result(self) -> Awaitable[T_co]: ...
 
 
-async def cancel_on_disconnect(
-    receive: Callable[[], Awaitable[MutableMapping[str, Any]]], work: Cancellable
-) -> None:
+async def cancel_on_disconnect(receive: Callable[[], Awaitable[MutableMapping[str, Any]]], work: Cancellable) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
     work.cancel()

@@ -28,8 +28,10 @@ async def vllm_answer(call: Awaitable[Response], request: Request) -> Response:
     try:
         response = await call
     except Exception as exc:
-        handler = next((request.app.exception_handlers[cls] for cls in type(exc).__mro__
-                        if cls in request.app.exception_handlers), None)
+        handler = next(
+            (request.app.exception_handlers[cls] for cls in type(exc).__mro__ if cls in request.app.exception_handlers),
+            None,
+        )
         if handler is None:
             raise
         response = await handler(request, exc)
@@ -81,9 +83,15 @@ def openai_error_bytes(status: int, body: bytes) -> bytes | None:
 # Anthropic's routes (vLLM's): Anthropic's SDK reads its own error shape,
 # {"type": "error", "error": {"type", "message"}}, with these types.
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                         503: "overloaded_error"}
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def anthropic_error_bytes(status: int, body: bytes) -> bytes | None:
@@ -103,9 +111,14 @@ def reshaping_errors(send: Send, reshape: Callable[[int, bytes], bytes | None]) 
     held: list[Message] = []
 
     async def reshaping_send(message: Message) -> None:
-        if message["type"] == "http.response.start" and message["status"] >= 400 and any(
+        if (
+            message["type"] == "http.response.start"
+            and message["status"] >= 400
+            and any(
                 name == b"content-type" and value.startswith(b"application/json")
-                for name, value in message.get("headers", ())):
+                for name, value in message.get("headers", ())
+            )
+        ):
             held.append(message)
             return
         if not held or message["type"] != "http.response.body":
@@ -170,8 +183,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error = APIError(exc.status_code, str(exc.detail or status_phrase(exc.status_code)),
-                         code=status_code(exc.status_code))
+        error = APIError(
+            exc.status_code, str(exc.detail or status_phrase(exc.status_code)), code=status_code(exc.status_code)
+        )
         headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 405:
             headers["Allow"] = ", ".join(allowed_methods(request))
@@ -189,7 +203,8 @@ def declare_error_codes(schema: dict[str, Any]) -> None:
     info = components.get("ErrorInfo")
     if info is not None and "code" in info.get("properties", {}):
         info["properties"]["code"] = {
-            "anyOf": [{"type": "string"}, {"type": "null"}], "title": "Code",
+            "anyOf": [{"type": "string"}, {"type": "null"}],
+            "title": "Code",
         }
     if "ErrorResponse" in components:
         _declare_middleware_errors(schema)
@@ -234,9 +249,7 @@ def allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
-async def send_http_error(
-    send: Send, error: APIError, extra_headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
+async def send_http_error(send: Send, error: APIError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """Answer an HTTP request from ASGI middleware with an OpenAI-shaped error."""
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -246,8 +259,13 @@ async def send_http_error(
 
 
 async def send_refusal(
-    scope: Scope, receive: Receive, send: Send, error: APIError, *,
-    ws_close_code: int, extra_headers: list[tuple[bytes, bytes]] | None = None,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    error: APIError,
+    *,
+    ws_close_code: int,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     """Refuse a request from ASGI middleware: HTTP gets the error response; a
     websocket is accepted, told why in an error event, and closed with

@@ -48,20 +48,31 @@ class ContextFilter(logging.Filter):
 
 def logging_config(level: str) -> dict[str, Any]:
     """``logging.config.dictConfig``'s form, for this process and vLLM's (JSON-safe)."""
-    handler = {"class": "logging.StreamHandler", "formatter": "json", "filters": ["context"],
-               "stream": "ext://sys.stderr", "level": level.upper()}
+    handler = {
+        "class": "logging.StreamHandler",
+        "formatter": "json",
+        "filters": ["context"],
+        "stream": "ext://sys.stderr",
+        "level": level.upper(),
+    }
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "filters": {"context": {"()": f"{__name__}.ContextFilter"}},
-        "formatters": {"json": {"()": "pythonjsonlogger.json.JsonFormatter",
-                                "fmt": " ".join(f"%({field})s" for field in FIELDS),
-                                "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"}}},
+        "formatters": {
+            "json": {
+                "()": "pythonjsonlogger.json.JsonFormatter",
+                "fmt": " ".join(f"%({field})s" for field in FIELDS),
+                "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
+            }
+        },
         "handlers": {"json": handler},
         "root": {"handlers": ["json"], "level": level.upper()},
         # vLLM's logger does not propagate (vllm.logger): it gets the handler itself.
-        "loggers": {name: {"handlers": ["json"], "level": level.upper(), "propagate": False}
-                    for name in ("vllm", "uvicorn", "uvicorn.access", "uvicorn.error")},
+        "loggers": {
+            name: {"handlers": ["json"], "level": level.upper(), "propagate": False}
+            for name in ("vllm", "uvicorn", "uvicorn.access", "uvicorn.error")
+        },
     }
 
 
@@ -93,7 +104,9 @@ class RequestContextMiddleware:
             return
         headers = dict(scope.get("headers", ()))
         request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
-        named = PATH_ID.match(scope.get("path", "")) or QUERY_ID.search(scope.get("query_string", b"").decode("latin-1"))
+        named = PATH_ID.match(scope.get("path", "")) or QUERY_ID.search(
+            scope.get("query_string", b"").decode("latin-1")
+        )
         request_token = REQUEST_ID.set(request_id)
         conversation_token = CONVERSATION_ID.set(named.group(1) if named else None)
         header = (b"x-request-id", request_id.encode("latin-1"))

@@ -75,8 +75,12 @@ ENGINE_FREE_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json",
 
 
 def engine_dead_error() -> APIError:
-    return APIError(503, "The engine has died; this server is restarting. Retry shortly: sessions are kept "
-                    "in the store.", code="engine_dead", headers={"Retry-After": "5"})
+    return APIError(
+        503,
+        "The engine has died; this server is restarting. Retry shortly: sessions are kept in the store.",
+        code="engine_dead",
+        headers={"Retry-After": "5"},
+    )
 
 
 class AnthropicErrorMiddleware:

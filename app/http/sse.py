@@ -23,8 +23,11 @@ from app.http.disconnect import cancel_on_disconnect
 
 class EventStream(StreamingResponse):
     def __init__(self, frames: AsyncIterator[str]) -> None:
-        super().__init__(self._frames(), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            self._frames(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
         self._producer = asyncio.create_task(self._produce(frames))
 

@@ -61,8 +61,9 @@ def parse_event(raw: str) -> Any:
 
 
 class EventChannel:
-    def __init__(self, websocket: WebSocket, limits: KeyLimits, owner: str,
-                 refuse: Callable[[APIError], Awaitable[None]]) -> None:
+    def __init__(
+        self, websocket: WebSocket, limits: KeyLimits, owner: str, refuse: Callable[[APIError], Awaitable[None]]
+    ) -> None:
         self.websocket = websocket
         self._limits = limits
         self._owner = owner
@@ -106,8 +107,13 @@ class Worker(Generic[Job]):
     """Jobs run one at a time, in order, in a task of their own. A job that fails with
     an ``APIError`` is answered by ``failed`` and the next one runs."""
 
-    def __init__(self, run: Callable[[Job], Awaitable[None]], failed: Callable[[Job, APIError], Awaitable[None]],
-                 name: str, limit: int = MAX_QUEUED_JOBS) -> None:
+    def __init__(
+        self,
+        run: Callable[[Job], Awaitable[None]],
+        failed: Callable[[Job, APIError], Awaitable[None]],
+        name: str,
+        limit: int = MAX_QUEUED_JOBS,
+    ) -> None:
         self._run, self._failed = run, failed
         self._jobs: asyncio.Queue[Job] = asyncio.Queue(limit)
         self._task = asyncio.create_task(self._work(), name=name)
@@ -163,8 +169,9 @@ class EventConnection:
     async def closed(self) -> None:
         """Once the reading is over and every worker stopped."""
 
-    def worker(self, run: Callable[[Job], Awaitable[None]], failed: Callable[[Job, APIError], Awaitable[None]],
-               name: str) -> Worker[Job]:
+    def worker(
+        self, run: Callable[[Job], Awaitable[None]], failed: Callable[[Job, APIError], Awaitable[None]], name: str
+    ) -> Worker[Job]:
         worker = Worker(run, failed, f"{name}-{self.channel.connection_id}")
         self._workers.append(worker)
         return worker
@@ -184,10 +191,8 @@ class EventConnection:
                     event = parse_event(raw)
                     await self.receive(event)
                 except APIError as error:
-                    await self.send_error(error, error.event_id if error.event_id is not None
-                                          else self.about(event))
+                    await self.send_error(error, error.event_id if error.event_id is not None else self.about(event))
         finally:
             for worker in self._workers:
                 await worker.close()
             await self.closed()
-

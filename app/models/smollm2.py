@@ -99,8 +99,7 @@ def ensure_smollm2(cache_dir: Path) -> Path:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
     except OSError as error:
         raise _disk_error(error, cache_dir) from None
-    logger.info("model %s: converting %s to a bf16 Hugging Face directory (once; 30 to 100 s)",
-                PRESET_NAME, source)
+    logger.info("model %s: converting %s to a bf16 Hugging Face directory (once; 30 to 100 s)", PRESET_NAME, source)
     started = time.monotonic()
     try:
         _convert(source, staging)
@@ -149,7 +148,9 @@ def _convert(source: Path, out_dir: Path) -> None:
     # dequantize=True unpacks every tensor to floats (without it the weights stay packed
     # and save_pretrained refuses them).
     model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.bfloat16,
+        folder,
+        gguf_file=name,
+        dtype=torch.bfloat16,
         quantization_config=GgufConfig(gguf_file=name, dequantize=True),
     )
     # The saved directory is a plain bf16 checkpoint: no quantization left to declare.

@@ -71,8 +71,13 @@ class DeviceCapacity:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def load(self, engine: Any, holders: Iterable[HoldsDevice], session_request_ids: Container[str],
-             exclude: HoldsDevice | None = None) -> DeviceLoad:
+    def load(
+        self,
+        engine: Any,
+        holders: Iterable[HoldsDevice],
+        session_request_ids: Container[str],
+        exclude: HoldsDevice | None = None,
+    ) -> DeviceLoad:
         """Slots and blocks held by every live request but ``exclude``'s: our sessions'
         reservations (``holders``: the sessions whose device_tokens are not 0, so the
         walk is bounded by the device, not by how many sessions are open), and vLLM's

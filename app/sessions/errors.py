@@ -16,8 +16,10 @@ EXPIRED = "expired"
 
 def session_closed(session_id: str, reason: str | None) -> APIError:
     return APIError(
-        409, f"Session {session_id} is closed ({reason}); open a new session.",
-        code="session_closed", param="session_id",
+        409,
+        f"Session {session_id} is closed ({reason}); open a new session.",
+        code="session_closed",
+        param="session_id",
     )
 
 
@@ -27,15 +29,19 @@ def closed_while_answering(reason: str | None) -> APIError:
 
 def chunk_in_flight() -> APIError:
     return APIError(
-        409, "This session is already answering a chunk; send the next one when it is done.",
+        409,
+        "This session is already answering a chunk; send the next one when it is done.",
         code="chunk_in_flight",
     )
 
 
 def chunk_undone() -> APIError:
     return APIError(
-        503, "This chunk was undone before it completed (the server is stopping); the session is as it "
-        "was before it: send the chunk again.", code="chunk_undone", headers={"Retry-After": "1"},
+        503,
+        "This chunk was undone before it completed (the server is stopping); the session is as it "
+        "was before it: send the chunk again.",
+        code="chunk_undone",
+        headers={"Retry-After": "1"},
     )
 
 
@@ -43,8 +49,10 @@ def server_draining() -> APIError:
     """New work on a server that is stopping: nothing was done, so a proxy (or the
     client) sends it again at once, and another replica takes the session up."""
     return APIError(
-        503, "This server is draining for a restart and takes no new work; retry: another replica "
-        "goes on with the session.", code="server_draining", headers={"Retry-After": "1"},
+        503,
+        "This server is draining for a restart and takes no new work; retry: another replica goes on with the session.",
+        code="server_draining",
+        headers={"Retry-After": "1"},
     )
 
 
@@ -53,13 +61,17 @@ def model_not_found(model: str) -> APIError:
 
 
 def session_exists(session_id: str) -> APIError:
-    return APIError(409, f"A session with id {session_id!r} exists already.", code="session_exists",
-                    param="X-Session-ID")
+    return APIError(
+        409, f"A session with id {session_id!r} exists already.", code="session_exists", param="X-Session-ID"
+    )
 
 
 def chunk_refused(detail: object) -> APIError:
-    return APIError(400, f"The engine refused this chunk: {detail}. The chunk was undone; the session "
-                    "is as it was before it.", code="invalid_request")
+    return APIError(
+        400,
+        f"The engine refused this chunk: {detail}. The chunk was undone; the session is as it was before it.",
+        code="invalid_request",
+    )
 
 
 def session_failed(detail: object) -> APIError:
@@ -68,15 +80,20 @@ def session_failed(detail: object) -> APIError:
 
 def store_unavailable() -> APIError:
     return APIError(
-        503, "The session store is unavailable; nothing was changed. Retry later.",
-        code="store_unavailable", headers={"Retry-After": "1"},
+        503,
+        "The session store is unavailable; nothing was changed. Retry later.",
+        code="store_unavailable",
+        headers={"Retry-After": "1"},
     )
 
 
 def chunk_not_kept() -> APIError:
     return APIError(
-        503, "The session store is unavailable: this chunk was not kept, and the session is as "
-        "it was before it. Retry later.", code="store_unavailable", headers={"Retry-After": "1"},
+        503,
+        "The session store is unavailable: this chunk was not kept, and the session is as "
+        "it was before it. Retry later.",
+        code="store_unavailable",
+        headers={"Retry-After": "1"},
     )
 
 
@@ -85,7 +102,8 @@ def server_busy(retry_after_s: float) -> APIError:
         503,
         "The engine has no room for this chunk now: every slot or KV block is held by "
         "requests in flight. The session is unchanged; retry later.",
-        code="server_busy", headers={"Retry-After": str(max(1, round(retry_after_s)))},
+        code="server_busy",
+        headers={"Retry-After": str(max(1, round(retry_after_s)))},
     )
 
 

@@ -71,8 +71,14 @@ TurnPlan = Callable[[list[int], "chat.ChatState | None"], Turn]
 ChunkInput = str | list[int] | list[ChatMessage] | TurnPlan
 
 
-def plan(tokenizer: Any, vocab_size: int, chunk_input: ChunkInput, context_ids: list[int],
-         conversation: chat.ChatState | None, generate: bool = True) -> Turn:
+def plan(
+    tokenizer: Any,
+    vocab_size: int,
+    chunk_input: ChunkInput,
+    context_ids: list[int],
+    conversation: chat.ChatState | None,
+    generate: bool = True,
+) -> Turn:
     """The chunk's ``Turn`` against ``context_ids``, which renders ``conversation``.
     ``generate`` False: a warm-up (a ``TurnPlan`` decides it for itself)."""
     if callable(chunk_input):
@@ -112,8 +118,10 @@ def depends_on_context(chunk_input: ChunkInput) -> bool:
 def check_session_id(session_id: str) -> None:
     if not SESSION_ID.fullmatch(session_id):
         raise APIError(
-            400, "A session id is 1 to 128 letters, digits, '_', '-' or '.', starting with a letter or digit.",
-            code="invalid_session_id", param="X-Session-ID",
+            400,
+            "A session id is 1 to 128 letters, digits, '_', '-' or '.', starting with a letter or digit.",
+            code="invalid_session_id",
+            param="X-Session-ID",
         )
 
 
@@ -134,8 +142,10 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     bad = next((t for t in token_ids if t >= vocab_size), None)
     if bad is not None:
         raise APIError(
-            400, f"Token id {bad} is outside the vocabulary (size {vocab_size}).",
-            code="invalid_token_id", param=param,
+            400,
+            f"Token id {bad} is outside the vocabulary (size {vocab_size}).",
+            code="invalid_token_id",
+            param=param,
         )
 
 
@@ -144,18 +154,28 @@ def check_sampling(options: SamplingOptions, param: str, max_output_tokens: int,
     prefix = f"{param}." if param != "chunk" else ""
     if options.max_tokens is not None and options.max_tokens > max_output_tokens:
         raise APIError(
-            400, f"max_tokens may be at most {max_output_tokens} per chunk.", code="max_tokens_too_large",
+            400,
+            f"max_tokens may be at most {max_output_tokens} per chunk.",
+            code="max_tokens_too_large",
             param=f"{prefix}max_tokens",
         )
     check_token_ids(options.stop_token_ids or [], vocab_size, f"{prefix}stop_token_ids")
 
 
-def check_chunk(context_tokens: int, max_context: int, input_ids: list[int], params: SamplingParams,
-                max_chunk_tokens: int, replayed: int = 0) -> None:
+def check_chunk(
+    context_tokens: int,
+    max_context: int,
+    input_ids: list[int],
+    params: SamplingParams,
+    max_chunk_tokens: int,
+    replayed: int = 0,
+) -> None:
     if len(input_ids) - replayed > max_chunk_tokens:
         raise APIError(
-            400, f"The chunk has {len(input_ids) - replayed} new tokens; the limit is {max_chunk_tokens}.",
-            code="chunk_too_large", param="input",
+            400,
+            f"The chunk has {len(input_ids) - replayed} new tokens; the limit is {max_chunk_tokens}.",
+            code="chunk_too_large",
+            param="input",
         )
     if context_tokens + len(input_ids) + (params.max_tokens or 0) > max_context:
         raise APIError(
@@ -163,20 +183,29 @@ def check_chunk(context_tokens: int, max_context: int, input_ids: list[int], par
             f"The session holds {context_tokens} tokens; this chunk ({len(input_ids)} tokens) "
             f"plus max_tokens ({params.max_tokens}) would exceed the maximum context of "
             f"{max_context} tokens. Open a new session.",
-            code="context_length_exceeded", param="input",
+            code="context_length_exceeded",
+            param="input",
         )
 
 
-def declare_bounds(schema: dict[str, Any], vocab_size: int, max_output_tokens: int, max_chunk_tokens: int,
-                   max_messages: int | None = None) -> None:
+def declare_bounds(
+    schema: dict[str, Any],
+    vocab_size: int,
+    max_output_tokens: int,
+    max_chunk_tokens: int,
+    max_messages: int | None = None,
+) -> None:
     """Put this server's bounds in its published OpenAPI schema, so that the schema says
     what the checks above accept: token ids below the vocabulary, at most
     ``max_chunk_tokens`` of them (stop token ids too), at most ``max_messages`` chat
     messages (as many as a turn of ``max_chunk_tokens`` holds), and ``max_tokens`` up to
     the per-chunk cap (a stored response's ``max_output_tokens`` too)."""
     components = schema.get("components", {}).get("schemas", {})
-    for name, field in (("ChunkRequest", "max_tokens"), ("SessionDefaults", "max_tokens"),
-                        ("ResponsesCreateRequest", "max_output_tokens")):
+    for name, field in (
+        ("ChunkRequest", "max_tokens"),
+        ("SessionDefaults", "max_tokens"),
+        ("ResponsesCreateRequest", "max_output_tokens"),
+    ):
         properties = components.get(name, {}).get("properties", {})
         for variant in properties.get(field, {}).get("anyOf", []):
             if variant.get("type") == "integer":
@@ -201,8 +230,13 @@ def model_sampling_defaults(model_config: Any) -> dict[str, Any]:
     return {name: value for name, value in defaults.items() if name in SAMPLING_FIELDS and name != "max_tokens"}
 
 
-def sampling_params(defaults: SessionDefaults, options: SamplingOptions, max_output_tokens: int,
-                    vocab_size: int, model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+def sampling_params(
+    defaults: SessionDefaults,
+    options: SamplingOptions,
+    max_output_tokens: int,
+    vocab_size: int,
+    model_defaults: dict[str, Any] | None = None,
+) -> SamplingParams:
     """The chunk's options over the session's defaults over the model's, as vLLM's
     streaming input takes them."""
     check_sampling(options, "chunk", max_output_tokens, vocab_size)

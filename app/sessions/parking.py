@@ -37,8 +37,13 @@ CAPACITY_CHECK_S = 0.2
 
 class Parking:
     def __init__(
-        self, engine: Any, registry: SessionRegistry, metrics: SessionMetrics, admission_timeout_s: float,
-        observer: SchedulerObserver | None, recorder: ProvenanceRecorder | None,
+        self,
+        engine: Any,
+        registry: SessionRegistry,
+        metrics: SessionMetrics,
+        admission_timeout_s: float,
+        observer: SchedulerObserver | None,
+        recorder: ProvenanceRecorder | None,
     ) -> None:
         self._engine = engine
         self._registry = registry
@@ -119,7 +124,8 @@ class Parking:
                 self.capacity_freed.clear()
                 if await self._park_until(
                     lambda: self.capacity.fits(self._load(exclude=session), tokens),
-                    "admission", exclude=session,
+                    "admission",
+                    exclude=session,
                 ):
                     session.device_tokens = tokens  # reserved until the chunk ends
                     return
@@ -141,9 +147,7 @@ class Parking:
             observer = self._observer
             stalled_checks = stalled_checks + 1 if observer is not None and observer.stalled else 0
             async with self._admission:
-                await self._park_until(
-                    lambda: not self.capacity.over(self._load()), "capacity"
-                )
+                await self._park_until(lambda: not self.capacity.over(self._load()), "capacity")
                 if stalled_checks >= 2 and (victim := self._least_recently_used_idle()) is not None:
                     await self.park([victim], "stalled")
                     stalled_checks = 0

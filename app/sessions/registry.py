@@ -46,8 +46,15 @@ CLOSED_SESSIONS_KEPT = 1024
 
 class SessionRegistry:
     def __init__(
-        self, engine: Any, settings: Settings, model_name: str, metrics: SessionMetrics, store: SessionStore,
-        recorder: ProvenanceRecorder | None, cache_salt: Callable[[str], str | None], max_context: int,
+        self,
+        engine: Any,
+        settings: Settings,
+        model_name: str,
+        metrics: SessionMetrics,
+        store: SessionStore,
+        recorder: ProvenanceRecorder | None,
+        cache_salt: Callable[[str], str | None],
+        max_context: int,
         on_freed: Callable[[], None],
     ) -> None:
         self._engine = engine
@@ -68,17 +75,24 @@ class SessionRegistry:
         self._count_sessions_when_scraped()
 
     # ------------------------------------------------------------------ lookup
-    async def create(self, owner: str, request: SessionCreateRequest, session_id: str | None,
-                     route_key: str | None = None) -> StreamingSession:
+    async def create(
+        self, owner: str, request: SessionCreateRequest, session_id: str | None, route_key: str | None = None
+    ) -> StreamingSession:
         if session_id is not None:
             check_session_id(session_id)
             if session_id in self.held or session_id in self._closed:
                 raise errors.session_exists(session_id)
         self._check_room()
         session = StreamingSession(
-            session_id=session_id or routing.mint("sess", route_key), owner=owner, model=self.model_name,
-            engine=self._engine, defaults=request.defaults, metadata=dict(request.metadata),
-            max_tokens=self.max_context, recorder=self._recorder, cache_salt=self._cache_salt(owner),
+            session_id=session_id or routing.mint("sess", route_key),
+            owner=owner,
+            model=self.model_name,
+            engine=self._engine,
+            defaults=request.defaults,
+            metadata=dict(request.metadata),
+            max_tokens=self.max_context,
+            recorder=self._recorder,
+            cache_salt=self._cache_salt(owner),
             device_holders=self.device_holders,
         )
         try:
@@ -93,8 +107,10 @@ class SessionRegistry:
     def _check_room(self) -> None:
         if len(self.held) >= self._settings.max_sessions:
             raise APIError(
-                429, f"The server holds its maximum of {self._settings.max_sessions} open sessions; "
-                "close one or retry later.", code="too_many_sessions",
+                429,
+                f"The server holds its maximum of {self._settings.max_sessions} open sessions; "
+                "close one or retry later.",
+                code="too_many_sessions",
             )
 
     async def reopen(self, owner: str, session_id: str) -> StreamingSession:
@@ -148,8 +164,13 @@ class SessionRegistry:
             return held  # loaded meanwhile by a concurrent request
         record, transcript = loaded
         session = StreamingSession.from_record(
-            record, transcript, engine=self._engine, max_tokens=self.max_context, recorder=self._recorder,
-            cache_salt=self._cache_salt(record.owner), device_holders=self.device_holders,
+            record,
+            transcript,
+            engine=self._engine,
+            max_tokens=self.max_context,
+            recorder=self._recorder,
+            cache_salt=self._cache_salt(record.owner),
+            device_holders=self.device_holders,
         )
         if session.closed:
             self._remember_closed(session)
@@ -180,8 +201,12 @@ class SessionRegistry:
     async def _adopt(self, session: StreamingSession, record: SessionRecord, transcript: list[int]) -> None:
         """Take the store's newer state of a session another replica extended: the
         engine request here, if any, holds an older context and is dropped."""
-        logger.info("session %s: extended elsewhere (%d -> %d chunks), reloaded", session.id,
-                    session.num_chunks, record.num_chunks)
+        logger.info(
+            "session %s: extended elsewhere (%d -> %d chunks), reloaded",
+            session.id,
+            session.num_chunks,
+            record.num_chunks,
+        )
         await session.restart_from(transcript, record.num_chunks)
         session.chat = ChatState.load(record.chat)
         session.defaults = SessionDefaults(**record.defaults)
@@ -210,11 +235,17 @@ class SessionRegistry:
     def _describe_record(self, record: SessionRecord) -> SessionObject:
         closed = record.status == "closed"
         return SessionObject(
-            id=record.id, model=record.model, created=int(record.created),
+            id=record.id,
+            model=record.model,
+            created=int(record.created),
             # A session held by no server here has no engine request: parked.
-            status="closed" if closed else "parked", close_reason=record.close_reason,
-            defaults=SessionDefaults(**record.defaults), metadata=record.metadata,
-            num_chunks=record.num_chunks, num_tokens=record.num_tokens, max_tokens=self.max_context,
+            status="closed" if closed else "parked",
+            close_reason=record.close_reason,
+            defaults=SessionDefaults(**record.defaults),
+            metadata=record.metadata,
+            num_chunks=record.num_chunks,
+            num_tokens=record.num_tokens,
+            max_tokens=self.max_context,
             last_activity_at=record.last_activity,
             expires_at=None if closed else record.last_activity + self._settings.session_idle_timeout_s,
         )
@@ -249,7 +280,8 @@ class SessionRegistry:
         self._metrics.sessions_open.set_function(lambda: len(held))
         self._metrics.sessions_parked.set_function(lambda: sum(s.status == "parked" for s in held.values()))
         self._metrics.sessions_with_engine_request.set_function(
-            lambda: sum(s.has_engine_request for s in held.values()))
+            lambda: sum(s.has_engine_request for s in held.values())
+        )
 
     # ------------------------------------------------------------------ store
     @contextlib.asynccontextmanager
@@ -308,7 +340,10 @@ class SessionRegistry:
             await self.store.release_lease(session.id, self._replica)
 
     async def commit(
-        self, session: StreamingSession, result: ChunkResult, context_before: int,
+        self,
+        session: StreamingSession,
+        result: ChunkResult,
+        context_before: int,
         transcript_before: list[int] | None = None,
     ) -> None:
         """Write the chunk's tokens to the store (a chunk that cut the context, with
@@ -320,8 +355,13 @@ class SessionRegistry:
         first = context_before if result.start is None else result.start
         try:
             committed: bool | None = await self.store.commit_chunk(
-                session.id, self._replica, result.index, session.token_ids[first:], session.last_activity,
-                start=result.start, chat=None if session.chat is None else session.chat.dump(),
+                session.id,
+                self._replica,
+                result.index,
+                session.token_ids[first:],
+                session.last_activity,
+                start=result.start,
+                chat=None if session.chat is None else session.chat.dump(),
             )
         except StoreUnavailableError as exc:
             logger.warning("session %s: chunk %d not committed: %s", session.id, result.index, exc)

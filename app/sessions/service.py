@@ -44,9 +44,16 @@ tracer = trace.get_tracer("streamsess")
 
 class SessionService:
     def __init__(
-        self, engine: Any, settings: Settings, model_name: str, tokenizer: Any, metrics: SessionMetrics,
-        recorder: ProvenanceRecorder | None = None, store: SessionStore | None = None,
-        salter: CacheSalter | None = None, limits: KeyLimits | None = None,
+        self,
+        engine: Any,
+        settings: Settings,
+        model_name: str,
+        tokenizer: Any,
+        metrics: SessionMetrics,
+        recorder: ProvenanceRecorder | None = None,
+        store: SessionStore | None = None,
+        salter: CacheSalter | None = None,
+        limits: KeyLimits | None = None,
         observer: SchedulerObserver | None = None,
     ):
         self._engine = engine
@@ -61,8 +68,14 @@ class SessionService:
         self.max_model_len = engine.model_config.max_model_len  # the engine's, which vLLM's routes check
         self._model_sampling = inputs.model_sampling_defaults(engine.model_config)
         self.registry = SessionRegistry(
-            engine, settings, model_name, metrics, store if store is not None else NullStore(), recorder,
-            self.cache_salt, min(settings.max_model_len, engine.model_config.max_model_len),
+            engine,
+            settings,
+            model_name,
+            metrics,
+            store if store is not None else NullStore(),
+            recorder,
+            self.cache_salt,
+            min(settings.max_model_len, engine.model_config.max_model_len),
             on_freed=lambda: self.parking.capacity_freed.set(),
         )
         self.parking = Parking(engine, self.registry, metrics, settings.admission_timeout_s, observer, recorder)
@@ -88,8 +101,13 @@ class SessionService:
     def declare_bounds(self, schema: dict[str, Any]) -> None:
         """This server's input bounds, in its published OpenAPI schema."""
         max_chunk_tokens = self._settings.max_chunk_tokens
-        inputs.declare_bounds(schema, self.vocab_size, self.max_chunk_output_tokens, max_chunk_tokens,
-                              chat.max_messages(self.tokenizer, max_chunk_tokens))
+        inputs.declare_bounds(
+            schema,
+            self.vocab_size,
+            self.max_chunk_output_tokens,
+            max_chunk_tokens,
+            chat.max_messages(self.tokenizer, max_chunk_tokens),
+        )
 
     @property
     def store(self) -> SessionStore:
@@ -195,8 +213,9 @@ class SessionService:
             raise
 
     # ------------------------------------------------------------------ sessions
-    async def create(self, owner: str, request: SessionCreateRequest, session_id: str | None = None,
-                     route_key: str | None = None) -> StreamingSession:
+    async def create(
+        self, owner: str, request: SessionCreateRequest, session_id: str | None = None, route_key: str | None = None
+    ) -> StreamingSession:
         """Open a session. ``session_id`` lets the client choose the id (the
         ``X-Session-ID`` header); otherwise the id is minted under ``route_key`` (the
         proxy's, ``app.routing``), so a proxy routes creation and every later request
@@ -232,8 +251,9 @@ class SessionService:
     async def list_sessions(self, owner: str) -> list[SessionObject]:
         return await self.registry.list_sessions(owner)
 
-    async def stored_context(self, owner: str, session_id: str, num_chunks: int,
-                             num_tokens: int) -> tuple[list[int] | None, chat.ChatState | None]:
+    async def stored_context(
+        self, owner: str, session_id: str, num_chunks: int, num_tokens: int
+    ) -> tuple[list[int] | None, chat.ChatState | None]:
         """``owner``'s session as it was after its first ``num_chunks`` chunks: its token ids
         and its conversation, as the store keeps them; where the store keeps no
         transcripts, the first ``num_tokens`` of the session in memory, if it is held.
@@ -253,8 +273,9 @@ class SessionService:
         """Close the least recently used idle session whose id starts with ``prefix``, to
         make room (a Responses chain, continued later by a fork from the store); False
         if there is none."""
-        idle = [s for s in self.registry.held.values()
-                if s.id.startswith(prefix) and not s.lock.locked() and not s.closed]
+        idle = [
+            s for s in self.registry.held.values() if s.id.startswith(prefix) and not s.lock.locked() and not s.closed
+        ]
         if not idle:
             return False
         oldest = min(idle, key=lambda s: s.last_activity)
@@ -309,8 +330,16 @@ class SessionService:
 
     # ------------------------------------------------------------------ chunks
     async def start_chunk(
-        self, owner: str, session_id: str, chunk_input: inputs.ChunkInput, options: SamplingOptions,
-        *, transport: str, wait: bool, charged: bool = False, generate: bool = True,
+        self,
+        owner: str,
+        session_id: str,
+        chunk_input: inputs.ChunkInput,
+        options: SamplingOptions,
+        *,
+        transport: str,
+        wait: bool,
+        charged: bool = False,
+        generate: bool = True,
     ) -> ChunkRun:
         """Check a chunk, take its session's lock and lease, admit it onto the device
         and start it. Every refusal comes from here, before a response has begun.
@@ -318,8 +347,12 @@ class SessionService:
         (websockets) queues behind it, in order. ``charged``: the request's tokens were
         charged to its key already (an OpenAI route's body, by OpenAIRequestMiddleware).
         ``generate`` False: a warm-up, computed with no answer (inputs.Turn)."""
-        with self._counted(), tracer.start_as_current_span(
-                "streamsess.chunk.admission", attributes={"streamsess.session_id": session_id}):
+        with (
+            self._counted(),
+            tracer.start_as_current_span(
+                "streamsess.chunk.admission", attributes={"streamsess.session_id": session_id}
+            ),
+        ):
             self.refuse_if_draining()
             session = await self.registry.open_session(owner, session_id)
             turn = self._plan(session, chunk_input, generate)
@@ -357,7 +390,8 @@ class SessionService:
                 raise
         # From here on the run owns the lock, the lease and the reservation.
         run = ChunkRun(
-            session, lambda run: self._chunk_events(run, turn, params, transport),
+            session,
+            lambda run: self._chunk_events(run, turn, params, transport),
             lambda run: self._release_chunk(run, renewal),
         )
         self._runs.add(run)
@@ -366,8 +400,9 @@ class SessionService:
         return run
 
     def sampling_params(self, session: StreamingSession, options: SamplingOptions) -> Any:
-        return inputs.sampling_params(session.defaults, options, self.max_chunk_output_tokens, self.vocab_size,
-                                      self._model_sampling)
+        return inputs.sampling_params(
+            session.defaults, options, self.max_chunk_output_tokens, self.vocab_size, self._model_sampling
+        )
 
     def _plan(self, session: StreamingSession, chunk_input: inputs.ChunkInput, generate: bool) -> inputs.Turn:
         return inputs.plan(self.tokenizer, self.vocab_size, chunk_input, session.token_ids, session.chat, generate)
@@ -381,8 +416,9 @@ class SessionService:
 
     def _check_chunk(self, session: StreamingSession, turn: inputs.Turn, params: Any) -> None:
         context = len(session.token_ids) if turn.start is None else turn.start
-        inputs.check_chunk(context, session.max_tokens, turn.input_ids, params, self._settings.max_chunk_tokens,
-                           turn.replayed)
+        inputs.check_chunk(
+            context, session.max_tokens, turn.input_ids, params, self._settings.max_chunk_tokens, turn.replayed
+        )
 
     async def _chunk_events(
         self, run: ChunkRun, turn: inputs.Turn, params: Any, transport: str
@@ -395,12 +431,18 @@ class SessionService:
         transcript_before = list(session.token_ids) if cut else None  # what an undone cut restores
         with self._counted(), tracer.start_as_current_span("streamsess.chunk") as span:
             if span.is_recording():  # attributes only when tracing: every chunk passes here
-                span.set_attributes({"streamsess.session_id": session.id, "streamsess.transport": transport,
-                                     "streamsess.context_tokens": context_before,
-                                     "streamsess.input_tokens": len(turn.input_ids)})
+                span.set_attributes(
+                    {
+                        "streamsess.session_id": session.id,
+                        "streamsess.transport": transport,
+                        "streamsess.context_tokens": context_before,
+                        "streamsess.input_tokens": len(turn.input_ids),
+                    }
+                )
             try:
-                async for event in session.generate(turn.input_ids, params, run.stop_requested,
-                                                    start=turn.start if cut else None, answer=turn.generate):
+                async for event in session.generate(
+                    turn.input_ids, params, run.stop_requested, start=turn.start if cut else None, answer=turn.generate
+                ):
                     if isinstance(event, ChunkResult):
                         chunk_span_attributes(span, event)
                         chat_before = session.chat
@@ -478,8 +520,12 @@ def chunk_span_attributes(span: trace.Span, result: ChunkResult) -> None:
     if not span.is_recording():
         return
     details = result.usage.prompt_tokens_details
-    span.set_attributes({f"streamsess.prompt_tokens.{source}": getattr(details, f"{source}_tokens")
-                         for source in ("device", "cpu_tier", "disk_tier", "computed")})
+    span.set_attributes(
+        {
+            f"streamsess.prompt_tokens.{source}": getattr(details, f"{source}_tokens")
+            for source in ("device", "cpu_tier", "disk_tier", "computed")
+        }
+    )
     if result.resumed_from is not None:
         span.set_attribute("streamsess.resumed_from", result.resumed_from)
     if result.time_to_first_token is not None:

@@ -105,15 +105,27 @@ class StreamingSession:
 
     @classmethod
     def from_record(
-        cls, record: SessionRecord, transcript: list[int], engine: Any, max_tokens: int,
-        recorder: ProvenanceRecorder | None = None, cache_salt: str | None = None,
+        cls,
+        record: SessionRecord,
+        transcript: list[int],
+        engine: Any,
+        max_tokens: int,
+        recorder: ProvenanceRecorder | None = None,
+        cache_salt: str | None = None,
         device_holders: set[StreamingSession] | None = None,
     ) -> StreamingSession:
         """A session as the store keeps it: parked (no engine request), or closed."""
         session = cls(
-            session_id=record.id, owner=record.owner, model=record.model, engine=engine,
-            defaults=SessionDefaults(**record.defaults), metadata=dict(record.metadata),
-            max_tokens=max_tokens, recorder=recorder, cache_salt=cache_salt, device_holders=device_holders,
+            session_id=record.id,
+            owner=record.owner,
+            model=record.model,
+            engine=engine,
+            defaults=SessionDefaults(**record.defaults),
+            metadata=dict(record.metadata),
+            max_tokens=max_tokens,
+            recorder=recorder,
+            cache_salt=cache_salt,
+            device_holders=device_holders,
         )
         session.created = int(record.created)
         session.last_activity = record.last_activity
@@ -128,11 +140,18 @@ class StreamingSession:
 
     def record(self) -> SessionRecord:
         return SessionRecord(
-            id=self.id, owner=self.owner, model=self.model,
-            defaults=self.defaults.model_dump(exclude_none=True), metadata=dict(self.metadata),
-            status="closed" if self.closed else "active", close_reason=self.close_reason,
-            num_chunks=self.num_chunks, num_tokens=self.num_tokens, created=float(self.created),
-            last_activity=self.last_activity, chat=None if self.chat is None else self.chat.dump(),
+            id=self.id,
+            owner=self.owner,
+            model=self.model,
+            defaults=self.defaults.model_dump(exclude_none=True),
+            metadata=dict(self.metadata),
+            status="closed" if self.closed else "active",
+            close_reason=self.close_reason,
+            num_chunks=self.num_chunks,
+            num_tokens=self.num_tokens,
+            created=float(self.created),
+            last_activity=self.last_activity,
+            chat=None if self.chat is None else self.chat.dump(),
         )
 
     @property
@@ -171,7 +190,11 @@ class StreamingSession:
 
     # ------------------------------------------------------------------ chunks
     async def generate(
-        self, input_ids: list[int], params: Any, stop: asyncio.Event | None = None, start: int | None = None,
+        self,
+        input_ids: list[int],
+        params: Any,
+        stop: asyncio.Event | None = None,
+        start: int | None = None,
         answer: bool = True,
     ) -> AsyncGenerator[ChunkDelta | ChunkResult, None]:
         """Append one chunk and stream its answer (deltas, then one ``ChunkResult``); the
@@ -226,8 +249,11 @@ class StreamingSession:
                         raise SessionFailedError("the engine ended the session mid-chunk")
                     # Ended before this chunk began (seen in CI after websocket hang-ups, cause
                     # not found yet): the chunk goes on a new request from the transcript, once.
-                    logger.warning("session %s: its engine request ended before chunk %d began; sent again on "
-                                   "a new request", self.id, index)
+                    logger.warning(
+                        "session %s: its engine request ended before chunk %d began; sent again on a new request",
+                        self.id,
+                        index,
+                    )
                     restarted = new_request = True
                     resumed = context_before > 0
                     self._new_request(input_ids, params)
@@ -301,20 +327,29 @@ class StreamingSession:
         # makes vLLM's engine span (``llm_request``) of every chunk.
         trace_headers = current_trace_headers()
         register_chunk_trace(self.request_id, trace_headers)
-        self._pump = asyncio.create_task(self._run_engine(params, self._inputs, self._outputs, trace_headers),
-                                         name=f"session-{self.id}")
+        self._pump = asyncio.create_task(
+            self._run_engine(params, self._inputs, self._outputs, trace_headers), name=f"session-{self.id}"
+        )
 
     @staticmethod
     async def _feed(inputs: asyncio.Queue[StreamingInput | None]) -> AsyncIterator[StreamingInput]:
         while (chunk := await inputs.get()) is not None:
             yield chunk
 
-    async def _run_engine(self, first_params: Any, inputs: asyncio.Queue[StreamingInput | None],
-                          outputs: asyncio.Queue[Any], trace_headers: dict[str, str]) -> None:
+    async def _run_engine(
+        self,
+        first_params: Any,
+        inputs: asyncio.Queue[StreamingInput | None],
+        outputs: asyncio.Queue[Any],
+        trace_headers: dict[str, str],
+    ) -> None:
         try:
             traced = {"trace_headers": trace_headers} if trace_headers else {}  # only when tracing
             async for output in self._engine.generate(
-                prompt=self._feed(inputs), sampling_params=first_params, request_id=self.request_id, **traced,
+                prompt=self._feed(inputs),
+                sampling_params=first_params,
+                request_id=self.request_id,
+                **traced,
             ):
                 outputs.put_nowait(output)
             outputs.put_nowait(None)

@@ -25,8 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.store", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("migrate", help="bring the store's schema to the newest version")
-    command.add_argument("url", nargs="?", default=os.environ.get("STREAMSESS_STORE_URL") or None,
-                         help="sqlite:///path or postgresql://user:password@host/db")
+    command.add_argument(
+        "url",
+        nargs="?",
+        default=os.environ.get("STREAMSESS_STORE_URL") or None,
+        help="sqlite:///path or postgresql://user:password@host/db",
+    )
     args = parser.parse_args(argv)
     if not args.url:
         parser.error("no store URL: give one or set STREAMSESS_STORE_URL")

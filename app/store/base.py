@@ -134,8 +134,14 @@ class SessionStore(abc.ABC):
 
     @abc.abstractmethod
     async def commit_chunk(
-        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float,
-        start: int | None = None, chat: dict[str, Any] | None = None,
+        self,
+        session_id: str,
+        holder: str,
+        index: int,
+        token_ids: list[int],
+        last_activity: float,
+        start: int | None = None,
+        chat: dict[str, Any] | None = None,
     ) -> bool:
         """Append chunk ``index``'s tokens to the transcript (cut to its first ``start``
         tokens first, if given), set the session's ``chat`` state, and release the lease,
@@ -208,8 +214,14 @@ class NullStore(SessionStore):
         return None
 
     async def commit_chunk(
-        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float,
-        start: int | None = None, chat: dict[str, Any] | None = None,
+        self,
+        session_id: str,
+        holder: str,
+        index: int,
+        token_ids: list[int],
+        last_activity: float,
+        start: int | None = None,
+        chat: dict[str, Any] | None = None,
     ) -> bool:
         return True
 

@@ -72,7 +72,8 @@ def check_disk_tier_namespace(directory: str, salter: CacheSalter | None) -> Non
         raise ReplicaConflict(
             f"the shared disk tier {directory} was written by replicas with other cache salts (another "
             "STREAMSESS_CACHE_SALT_SECRET, or another STREAMSESS_CACHE_ISOLATION): set the same on every "
-            "replica sharing it, or give this one a STREAMSESS_DISK_TIER_DIR of its own.")
+            "replica sharing it, or give this one a STREAMSESS_DISK_TIER_DIR of its own."
+        )
 
 
 class ClusterMembership:
@@ -86,18 +87,24 @@ class ClusterMembership:
             raise ReplicaConflict(
                 "shared_store_required is set (this server is one of several replicas) but its session "
                 "store is not shared: set STREAMSESS_STORE_URL to the replicas' PostgreSQL database "
-                "(postgresql://user:password@host/db).")
+                "(postgresql://user:password@host/db)."
+            )
         age = await self._store.join(self.replica_id, self._instance, REPLICA_TTL_S)
         if age is not None:
             # The holder may be this replica's previous life on another disk: wait out its heartbeat.
-            logger.warning("replica id %r was last seen %.1f s ago by another instance; waiting up to %.0f s",
-                           self.replica_id, age, REPLICA_TTL_S)
+            logger.warning(
+                "replica id %r was last seen %.1f s ago by another instance; waiting up to %.0f s",
+                self.replica_id,
+                age,
+                REPLICA_TTL_S,
+            )
             await asyncio.sleep(max(REPLICA_TTL_S - age, 0) + 0.5)
             age = await self._store.join(self.replica_id, self._instance, REPLICA_TTL_S)
         if age is not None:
             raise ReplicaConflict(
                 f"replica id {self.replica_id!r} is held by another live replica sharing this store "
-                f"(its heartbeat {age:.1f} s ago): give each replica its own STREAMSESS_REPLICA_ID.")
+                f"(its heartbeat {age:.1f} s ago): give each replica its own STREAMSESS_REPLICA_ID."
+            )
         if self._salter is not None:
             await self._agree_on_salt_secret(self._salter)
         if self._settings.disk_tier_gib and self._settings.disk_tier_shared:
@@ -115,7 +122,8 @@ class ClusterMembership:
             await self.leave()
             raise ReplicaConflict(
                 "STREAMSESS_CACHE_SALT_SECRET differs from the secret the other replicas sharing this store "
-                "use: set the same secret on every replica, or none (each then adopts the store's).")
+                "use: set the same secret on every replica, or none (each then adopts the store's)."
+            )
         salter.secret = cluster_secret  # this replica's own was made locally: the cluster's wins
 
     async def beat(self) -> None:

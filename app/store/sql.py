@@ -47,7 +47,8 @@ CONNECT_TIMEOUT_S = 5.0
 
 metadata = sa.MetaData()
 sessions = sa.Table(
-    "sessions", metadata,
+    "sessions",
+    metadata,
     sa.Column("id", sa.String(128), primary_key=True),
     sa.Column("owner", sa.String(64), nullable=False),
     sa.Column("model", sa.String(256), nullable=False),
@@ -64,14 +65,16 @@ sessions = sa.Table(
     sa.Column("chat", sa.Text),  # JSON: a chat session's conversation; NULL: not a chat's context
 )
 session_chunks = sa.Table(
-    "session_chunks", metadata,
+    "session_chunks",
+    metadata,
     sa.Column("session_id", sa.String(128), sa.ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True),
     sa.Column("idx", sa.Integer, primary_key=True),
     sa.Column("token_ids", sa.LargeBinary, nullable=False),
     sa.Column("start", sa.Integer),  # where in the transcript the chunk begins; NULL: at its end
 )
 api_objects = sa.Table(
-    "api_objects", metadata,
+    "api_objects",
+    metadata,
     sa.Column("id", sa.String(128), primary_key=True),
     sa.Column("kind", sa.String(32), nullable=False),
     sa.Column("owner", sa.String(64), nullable=False),
@@ -81,13 +84,15 @@ api_objects = sa.Table(
     sa.Column("data", sa.Text, nullable=False),
 )
 replicas = sa.Table(
-    "replicas", metadata,
+    "replicas",
+    metadata,
     sa.Column("id", sa.String(256), primary_key=True),
     sa.Column("instance", sa.String(64), nullable=False),
     sa.Column("heartbeat", sa.Float, nullable=False),
 )
 cluster = sa.Table(
-    "cluster", metadata,
+    "cluster",
+    metadata,
     sa.Column("name", sa.String(64), primary_key=True),
     sa.Column("value", sa.Text, nullable=False),
 )
@@ -112,25 +117,43 @@ def unpack_tokens(data: bytes) -> list[int]:
 
 def async_url(url: str) -> str:
     """SQLAlchemy's async driver for a plain database URL."""
-    for plain, driver in (("sqlite://", "sqlite+aiosqlite://"), ("postgresql://", "postgresql+asyncpg://"),
-                          ("postgres://", "postgresql+asyncpg://")):
+    for plain, driver in (
+        ("sqlite://", "sqlite+aiosqlite://"),
+        ("postgresql://", "postgresql+asyncpg://"),
+        ("postgres://", "postgresql+asyncpg://"),
+    ):
         if url.startswith(plain):
-            return driver + url[len(plain):]
+            return driver + url[len(plain) :]
     return url
 
 
 def _record(row: Any) -> SessionRecord:
     return SessionRecord(
-        id=row.id, owner=row.owner, model=row.model, defaults=json.loads(row.defaults),
-        metadata=json.loads(row.metadata), status=row.status, close_reason=row.close_reason,
-        num_chunks=row.num_chunks, num_tokens=row.num_tokens, created=row.created,
-        last_activity=row.last_activity, chat=None if row.chat is None else json.loads(row.chat),
+        id=row.id,
+        owner=row.owner,
+        model=row.model,
+        defaults=json.loads(row.defaults),
+        metadata=json.loads(row.metadata),
+        status=row.status,
+        close_reason=row.close_reason,
+        num_chunks=row.num_chunks,
+        num_tokens=row.num_tokens,
+        created=row.created,
+        last_activity=row.last_activity,
+        chat=None if row.chat is None else json.loads(row.chat),
     )
 
 
 def _object(row: Any) -> StoredObject:
-    return StoredObject(id=row.id, kind=row.kind, owner=row.owner, session_id=row.session_id, seq=row.seq,
-                        created=row.created, data=json.loads(row.data))
+    return StoredObject(
+        id=row.id,
+        kind=row.kind,
+        owner=row.owner,
+        session_id=row.session_id,
+        seq=row.seq,
+        created=row.created,
+        data=json.loads(row.data),
+    )
 
 
 def _replay(chunks: Any) -> list[int]:
@@ -178,15 +201,19 @@ class SQLSessionStore(SessionStore):
             database = sa.make_url(self.url).database
             if database and database != ":memory:":
                 Path(database).parent.mkdir(parents=True, exist_ok=True)
-            engine = create_async_engine(self.url, hide_parameters=True,
-                                         connect_args={"timeout": STATEMENT_TIMEOUT_S})
+            engine = create_async_engine(self.url, hide_parameters=True, connect_args={"timeout": STATEMENT_TIMEOUT_S})
             sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-            self._lease_engine = create_async_engine(self.url, hide_parameters=True,
-                                                     connect_args={"timeout": STATEMENT_TIMEOUT_S})
+            self._lease_engine = create_async_engine(
+                self.url, hide_parameters=True, connect_args={"timeout": STATEMENT_TIMEOUT_S}
+            )
             sa.event.listen(self._lease_engine.sync_engine, "connect", _sqlite_lease_pragmas)
         else:
             engine = create_async_engine(
-                self.url, hide_parameters=True, pool_pre_ping=True, pool_size=5, max_overflow=5,
+                self.url,
+                hide_parameters=True,
+                pool_pre_ping=True,
+                pool_size=5,
+                max_overflow=5,
                 pool_timeout=CONNECT_TIMEOUT_S,
                 connect_args={"timeout": CONNECT_TIMEOUT_S, "command_timeout": STATEMENT_TIMEOUT_S},
             )
@@ -195,8 +222,11 @@ class SQLSessionStore(SessionStore):
             if self.dialect == "postgresql":
                 await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
             await conn.run_sync(_upgrade_to_head)
-        logger.info("session store: %s (%s)", sa.make_url(self.url).render_as_string(hide_password=True),
-                    ", ".join(f"{name}={value}" for name, value in (await self.durability()).items()))
+        logger.info(
+            "session store: %s (%s)",
+            sa.make_url(self.url).render_as_string(hide_password=True),
+            ", ".join(f"{name}={value}" for name, value in (await self.durability()).items()),
+        )
 
     async def durability(self) -> dict[str, str]:
         """The settings in force on the store's own connections that decide whether a
@@ -205,8 +235,9 @@ class SQLSessionStore(SessionStore):
         names = ("journal_mode", "synchronous") if self.dialect == "sqlite" else ("fsync", "synchronous_commit")
         query = "PRAGMA {}" if self.dialect == "sqlite" else "SHOW {}"
         async with self._transaction(write=False) as conn:
-            values = {name: str((await conn.execute(sa.text(query.format(name)))).scalar_one()).lower()
-                      for name in names}
+            values = {
+                name: str((await conn.execute(sa.text(query.format(name)))).scalar_one()).lower() for name in names
+            }
         if self.dialect == "sqlite":
             values["synchronous"] = _SQLITE_SYNCHRONOUS.get(values["synchronous"], values["synchronous"])
         return values
@@ -250,13 +281,22 @@ class SQLSessionStore(SessionStore):
     async def create(self, record: SessionRecord) -> None:
         try:
             async with self._transaction() as conn:
-                await conn.execute(sessions.insert().values(
-                    id=record.id, owner=record.owner, model=record.model,
-                    defaults=json.dumps(record.defaults), metadata=json.dumps(record.metadata),
-                    status=record.status, close_reason=record.close_reason, num_chunks=record.num_chunks,
-                    num_tokens=record.num_tokens, created=record.created, last_activity=record.last_activity,
-                    chat=None if record.chat is None else json.dumps(record.chat),
-                ))
+                await conn.execute(
+                    sessions.insert().values(
+                        id=record.id,
+                        owner=record.owner,
+                        model=record.model,
+                        defaults=json.dumps(record.defaults),
+                        metadata=json.dumps(record.metadata),
+                        status=record.status,
+                        close_reason=record.close_reason,
+                        num_chunks=record.num_chunks,
+                        num_tokens=record.num_tokens,
+                        created=record.created,
+                        last_activity=record.last_activity,
+                        chat=None if record.chat is None else json.dumps(record.chat),
+                    )
+                )
         except IntegrityError as exc:
             raise SessionExistsError(record.id) from exc
 
@@ -279,13 +319,18 @@ class SQLSessionStore(SessionStore):
 
     @staticmethod
     def _chunks(session_id: str) -> Any:
-        return (sa.select(session_chunks.c.token_ids, session_chunks.c.start)
-                .where(session_chunks.c.session_id == session_id).order_by(session_chunks.c.idx))
+        return (
+            sa.select(session_chunks.c.token_ids, session_chunks.c.start)
+            .where(session_chunks.c.session_id == session_id)
+            .order_by(session_chunks.c.idx)
+        )
 
     async def list_open(self, owner: str) -> list[SessionRecord]:
-        query = (sa.select(*RECORD_COLUMNS)
-                 .where(sessions.c.owner == owner, sessions.c.status != "closed")
-                 .order_by(sessions.c.created, sessions.c.id))
+        query = (
+            sa.select(*RECORD_COLUMNS)
+            .where(sessions.c.owner == owner, sessions.c.status != "closed")
+            .order_by(sessions.c.created, sessions.c.id)
+        )
         async with self._transaction(write=False) as conn:
             return [_record(row) for row in await conn.execute(query)]
 
@@ -310,15 +355,15 @@ class SQLSessionStore(SessionStore):
             if row is None:
                 await conn.execute(replicas.insert().values(id=replica_id, instance=instance, heartbeat=now))
             else:
-                await conn.execute(replicas.update().where(c.id == replica_id)
-                                   .values(instance=instance, heartbeat=now))
+                await conn.execute(replicas.update().where(c.id == replica_id).values(instance=instance, heartbeat=now))
         return None
 
     async def heartbeat(self, replica_id: str, instance: str) -> bool:
         c = replicas.c
         async with self._transaction(synced=False) as conn:
-            result = await conn.execute(replicas.update().where(c.id == replica_id, c.instance == instance)
-                                        .values(heartbeat=time.time()))
+            result = await conn.execute(
+                replicas.update().where(c.id == replica_id, c.instance == instance).values(heartbeat=time.time())
+            )
         return result.rowcount == 1
 
     async def leave(self, replica_id: str, instance: str) -> None:
@@ -340,10 +385,12 @@ class SQLSessionStore(SessionStore):
         now = time.time()
         c = sessions.c
         takeable = sa.or_(c.lease_holder.is_(None), c.lease_holder == holder, c.lease_expires < now)
-        query = (sessions.update()
-                 .where(c.id == session_id, c.status != "closed", takeable)
-                 .values(lease_holder=holder, lease_expires=now + ttl_s)
-                 .returning(*RECORD_COLUMNS))
+        query = (
+            sessions.update()
+            .where(c.id == session_id, c.status != "closed", takeable)
+            .values(lease_holder=holder, lease_expires=now + ttl_s)
+            .returning(*RECORD_COLUMNS)
+        )
         async with self._transaction(synced=False) as conn:
             row = (await conn.execute(query)).first()
             if row is not None:
@@ -357,7 +404,8 @@ class SQLSessionStore(SessionStore):
         c = sessions.c
         async with self._transaction(synced=False) as conn:
             result = await conn.execute(
-                sessions.update().where(c.id == session_id, c.lease_holder == holder)
+                sessions.update()
+                .where(c.id == session_id, c.lease_holder == holder)
                 .values(lease_expires=time.time() + ttl_s)
             )
         return result.rowcount == 1
@@ -366,13 +414,20 @@ class SQLSessionStore(SessionStore):
         c = sessions.c
         async with self._transaction(synced=False) as conn:
             await conn.execute(
-                sessions.update().where(c.id == session_id, c.lease_holder == holder)
+                sessions.update()
+                .where(c.id == session_id, c.lease_holder == holder)
                 .values(lease_holder=None, lease_expires=None)
             )
 
     async def commit_chunk(
-        self, session_id: str, holder: str, index: int, token_ids: list[int], last_activity: float,
-        start: int | None = None, chat: dict[str, Any] | None = None,
+        self,
+        session_id: str,
+        holder: str,
+        index: int,
+        token_ids: list[int],
+        last_activity: float,
+        start: int | None = None,
+        chat: dict[str, Any] | None = None,
     ) -> bool:
         c = sessions.c
         num_tokens = c.num_tokens + len(token_ids) if start is None else start + len(token_ids)
@@ -381,14 +436,23 @@ class SQLSessionStore(SessionStore):
                 result = await conn.execute(
                     sessions.update()
                     .where(c.id == session_id, c.lease_holder == holder, c.num_chunks == index)
-                    .values(num_chunks=index + 1, num_tokens=num_tokens,
-                            chat=None if chat is None else json.dumps(chat),
-                            last_activity=last_activity, status="active", lease_holder=None, lease_expires=None)
+                    .values(
+                        num_chunks=index + 1,
+                        num_tokens=num_tokens,
+                        chat=None if chat is None else json.dumps(chat),
+                        last_activity=last_activity,
+                        status="active",
+                        lease_holder=None,
+                        lease_expires=None,
+                    )
                 )
                 if result.rowcount != 1:
                     return False
-                await conn.execute(session_chunks.insert().values(
-                    session_id=session_id, idx=index, token_ids=pack_tokens(token_ids), start=start))
+                await conn.execute(
+                    session_chunks.insert().values(
+                        session_id=session_id, idx=index, token_ids=pack_tokens(token_ids), start=start
+                    )
+                )
         except IntegrityError:
             return False  # chunk ``index`` exists: written by another replica
         return True
@@ -399,10 +463,14 @@ class SQLSessionStore(SessionStore):
         async with self._transaction() as conn:
             closed = await conn.execute(
                 sessions.update()
-                .where(c.status != "closed", c.last_activity < idle_before,
-                       sa.or_(c.lease_holder.is_(None), c.lease_expires < now))
-                .values(status="closed", close_reason="expired", last_activity=now,
-                        lease_holder=None, lease_expires=None)
+                .where(
+                    c.status != "closed",
+                    c.last_activity < idle_before,
+                    sa.or_(c.lease_holder.is_(None), c.lease_expires < now),
+                )
+                .values(
+                    status="closed", close_reason="expired", last_activity=now, lease_holder=None, lease_expires=None
+                )
             )
             stale = sa.select(c.id).where(c.status == "closed", c.last_activity < purge_closed_before)
             await conn.execute(session_chunks.delete().where(session_chunks.c.session_id.in_(stale)))
@@ -410,13 +478,18 @@ class SQLSessionStore(SessionStore):
             await conn.execute(sessions.delete().where(c.status == "closed", c.last_activity < purge_closed_before))
         return closed.rowcount
 
-
     # ------------------------------------------------------------------ objects
     async def put_objects(self, objects: list[StoredObject]) -> None:
         async with self._transaction() as conn:
             for obj in objects:
-                values = {"kind": obj.kind, "owner": obj.owner, "session_id": obj.session_id, "seq": obj.seq,
-                          "created": obj.created, "data": json.dumps(obj.data)}
+                values = {
+                    "kind": obj.kind,
+                    "owner": obj.owner,
+                    "session_id": obj.session_id,
+                    "seq": obj.seq,
+                    "created": obj.created,
+                    "data": json.dumps(obj.data),
+                }
                 updated = await conn.execute(api_objects.update().where(api_objects.c.id == obj.id).values(**values))
                 if updated.rowcount == 0:
                     await conn.execute(api_objects.insert().values(id=obj.id, **values))
@@ -428,15 +501,19 @@ class SQLSessionStore(SessionStore):
         return None if row is None else _object(row)
 
     async def list_objects(self, kind: str, session_id: str) -> list[StoredObject]:
-        query = (sa.select(api_objects).where(api_objects.c.session_id == session_id, api_objects.c.kind == kind)
-                 .order_by(api_objects.c.seq))
+        query = (
+            sa.select(api_objects)
+            .where(api_objects.c.session_id == session_id, api_objects.c.kind == kind)
+            .order_by(api_objects.c.seq)
+        )
         async with self._transaction(write=False) as conn:
             return [_object(row) for row in await conn.execute(query)]
 
     async def delete_object(self, kind: str, object_id: str) -> bool:
         async with self._transaction() as conn:
             result = await conn.execute(
-                api_objects.delete().where(api_objects.c.id == object_id, api_objects.c.kind == kind))
+                api_objects.delete().where(api_objects.c.id == object_id, api_objects.c.kind == kind)
+            )
         return bool(result.rowcount)
 
 

@@ -48,21 +48,29 @@ def forced_opening(grammar: Any) -> tuple[Any, str]:
 def _rest_after_opening(form: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     if form.get("type") == "tag":
         opening = form["begin"].rstrip()
-        return {**form, "begin": form["begin"][len(opening):]}, opening
-    if form.get("type") != "tags_with_separator" or not form.get("at_least_one") or form.get("separator") \
-            or not form.get("tags") or any(tag.get("type") != "tag" for tag in form["tags"]):
+        return {**form, "begin": form["begin"][len(opening) :]}, opening
+    if (
+        form.get("type") != "tags_with_separator"
+        or not form.get("at_least_one")
+        or form.get("separator")
+        or not form.get("tags")
+        or any(tag.get("type") != "tag" for tag in form["tags"])
+    ):
         return None, ""
     tags = form["tags"]
     shared = _shared_begin(tags)
     first = tags[0]["begin"]
     if len(first) > len(shared):  # several spellings: the first tag's alone is opened
-        spelling = first[:len(shared) + SPELLING_DIVERGES]
+        spelling = first[: len(shared) + SPELLING_DIVERGES]
         tags = [tag for tag in tags if tag["begin"].startswith(spelling)]
         shared = _shared_begin(tags)
     opening = _before_last_word(shared, tags)
     # The call the opening began, then (parallel calls) any more, in every spelling.
-    opened = {**form, "tags": [{**tag, "begin": tag["begin"][len(opening):]} for tag in tags],
-              "stop_after_first": True}
+    opened = {
+        **form,
+        "tags": [{**tag, "begin": tag["begin"][len(opening) :]} for tag in tags],
+        "stop_after_first": True,
+    }
     if form.get("stop_after_first"):
         return opened, opening
     return {"type": "sequence", "elements": [opened, {**form, "at_least_one": False}]}, opening

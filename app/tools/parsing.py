@@ -86,11 +86,19 @@ def function_tools(tools: list[dict[str, Any]], tool_parser: str | None, param: 
     parser to read their calls (without one they would be rendered and never read)."""
     for index, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise APIError(400, f"Only function tools are supported; {param}[{index}] is a {tool.get('type')!r} "
-                           "tool.", code="unsupported_tool", param=f"{param}[{index}]")
+            raise APIError(
+                400,
+                f"Only function tools are supported; {param}[{index}] is a {tool.get('type')!r} tool.",
+                code="unsupported_tool",
+                param=f"{param}[{index}]",
+            )
     if tools and tool_parser is None:
-        raise APIError(400, "Tools need a tool-call parser, and this server has none for its model (set "
-                       "STREAMSESS_TOOL_CALL_PARSER).", code="unsupported_parameter", param=param)
+        raise APIError(
+            400,
+            "Tools need a tool-call parser, and this server has none for its model (set STREAMSESS_TOOL_CALL_PARSER).",
+            code="unsupported_parameter",
+            param=param,
+        )
     return chat_tools(tools)
 
 
@@ -111,27 +119,50 @@ class ReplyParsers:
     def declared_tools(self, tools: list[dict[str, Any]], param: str) -> list[dict[str, Any]] | None:
         return function_tools(tools, self.tool_parser, param)
 
-    def reply_parser(self, tools: list[dict[str, Any]] | None, tool_choice: Any,
-                     parallel_calls: bool | None = None) -> OutputParser:
+    def reply_parser(
+        self, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_calls: bool | None = None
+    ) -> OutputParser:
         """A reader of one reply; a tool_choice it cannot honour is refused (400)."""
         choice = tool_choice.model_dump(exclude_none=True) if isinstance(tool_choice, BaseModel) else tool_choice
-        if not (choice is None or choice in TOOL_CHOICE_MODES or (isinstance(choice, dict)
-                                                                  and choice.get("type") == "function")):
+        if not (
+            choice is None
+            or choice in TOOL_CHOICE_MODES
+            or (isinstance(choice, dict) and choice.get("type") == "function")
+        ):
             kind = choice.get("type") if isinstance(choice, dict) else choice
-            raise APIError(400, f"tool_choice is none, auto, required or a function here; {kind!r} is not supported.",
-                           code="unsupported_parameter", param="tool_choice")
+            raise APIError(
+                400,
+                f"tool_choice is none, auto, required or a function here; {kind!r} is not supported.",
+                code="unsupported_parameter",
+                param="tool_choice",
+            )
         if isinstance(choice, dict):
             function = chat_tool_choice(choice).get("function")
             name = function.get("name") if isinstance(function, dict) else None
             if name not in {tool["function"]["name"] for tool in chat_tools(tools) or []}:
-                raise APIError(400, f"tool_choice names the function {name!r}, which is not found in tools.",
-                               code="invalid_value", param="tool_choice")
+                raise APIError(
+                    400,
+                    f"tool_choice names the function {name!r}, which is not found in tools.",
+                    code="invalid_value",
+                    param="tool_choice",
+                )
         try:
-            return OutputParser(self.tokenizer, self.tool_parser, self.reasoning_parser, tools, tool_choice,
-                                self.strict_level, parallel_calls is not False)
+            return OutputParser(
+                self.tokenizer,
+                self.tool_parser,
+                self.reasoning_parser,
+                tools,
+                tool_choice,
+                self.strict_level,
+                parallel_calls is not False,
+            )
         except VLLMValidationError as invalid:  # vLLM's chat request refused the choice for these tools
-            raise APIError(400, str(invalid.args[0]) if invalid.args else "Invalid tool_choice.",
-                           code="invalid_value", param=invalid.parameter or "tool_choice") from None
+            raise APIError(
+                400,
+                str(invalid.args[0]) if invalid.args else "Invalid tool_choice.",
+                code="invalid_value",
+                param=invalid.parameter or "tool_choice",
+            ) from None
 
 
 class OutputParser:
@@ -140,19 +171,33 @@ class OutputParser:
     set for them (a required or named call; under vLLM's strict tool calling, the
     format of every call), for the chunk that generates it."""
 
-    def __init__(self, tokenizer: Any, tool_parser: str | None, reasoning_parser: str | None,
-                 tools: list[dict[str, Any]] | None, tool_choice: Any = "auto", strict_level: str = "auto",
-                 parallel_calls: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        tool_parser: str | None,
+        reasoning_parser: str | None,
+        tools: list[dict[str, Any]] | None,
+        tool_choice: Any = "auto",
+        strict_level: str = "auto",
+        parallel_calls: bool = True,
+    ) -> None:
         # The tools as the chat template renders them (with tool_choice none too: rendered, not read).
         self.tools = tools = chat_tools(tools)
         self.parses_calls = bool(tools) and tool_parser is not None and tool_choice != "none"
         parser_cls = ParserManager.get_parser(
             tool_parser_name=tool_parser if self.parses_calls else None,
-            reasoning_parser_name=reasoning_parser, enable_auto_tools=True, tool_strict_level=strict_level)
+            reasoning_parser_name=reasoning_parser,
+            enable_auto_tools=True,
+            tool_strict_level=strict_level,
+        )
         self._request = ChatCompletionRequest(
-            model="-", messages=[], tools=tools if self.parses_calls else None,
-            tool_choice=chat_tool_choice(tool_choice) if self.parses_calls else "none", include_reasoning=True,
-            parallel_tool_calls=parallel_calls)
+            model="-",
+            messages=[],
+            tools=tools if self.parses_calls else None,
+            tool_choice=chat_tool_choice(tool_choice) if self.parses_calls else "none",
+            include_reasoning=True,
+            parallel_tool_calls=parallel_calls,
+        )
         self._parser = parser_cls(tokenizer, list(self._request.tools or []) or None) if parser_cls else None
         # Given with the first delta only: the parser then settles whether the prompt closed
         # reasoning (a turn's prompt never does here) and starts reading calls.
@@ -200,14 +245,20 @@ class OutputParser:
             return StreamDelta(text=delta_text)
         if self._prompt_ids is not None:  # the reply's first delta: after its opening
             delta_text, delta_ids = self._opened[0] + delta_text, self._opened[1] + list(delta_ids)
-        message = self._parser.parse_delta(delta_text, list(delta_ids), self._request, self._prompt_ids,
-                                           finished=finished)
+        message = self._parser.parse_delta(
+            delta_text, list(delta_ids), self._request, self._prompt_ids, finished=finished
+        )
         self._prompt_ids = None
         if message is None:
             return StreamDelta()
-        calls = [CallDelta(call.index, call.function.name if call.function else None,
-                           (call.function.arguments or "") if call.function else "")
-                 for call in message.tool_calls or []]
+        calls = [
+            CallDelta(
+                call.index,
+                call.function.name if call.function else None,
+                (call.function.arguments or "") if call.function else "",
+            )
+            for call in message.tool_calls or []
+        ]
         return StreamDelta(message.content or "", message.reasoning or "", calls)
 
     def final(self, text: str, token_ids: list[int] | None = None) -> ParsedOutput:
@@ -219,11 +270,13 @@ class OutputParser:
         text, token_ids = self._opened[0] + text, self._opened[1] + list(token_ids or ())
         if (parsed := self._final.get(text)) is None:
             reasoning, content, calls = self._parser.parse(
-                text, self._request, enable_auto_tools=self.parses_calls, model_output_token_ids=token_ids or ())
+                text, self._request, enable_auto_tools=self.parses_calls, model_output_token_ids=token_ids or ()
+            )
             named = [call for call in calls or [] if call.name]
             arguments = _as_written(text, [call.arguments or "{}" for call in named])
-            found = [ToolCall(self.call_id(index), call.name or "", arguments[index])
-                     for index, call in enumerate(named)]
+            found = [
+                ToolCall(self.call_id(index), call.name or "", arguments[index]) for index, call in enumerate(named)
+            ]
             malformed = self.parses_calls and not found and _opens_a_call(self._parser, text)
             parsed = self._final[text] = ParsedOutput(content or "", reasoning, found, malformed)
         return parsed

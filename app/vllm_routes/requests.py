@@ -38,8 +38,12 @@ class OpenAIRequestMiddleware:
     anything else (vLLM raises it again and answers it itself)."""
 
     def __init__(
-        self, app: ASGIApp, routes: Mapping[str, OpenAIBodyRoute], salter: CacheSalter | None,
-        limits: KeyLimits | None, default_max_tokens: int,
+        self,
+        app: ASGIApp,
+        routes: Mapping[str, OpenAIBodyRoute],
+        salter: CacheSalter | None,
+        limits: KeyLimits | None,
+        default_max_tokens: int,
     ):
         self.app = app
         self.routes = routes
@@ -48,7 +52,9 @@ class OpenAIRequestMiddleware:
         self.default_max_tokens = default_max_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.routes.get(scope.get("path", "")) if scope["type"] == "http" and scope["method"] == "POST" else None
+        route = (
+            self.routes.get(scope.get("path", "")) if scope["type"] == "http" and scope["method"] == "POST" else None
+        )
         if route is None:
             await self.app(scope, receive, send)
             return
@@ -61,9 +67,15 @@ class OpenAIRequestMiddleware:
             payload = None
         if isinstance(payload, dict):
             if not route.stateful and (field := next((f for f in STATEFUL_FIELDS if f in payload), None)):
-                await send_http_error(send, APIError(
-                    400, f"{field} is honoured on /v1/responses only; this route keeps no state.",
-                    code="unsupported_parameter", param=field))
+                await send_http_error(
+                    send,
+                    APIError(
+                        400,
+                        f"{field} is honoured on /v1/responses only; this route keeps no state.",
+                        code="unsupported_parameter",
+                        param=field,
+                    ),
+                )
                 return
             if route.strict_validator is not None:
                 try:
@@ -103,4 +115,6 @@ class OpenAIRequestMiddleware:
                 body = json.dumps(payload).encode()
         headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
-        await self.app({**scope, "headers": headers}, replaying(body, receive), reshaping_errors(send, openai_error_bytes))
+        await self.app(
+            {**scope, "headers": headers}, replaying(body, receive), reshaping_errors(send, openai_error_bytes)
+        )

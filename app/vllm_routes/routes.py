@@ -132,7 +132,8 @@ def typed_part_errors(payload: Any) -> list[Any]:
         return []
     batched = bool(messages) and all(isinstance(conversation, list) for conversation in messages)
     located: list[tuple[tuple[int, ...], list[Any]]] = (
-        [((number,), conversation) for number, conversation in enumerate(messages)] if batched else [((), messages)])
+        [((number,), conversation) for number, conversation in enumerate(messages)] if batched else [((), messages)]
+    )
     errors: list[Any] = []
     parts = _typed_parts()
     for prefix, conversation in located:
@@ -152,8 +153,9 @@ def typed_part_errors(payload: Any) -> list[Any]:
 
 def _json_schema_form(error: Any) -> bool:
     value = error.get("input")
-    return ((error.get("type") == "int_type" and isinstance(value, float) and value.is_integer())
-            or (error.get("type") == "bytes_type" and isinstance(value, str)))
+    return (error.get("type") == "int_type" and isinstance(value, float) and value.is_integer()) or (
+        error.get("type") == "bytes_type" and isinstance(value, str)
+    )
 
 
 def missed_errors(value: Any, raw: Any, loc: tuple[Any, ...]) -> list[Any]:
@@ -178,8 +180,13 @@ def missed_errors(value: Any, raw: Any, loc: tuple[Any, ...]) -> list[Any]:
             return [{**error, "loc": (*loc, *error["loc"])} for error in invalid.errors()]
         return _list_errors(items, raw, loc)
     if isinstance(value, BaseModel) and isinstance(raw, dict):
-        return _nested_errors([(field.alias or name, getattr(value, name), raw.get(field.alias or name))
-                               for name, field in type(value).model_fields.items()], loc)
+        return _nested_errors(
+            [
+                (field.alias or name, getattr(value, name), raw.get(field.alias or name))
+                for name, field in type(value).model_fields.items()
+            ],
+            loc,
+        )
     if isinstance(value, dict) and isinstance(raw, dict):
         return _nested_errors([(key, item, raw.get(key)) for key, item in value.items()], loc)
     if isinstance(value, list) and isinstance(raw, list):
@@ -197,8 +204,9 @@ def _list_errors(value: list[Any], raw: list[Any], loc: tuple[Any, ...]) -> list
     if types == list(map(type, raw)):
         if _SCALARS.issuperset(types):
             return []
-        return _nested_errors([(index, item, raw[index]) for index, item in enumerate(value)
-                               if type(item) not in _SCALARS], loc)
+        return _nested_errors(
+            [(index, item, raw[index]) for index, item in enumerate(value) if type(item) not in _SCALARS], loc
+        )
     return _nested_errors(list(zip(range(len(value)), value, raw, strict=False)), loc)
 
 
@@ -208,15 +216,20 @@ def _nested_errors(children: list[tuple[Any, Any, Any]], loc: tuple[Any, ...]) -
         if type(value) not in _SCALARS:
             errors += missed_errors(value, raw, (*loc, key))
         elif _coerced(value, raw):
-            errors.append({"type": f"{_json_type(value)}_type", "loc": (*loc, key),
-                           "msg": f"Input should be a valid {_json_type(value)}", "input": raw})
+            errors.append(
+                {
+                    "type": f"{_json_type(value)}_type",
+                    "loc": (*loc, key),
+                    "msg": f"Input should be a valid {_json_type(value)}",
+                    "input": raw,
+                }
+            )
     return errors
 
 
 def _coerced(value: Any, raw: Any) -> bool:
     # Nulls either side are not coercions: validators fill in or clear values on purpose.
-    return (value is not None and raw is not None and type(raw) in _SCALARS
-            and _json_type(value) != _json_type(raw))
+    return value is not None and raw is not None and type(raw) in _SCALARS and _json_type(value) != _json_type(raw)
 
 
 def _json_type(value: bool | int | float | str) -> str:
@@ -260,13 +273,17 @@ def openai_body_routes(app: FastAPI, strict: bool, generating: bool) -> dict[str
         generates = generating and any("cache_salt" in model.model_fields for model in models)
         validator = ((route.path, TypeAdapter(annotation)),) if strict else None
         if generates or validator is not None:
-            routes[route.path] = OpenAIBodyRoute(strict_validator=validator, generates=generates,
-                                                 stateful=route.path in REPLACED_PATHS)
+            routes[route.path] = OpenAIBodyRoute(
+                strict_validator=validator, generates=generates, stateful=route.path in REPLACED_PATHS
+            )
     for path in dispatching if generating or strict else []:
         # The first body model that takes it, in vLLM's order (a union would also run the
         # others' validators, which raise on a chat body).
-        bodies = tuple((getattr(annotations[target], "__name__", target), TypeAdapter(annotations[target]))
-                       for target in DISPATCHING_GENERATE_PATHS[path] if target in annotations)
+        bodies = tuple(
+            (getattr(annotations[target], "__name__", target), TypeAdapter(annotations[target]))
+            for target in DISPATCHING_GENERATE_PATHS[path]
+            if target in annotations
+        )
         routes[path] = OpenAIBodyRoute(strict_validator=bodies if strict and bodies else None, generates=generating)
     if strict:
         _validate_as_vllm_does_later(routes, annotations)
@@ -280,8 +297,9 @@ VALIDATED_LATER_AS = {("BatchChatCompletionRequest", "response_format"): ("ChatC
 
 
 def _validate_as_vllm_does_later(routes: dict[str, OpenAIBodyRoute], annotations: dict[str, Any]) -> None:
-    models = {model.__name__: (path, model) for path, annotation in annotations.items()
-              for model in body_models(annotation)}
+    models = {
+        model.__name__: (path, model) for path, annotation in annotations.items() for model in body_models(annotation)
+    }
     for (name, field), (source, source_field) in VALIDATED_LATER_AS.items():
         if name in models and source in models and routes[models[name][0]].strict_validator is not None:
             path, model = models[name]
@@ -337,13 +355,17 @@ def drop_unserved_routes(app: FastAPI) -> None:
 def drop_routes_the_model_cannot_serve(app: FastAPI) -> None:
     """Once vLLM's state is set up (in the lifespan, before the first request and so
     before the schema is built)."""
-    _drop_routes(app, {path for path, handler in MODEL_DEPENDENT_PATHS.items()
-                       if getattr(app.state, handler, None) is None})
+    _drop_routes(
+        app, {path for path, handler in MODEL_DEPENDENT_PATHS.items() if getattr(app.state, handler, None) is None}
+    )
 
 
 def drop_replaced_routes(app: FastAPI) -> None:
-    app.router.routes[:] = [route for route in app.router.routes if not (
-        isinstance(route, APIRoute) and route.path in REPLACED_PATHS and not _is_ours(route))]
+    app.router.routes[:] = [
+        route
+        for route in app.router.routes
+        if not (isinstance(route, APIRoute) and route.path in REPLACED_PATHS and not _is_ours(route))
+    ]
 
 
 def _drop_routes(app: FastAPI, paths: set[str] | frozenset[str]) -> None:

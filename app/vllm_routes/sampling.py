@@ -21,8 +21,12 @@ from app.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TOP
 # ceiling or None) per field. Refused on every route, and stated in the schema (the
 # integers' ceiling as our own routes bound theirs, JSON-safe).
 SAMPLING_RANGES: dict[str, tuple[float, float | None]] = {
-    "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY), "top_p": (MIN_TOP_P, None),
-    "top_k": (-1, SAFE_INTEGER_MAX), "stream_interval": (1, SAFE_INTEGER_MAX), "length_penalty": (-10, 10)}
+    "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+    "top_p": (MIN_TOP_P, None),
+    "top_k": (-1, SAFE_INTEGER_MAX),
+    "stream_interval": (1, SAFE_INTEGER_MAX),
+    "length_penalty": (-10, 10),
+}
 
 
 GRAMMAR_FORMATS = {"json_object", "json_schema", "structural_tag"}
@@ -60,31 +64,42 @@ def check_sampling(payload: dict[str, Any], max_model_len: int | None = None) ->
         if _outside_messagepack(value):
             raise VLLMValidationError(f"Numbers in {field} must be between -2**63 and 2**64 - 1.", parameter=field)
         if field in FREE_FORM_FIELDS and isinstance(value, dict) and _nesting(value) > FREE_FORM_DEPTH + 1:
-            raise VLLMValidationError(f"The values of {field} may nest at most {FREE_FORM_DEPTH} arrays or objects "
-                                      "deep.", parameter=field)
+            raise VLLMValidationError(
+                f"The values of {field} may nest at most {FREE_FORM_DEPTH} arrays or objects deep.", parameter=field
+            )
     # A chat request's deprecated max_tokens: vLLM refuses it below 1 or beyond the
     # model's length unless max_completion_tokens is set, a rule the chat schema has no
     # room left to state.
     max_tokens = payload.get("max_tokens")
     if "messages" in payload and isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
         if max_tokens < 1:
-            raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.", parameter="max_tokens",
-                                      value=max_tokens)
+            raise VLLMValidationError(
+                f"max_tokens must be at least 1, got {max_tokens}.", parameter="max_tokens", value=max_tokens
+            )
         if max_model_len is not None and max_tokens > max_model_len:
-            raise VLLMValidationError(f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}.",
-                                      parameter="max_tokens", value=max_tokens)
+            raise VLLMValidationError(
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}.",
+                parameter="max_tokens",
+                value=max_tokens,
+            )
     if payload.get("allowed_token_ids") == []:
         # vLLM refuses it too, but inside a streamed completion's 200 (an error event).
         raise VLLMValidationError("allowed_token_ids must not be empty.", parameter="allowed_token_ids")
     response_format = payload.get("response_format")
-    grammar = (payload.get("structured_outputs") is not None
-               or (isinstance(response_format, dict) and response_format.get("type") in GRAMMAR_FORMATS)
-               or (bool(payload.get("tools")) and (payload.get("tool_choice") == "required"
-                                                   or isinstance(payload.get("tool_choice"), dict))))
+    grammar = (
+        payload.get("structured_outputs") is not None
+        or (isinstance(response_format, dict) and response_format.get("type") in GRAMMAR_FORMATS)
+        or (
+            bool(payload.get("tools"))
+            and (payload.get("tool_choice") == "required" or isinstance(payload.get("tool_choice"), dict))
+        )
+    )
     if payload.get("allowed_token_ids") and grammar:
-        raise VLLMValidationError("allowed_token_ids cannot be combined with a structured output, a JSON response "
-                                  "format or a forced tool call: the grammar may allow none of them.",
-                                  parameter="allowed_token_ids")
+        raise VLLMValidationError(
+            "allowed_token_ids cannot be combined with a structured output, a JSON response "
+            "format or a forced tool call: the grammar may allow none of them.",
+            parameter="allowed_token_ids",
+        )
 
 
 def _nesting(value: Any) -> int:

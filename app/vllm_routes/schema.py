@@ -32,8 +32,12 @@ from app.vllm_routes.schema_rules import (
 # Fields the openai SDK's types (and so the schema) require, which vLLM's validators
 # fill in when a Responses request's input item leaves them out: a reasoning item's
 # id; an assistant message's id and status, and its output texts' annotations.
-FILLED_IN_BY_VLLM = {"ResponseReasoningItemParam": ("id",), "ResponseReasoningItem": ("id",),
-                     "ResponseOutputMessageParam": ("id", "status"), "ResponseOutputTextParam": ("annotations",)}
+FILLED_IN_BY_VLLM = {
+    "ResponseReasoningItemParam": ("id",),
+    "ResponseReasoningItem": ("id",),
+    "ResponseOutputMessageParam": ("id", "status"),
+    "ResponseOutputTextParam": ("annotations",),
+}
 
 
 def declare_filled_in_fields(schema: dict[str, Any]) -> None:
@@ -46,39 +50,62 @@ def declare_filled_in_fields(schema: dict[str, Any]) -> None:
 
 # Arrays vLLM refuses empty (no template renders an empty conversation).
 NON_EMPTY_ARRAYS = [
-    ("ChatCompletionRequest", "messages"), ("ChatCompletionRequest", "tools"),
-    ("ChatCompletionRequest", "allowed_token_ids"), ("CompletionRequest", "allowed_token_ids"),
-    ("TokenizeChatRequest", "messages"), ("GenerativeScoringRequest", "label_token_ids"),
-    ("StructuredOutputsParams", "choice"), ("GenerativeScoringRequest", "items"),
-    ("AnthropicMessagesRequest", "messages"), ("AnthropicCountTokensRequest", "messages"),
+    ("ChatCompletionRequest", "messages"),
+    ("ChatCompletionRequest", "tools"),
+    ("ChatCompletionRequest", "allowed_token_ids"),
+    ("CompletionRequest", "allowed_token_ids"),
+    ("TokenizeChatRequest", "messages"),
+    ("GenerativeScoringRequest", "label_token_ids"),
+    ("StructuredOutputsParams", "choice"),
+    ("GenerativeScoringRequest", "items"),
+    ("AnthropicMessagesRequest", "messages"),
+    ("AnthropicCountTokensRequest", "messages"),
     ("GenerativeScoringRequest", "query"),
 ]
 # Internal fields of vLLM's structured-output parameters (init=False): the schema listed
 # them, validation ignores them.
 INTERNAL_FIELDS = [("StructuredOutputsParams", "_backend"), ("StructuredOutputsParams", "_backend_was_auto")]
 # Strings vLLM refuses empty: the Anthropic API's model ("Model is required").
-NON_EMPTY_STRINGS = [("AnthropicMessagesRequest", "model"), ("AnthropicCountTokensRequest", "model"),
-                     ("GenerativeScoringRequest", "query"), ("ChatCompletionNamedFunction", "name")]
+NON_EMPTY_STRINGS = [
+    ("AnthropicMessagesRequest", "model"),
+    ("AnthropicCountTokensRequest", "model"),
+    ("GenerativeScoringRequest", "query"),
+    ("ChatCompletionNamedFunction", "name"),
+]
 # Booleans vLLM takes only as true ("structured_outputs.json_object must be True if set").
 TRUE_ONLY = [("StructuredOutputsParams", "json_object")]
 # Integers vLLM refuses below 1 ("max_tokens must be at least 1"; a completion may ask
 # for 0 with echo: CROSS_FIELD_RULES). A chat request's deprecated max_tokens too, which
 # vLLM takes below 1 only beside max_completion_tokens: refused there as well
 # (app.vllm_routes.sampling.check_sampling, as OpenAI's API refuses it).
-POSITIVE_INTEGERS = [("AnthropicMessagesRequest", "max_tokens"), *(
-    (name, field) for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
-    for field in ("max_completion_tokens", "max_tokens", "n")), ("CompletionRequest", "n")]
+POSITIVE_INTEGERS = [
+    ("AnthropicMessagesRequest", "max_tokens"),
+    *(
+        (name, field)
+        for name in ("ChatCompletionRequest", "BatchChatCompletionRequest")
+        for field in ("max_completion_tokens", "max_tokens", "n")
+    ),
+    ("CompletionRequest", "n"),
+]
 # Integers vLLM refuses below 0 (Anthropic's top_k: "0 (disable), or at least 1";
 # SamplingParams' min_tokens; a completion's max_tokens, 0 only with echo).
-NON_NEGATIVE_INTEGERS = [("AnthropicMessagesRequest", "top_k"), ("CompletionRequest", "max_tokens"), *(
-    (name, "min_tokens") for name in ("ChatCompletionRequest", "CompletionRequest", "BatchChatCompletionRequest"))]
+NON_NEGATIVE_INTEGERS = [
+    ("AnthropicMessagesRequest", "top_k"),
+    ("CompletionRequest", "max_tokens"),
+    *((name, "min_tokens") for name in ("ChatCompletionRequest", "CompletionRequest", "BatchChatCompletionRequest")),
+]
 # Output token counts vLLM bounds by the model's length ("max_completion_tokens=... cannot
 # be greater than max_model_len"; a chat's deprecated max_tokens too, where it is read:
 # beside max_completion_tokens it is not, and more is taken there).
-OUTPUT_TOKEN_FIELDS = [("ChatCompletionRequest", "max_completion_tokens"), ("ChatCompletionRequest", "max_tokens"),
-                       ("CompletionRequest", "max_tokens"), ("BatchChatCompletionRequest", "max_tokens"),
-                       ("BatchChatCompletionRequest", "max_completion_tokens"), ("AnthropicMessagesRequest", "max_tokens"),
-                       ("StatelessResponsesCreateRequest", "max_output_tokens")]
+OUTPUT_TOKEN_FIELDS = [
+    ("ChatCompletionRequest", "max_completion_tokens"),
+    ("ChatCompletionRequest", "max_tokens"),
+    ("CompletionRequest", "max_tokens"),
+    ("BatchChatCompletionRequest", "max_tokens"),
+    ("BatchChatCompletionRequest", "max_completion_tokens"),
+    ("AnthropicMessagesRequest", "max_tokens"),
+    ("StatelessResponsesCreateRequest", "max_output_tokens"),
+]
 # vLLM's SamplingParams: penalties in [-2, 2].
 PENALTIES = ("frequency_penalty", "presence_penalty")
 # A thinking budget: -1 (unlimited) or a count, the count only with a reasoning parser
@@ -98,8 +125,10 @@ CACHE_SALT = {"minLength": 1, "maxLength": 128, "pattern": "^[^@/\\\\\x00]*$"}
 UNTRUSTED_OBJECTS = ("mm_processor_kwargs", "media_io_kwargs")
 UNTRUSTED_TEMPLATE = "chat_template"  # any string, "" too; also as a chat_template_kwargs key
 # A JSON-schema response format carries its schema.
-RESPONSE_FORMAT_RULE = {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
-                        "then": {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}}
+RESPONSE_FORMAT_RULE = {
+    "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+    "then": {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]},
+}
 # vLLM's Responses request takes a stop of "" as none (chat and completions refuse it).
 EMPTY_STOP_IS_NONE = {"ResponsesCreateRequest", "StatelessResponsesCreateRequest"}
 
@@ -117,10 +146,18 @@ def declare_model_limits(schema: dict[str, Any], vocab_size: int, max_model_len:
     length, output counts up to it, logprob counts up to the engine's ``max_logprobs``
     (-1: the vocabulary; -1 asked for is the vocabulary, refused where that is more)."""
     components = schema.get("components", {}).get("schemas", {})
-    lists = [(name, field) for name, component in components.items()
-             for field in component.get("properties", {}) if field in TOKEN_ID_LISTS]
-    lists += [("CompletionRequest", "prompt"), ("GenerativeScoringRequest", "query"),
-              ("GenerativeScoringRequest", "items"), ("GenerativeScoringRequest", "label_token_ids")]
+    lists = [
+        (name, field)
+        for name, component in components.items()
+        for field in component.get("properties", {})
+        if field in TOKEN_ID_LISTS
+    ]
+    lists += [
+        ("CompletionRequest", "prompt"),
+        ("GenerativeScoringRequest", "query"),
+        ("GenerativeScoringRequest", "items"),
+        ("GenerativeScoringRequest", "label_token_ids"),
+    ]
     for name, field, largest in [*((name, field, vocab_size - 1) for name, field in lists), DETOKENIZED]:
         for variant in variants(components, name, field):
             items = variant.get("items", {}) if variant.get("type") == "array" else {}
@@ -169,9 +206,12 @@ def decimal_below(limit: int) -> str:
 
 def _truncation_variants(components: dict[str, Any]) -> list[dict[str, Any]]:
     """The integer forms of ``truncate_prompt_tokens``, on the routes that take it."""
-    return [variant for name in ("ChatCompletionRequest", "CompletionRequest")
-            for variant in variants(components, name, "truncate_prompt_tokens")[1:]
-            if variant.get("type") == "integer"]
+    return [
+        variant
+        for name in ("ChatCompletionRequest", "CompletionRequest")
+        for variant in variants(components, name, "truncate_prompt_tokens")[1:]
+        if variant.get("type") == "integer"
+    ]
 
 
 def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) -> None:
@@ -183,11 +223,13 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
     (``prompt_embeds`` is off unless the server enables it, and a null prompt is
     refused either way); ``/invocations`` takes a chat or a completion request."""
     components = schema.get("components", {}).get("schemas", {})
-    for rules, kind, bound, value in ((NON_EMPTY_ARRAYS, "array", "minItems", 1),
-                                      (NON_EMPTY_STRINGS, "string", "minLength", 1),
-                                      (POSITIVE_INTEGERS, "integer", "minimum", 1),
-                                      (NON_NEGATIVE_INTEGERS, "integer", "minimum", 0),
-                                      (TRUE_ONLY, "boolean", "const", True)):
+    for rules, kind, bound, value in (
+        (NON_EMPTY_ARRAYS, "array", "minItems", 1),
+        (NON_EMPTY_STRINGS, "string", "minLength", 1),
+        (POSITIVE_INTEGERS, "integer", "minimum", 1),
+        (NON_NEGATIVE_INTEGERS, "integer", "minimum", 0),
+        (TRUE_ONLY, "boolean", "const", True),
+    ):
         for name, field in rules:
             for variant in variants(components, name, field):
                 if variant.get("type") == kind:
@@ -218,8 +260,10 @@ def declare_vllm_input_rules(schema: dict[str, Any], reasoning: bool = False) ->
                 if variant.get("type") == "object":
                     variant["maxProperties"] = 0
         if (template := properties.get(UNTRUSTED_TEMPLATE)) is not None:
-            properties[UNTRUSTED_TEMPLATE] = {"type": "null", **{k: v for k, v in template.items()
-                                                                  if k in ("title", "description")}}
+            properties[UNTRUSTED_TEMPLATE] = {
+                "type": "null",
+                **{k: v for k, v in template.items() if k in ("title", "description")},
+            }
         for variant in property_variants(properties, "chat_template_kwargs"):
             if variant.get("type") == "object":
                 variant.setdefault("properties", {})[UNTRUSTED_TEMPLATE] = {"type": "null"}
@@ -312,14 +356,25 @@ HARMONY_MESSAGE = "#/components/schemas/openai_harmony__Message"
 
 
 # Content parts only a multimodal model takes ("... is not a multimodal model").
-MULTIMODAL_PARTS = [f"ChatCompletionContentPart{kind}Param" for kind in (
-    "Image", "InputAudio", "Audio", "Video", "ImageEmbeds", "AudioEmbeds", "VideoEmbeds")] + [
-    f"CustomChatCompletionContentSimple{kind}Param" for kind in ("Image", "Audio", "Video")] + [
-    "ResponseInputImageParam", "ResponseInputImageContentParam", "ResponseInputImage"]
+MULTIMODAL_PARTS = (
+    [
+        f"ChatCompletionContentPart{kind}Param"
+        for kind in ("Image", "InputAudio", "Audio", "Video", "ImageEmbeds", "AudioEmbeds", "VideoEmbeds")
+    ]
+    + [f"CustomChatCompletionContentSimple{kind}Param" for kind in ("Image", "Audio", "Video")]
+    + ["ResponseInputImageParam", "ResponseInputImageContentParam", "ResponseInputImage"]
+)
 
 
-def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmony: bool,
-                            prompt_embeds: bool, multimodal: bool, fim: bool = False) -> None:
+def declare_server_features(
+    schema: dict[str, Any],
+    *,
+    tool_parsing: bool,
+    harmony: bool,
+    prompt_embeds: bool,
+    multimodal: bool,
+    fim: bool = False,
+) -> None:
     """What vLLM's routes take depends on how the server was started (vLLM's online
     renderer): without a tool parser a chat request's ``tool_choice`` is ``none`` or
     null, and given tools it must be set (its default is then ``auto``), as an
@@ -335,10 +390,13 @@ def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmo
     # rule, so beam search's (it takes no logprob_token_ids) is left unstated.
     if "ChatCompletionRequest" in components:
         components["ChatCompletionRequest"].setdefault("allOf", []).append(
-            PARSER_TOOLS if tool_parsing else NO_PARSER_TOOLS)
-    unoffered = [*([] if harmony else [HARMONY_MESSAGE]),
-                 *([] if multimodal else [f"#/components/schemas/{part}" for part in MULTIMODAL_PARTS]),
-                 *([] if prompt_embeds else ["#/components/schemas/ChatCompletionContentPartPromptEmbedsParam"])]
+            PARSER_TOOLS if tool_parsing else NO_PARSER_TOOLS
+        )
+    unoffered = [
+        *([] if harmony else [HARMONY_MESSAGE]),
+        *([] if multimodal else [f"#/components/schemas/{part}" for part in MULTIMODAL_PARTS]),
+        *([] if prompt_embeds else ["#/components/schemas/ChatCompletionContentPartPromptEmbedsParam"]),
+    ]
     drop_refs(components, *unoffered)
     if not multimodal:
         block_type = components.get("AnthropicContentBlock", {}).get("properties", {}).get("type", {})
@@ -359,12 +417,26 @@ def declare_server_features(schema: dict[str, Any], *, tool_parsing: bool, harmo
         components["AnthropicToolChoice"]["properties"]["type"] = {"const": "none"}
         # A tool list (given, even empty, or made by a system message's tool change): the
         # default choice is auto.
-        change = {"properties": {"role": {"const": "system"}, "content": {"type": "array", "contains": {
-            "properties": {"type": {"enum": ["tool_addition", "tool_removal"]}}, "required": ["type"]}}},
-            "required": ["role", "content"]}
+        change = {
+            "properties": {
+                "role": {"const": "system"},
+                "content": {
+                    "type": "array",
+                    "contains": {
+                        "properties": {"type": {"enum": ["tool_addition", "tool_removal"]}},
+                        "required": ["type"],
+                    },
+                },
+            },
+            "required": ["role", "content"],
+        }
         for name in ANTHROPIC_REQUESTS:
             if name in components:
-                components[name].setdefault("allOf", []).append({"anyOf": [
-                    {"properties": {"tool_choice": {"type": "object"}}, "required": ["tool_choice"]},
-                    {"properties": {"tools": {"type": "null"}, "messages": {"not": {"contains": change}}}},
-                ]})
+                components[name].setdefault("allOf", []).append(
+                    {
+                        "anyOf": [
+                            {"properties": {"tool_choice": {"type": "object"}}, "required": ["tool_choice"]},
+                            {"properties": {"tools": {"type": "null"}, "messages": {"not": {"contains": change}}}},
+                        ]
+                    }
+                )

@@ -14,23 +14,41 @@ from app.vllm_routes.sampling import FREE_FORM_DEPTH, MESSAGEPACK_FIELDS, MESSAG
 # Anthropic's tool_choice names its tool when its type is "tool"; a content block that
 # adds or removes a tool carries it (a removal, by reference).
 ANTHROPIC_RULES = {
-    "AnthropicToolChoice": {"if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
-                            "then": {"properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]}},
-    "AnthropicContentBlock": {"allOf": [
-        {"if": {"properties": {"type": {"enum": ["tool_addition", "tool_removal"]}}, "required": ["type"]},
-         "then": {"properties": {"tool": {"type": "object"}}, "required": ["tool"]}},
-        {"if": {"properties": {"type": {"const": "tool_removal"}}, "required": ["type"]},
-         "then": {"properties": {"tool": {"properties": {"type": {"const": "tool_reference"}},
-                                          "required": ["type"]}}}},
-    ]},
+    "AnthropicToolChoice": {
+        "if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
+        "then": {"properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]},
+    },
+    "AnthropicContentBlock": {
+        "allOf": [
+            {
+                "if": {"properties": {"type": {"enum": ["tool_addition", "tool_removal"]}}, "required": ["type"]},
+                "then": {"properties": {"tool": {"type": "object"}}, "required": ["tool"]},
+            },
+            {
+                "if": {"properties": {"type": {"const": "tool_removal"}}, "required": ["type"]},
+                "then": {
+                    "properties": {"tool": {"properties": {"type": {"const": "tool_reference"}}, "required": ["type"]}}
+                },
+            },
+        ]
+    },
 }
 # Tool changes only in system messages (AnthropicMessage's validator).
 ANTHROPIC_RULES["AnthropicMessage"] = {
     "if": {"properties": {"role": {"enum": ["user", "assistant"]}}, "required": ["role"]},
-    "then": {"properties": {"content": {"anyOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"properties": {"type": {"not": {"enum": ["tool_addition", "tool_removal"]}}}}},
-    ]}}},
+    "then": {
+        "properties": {
+            "content": {
+                "anyOf": [
+                    {"type": "string"},
+                    {
+                        "type": "array",
+                        "items": {"properties": {"type": {"not": {"enum": ["tool_addition", "tool_removal"]}}}},
+                    },
+                ]
+            }
+        }
+    },
 }  # the top-level system blocks too (NO_TOOL_CHANGE)
 ANTHROPIC_REQUESTS = ("AnthropicMessagesRequest", "AnthropicCountTokensRequest")
 NO_TOOL_CHANGE = {"properties": {"type": {"not": {"enum": ["tool_addition", "tool_removal"]}}}}
@@ -38,25 +56,54 @@ NO_TOOL_CHANGE = {"properties": {"type": {"not": {"enum": ["tool_addition", "too
 # (a system message or block without text, a user message without content); a request
 # left with no message is refused ("Cannot apply chat template to an empty
 # conversation"). One of these keeps a message.
-_TEXT_BLOCK = {"properties": {"type": {"const": "text"}, "text": {"type": "string", "minLength": 1}},
-               "required": ["type", "text"]}
-_USER_CONTENT = {"anyOf": [
-    {"type": "string"},
-    {"type": "array", "contains": {"anyOf": [
-        _TEXT_BLOCK,
-        {"properties": {"type": {"enum": ["tool_use", "tool_result"]}}, "required": ["type"]},
-        {"properties": {"type": {"const": "thinking"}, "thinking": {"type": "string"}}, "required": ["type", "thinking"]},
-    ]}},
-]}
+_TEXT_BLOCK = {
+    "properties": {"type": {"const": "text"}, "text": {"type": "string", "minLength": 1}},
+    "required": ["type", "text"],
+}
+_USER_CONTENT = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "array",
+            "contains": {
+                "anyOf": [
+                    _TEXT_BLOCK,
+                    {"properties": {"type": {"enum": ["tool_use", "tool_result"]}}, "required": ["type"]},
+                    {
+                        "properties": {"type": {"const": "thinking"}, "thinking": {"type": "string"}},
+                        "required": ["type", "thinking"],
+                    },
+                ]
+            },
+        },
+    ]
+}
 _SYSTEM_TEXT = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "contains": _TEXT_BLOCK}]}
-ANTHROPIC_CONVERSATION = {"anyOf": [
-    {"properties": {"system": _SYSTEM_TEXT}, "required": ["system"]},
-    {"properties": {"messages": {"contains": {"anyOf": [
-        {"properties": {"role": {"const": "assistant"}}, "required": ["role"]},
-        {"properties": {"role": {"const": "user"}, "content": _USER_CONTENT}, "required": ["role", "content"]},
-        {"properties": {"role": {"const": "system"}, "content": _SYSTEM_TEXT}, "required": ["role", "content"]},
-    ]}}}, "required": ["messages"]},
-]}
+ANTHROPIC_CONVERSATION = {
+    "anyOf": [
+        {"properties": {"system": _SYSTEM_TEXT}, "required": ["system"]},
+        {
+            "properties": {
+                "messages": {
+                    "contains": {
+                        "anyOf": [
+                            {"properties": {"role": {"const": "assistant"}}, "required": ["role"]},
+                            {
+                                "properties": {"role": {"const": "user"}, "content": _USER_CONTENT},
+                                "required": ["role", "content"],
+                            },
+                            {
+                                "properties": {"role": {"const": "system"}, "content": _SYSTEM_TEXT},
+                                "required": ["role", "content"],
+                            },
+                        ]
+                    }
+                }
+            },
+            "required": ["messages"],
+        },
+    ]
+}
 
 
 def when(condition: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
@@ -68,12 +115,20 @@ _LOGPROB_IDS = {"logprob_token_ids": {"type": "array", "minItems": 1}}
 # Streamed, no prompt logprobs; not streamed, no stream options: one anyOf, since each
 # if/then doubles what schemathesis's generator expands (six on a chat request were too
 # many for it to generate from at all).
-_STREAMING: dict[str, Any] = {"anyOf": [
-    {"properties": {"stream": {"const": True}, "prompt_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]}},
-     "required": ["stream"]},
-    {"properties": {"stream": {"not": {"const": True}}, "stream_options": {"anyOf": [
-        {"type": "null"}, {"type": "object", "maxProperties": 0}]}}},
-]}
+_STREAMING: dict[str, Any] = {
+    "anyOf": [
+        {
+            "properties": {"stream": {"const": True}, "prompt_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]}},
+            "required": ["stream"],
+        },
+        {
+            "properties": {
+                "stream": {"not": {"const": True}},
+                "stream_options": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]},
+            }
+        },
+    ]
+}
 # A completion streams without beam search ("not currently supported").
 _COMPLETION_STREAMING = copy.deepcopy(_STREAMING)
 _COMPLETION_STREAMING["anyOf"][0]["properties"]["use_beam_search"] = {"not": {"const": True}}
@@ -82,59 +137,94 @@ _COMPLETION_STREAMING["anyOf"][0]["properties"]["use_beam_search"] = {"not": {"c
 # is asked for with echo (the prompt back) or with beam search (vLLM's beams take it).
 # (A chat request has no room for its beam search rule: app.vllm_routes.schema.)
 _NO_IDS = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
-_COMPLETION_BEAM_SEARCH = when({"use_beam_search": {"const": True}}, {
-    "properties": {"logprob_token_ids": _NO_IDS},
-    "anyOf": [{"properties": {"echo": {"not": {"const": True}}}}, {"properties": {"logprobs": {"type": "null"}}}]})
+_COMPLETION_BEAM_SEARCH = when(
+    {"use_beam_search": {"const": True}},
+    {
+        "properties": {"logprob_token_ids": _NO_IDS},
+        "anyOf": [{"properties": {"echo": {"not": {"const": True}}}}, {"properties": {"logprobs": {"type": "null"}}}],
+    },
+)
 # Rules between fields, from vLLM's request validators and renderer: stream options only
 # on a streamed request, and no prompt logprobs on it; logprob_token_ids (and a chat's
 # top_logprobs) with logprobs (chat: true; completions: a count); a required tool with
 # tools (Responses); a completion's suffix without echo or prompt truncation; continuing
 # the final message without a generation prompt.
 _CHAT_LOGPROBS = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
-_CHAT_LOGPROB_RULES = [when(_LOGPROB_IDS, _CHAT_LOGPROBS),
-                       when({"top_logprobs": {"type": "integer", "not": {"const": 0}}}, _CHAT_LOGPROBS)]
+_CHAT_LOGPROB_RULES = [
+    when(_LOGPROB_IDS, _CHAT_LOGPROBS),
+    when({"top_logprobs": {"type": "integer", "not": {"const": 0}}}, _CHAT_LOGPROBS),
+]
 # add_generation_prompt defaults to true, so continuing the final message asks for false.
-_CONTINUE = when({"continue_final_message": {"const": True}}, {
-    "properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]})
-_REQUIRED_TOOL = when({"tool_choice": {"const": "required"}},
-                       {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})
+_CONTINUE = when(
+    {"continue_final_message": {"const": True}},
+    {"properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]},
+)
+_REQUIRED_TOOL = when(
+    {"tool_choice": {"const": "required"}},
+    {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+)
 CROSS_FIELD_RULES = {
     "ChatCompletionRequest": [_STREAMING, _CONTINUE, *_CHAT_LOGPROB_RULES],
     "BatchChatCompletionRequest": [_CONTINUE, *_CHAT_LOGPROB_RULES],
     "TokenizeChatRequest": [_CONTINUE],
     **{name: [_REQUIRED_TOOL] for name in ("ResponsesCreateRequest", "StatelessResponsesCreateRequest")},
-    "CompletionRequest": [_COMPLETION_STREAMING, when(_LOGPROB_IDS, {
-        "properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
-        when({"suffix": {"type": "string"}}, {"properties": {
-            "echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}}),
-        when({"max_tokens": {"const": 0}}, {"properties": {"logprob_token_ids": _NO_IDS}, "anyOf": [
-            {"properties": {"echo": {"const": True}}, "required": ["echo"]},
-            {"properties": {"use_beam_search": {"const": True}}, "required": ["use_beam_search"]}]}),
-        _COMPLETION_BEAM_SEARCH],
+    "CompletionRequest": [
+        _COMPLETION_STREAMING,
+        when(_LOGPROB_IDS, {"properties": {"logprobs": {"type": "integer"}}, "required": ["logprobs"]}),
+        when(
+            {"suffix": {"type": "string"}},
+            {"properties": {"echo": {"not": {"const": True}}, "truncate_prompt_tokens": {"type": "null"}}},
+        ),
+        when(
+            {"max_tokens": {"const": 0}},
+            {
+                "properties": {"logprob_token_ids": _NO_IDS},
+                "anyOf": [
+                    {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                    {"properties": {"use_beam_search": {"const": True}}, "required": ["use_beam_search"]},
+                ],
+            },
+        ),
+        _COMPLETION_BEAM_SEARCH,
+    ],
 }
 # A chat request's tools and tool_choice as vLLM's check_tool_usage reads them: without a
 # tool parser, tools need a tool_choice (the default is then auto, refused); with one, a
 # tool_choice but none needs tools.
 NO_PARSER_TOOLS = when({"tools": {"type": "array", "minItems": 1}}, {"required": ["tool_choice"]})
-PARSER_TOOLS = {"anyOf": [{"properties": {"tool_choice": {"anyOf": [{"type": "null"}, {"const": "none"}]}}},
-                          {"properties": {"tools": {"type": "array"}}, "required": ["tools"]}]}
+PARSER_TOOLS = {
+    "anyOf": [
+        {"properties": {"tool_choice": {"anyOf": [{"type": "null"}, {"const": "none"}]}}},
+        {"properties": {"tools": {"type": "array"}}, "required": ["tools"]},
+    ]
+}
 
 
 # Counts of logprobs: -1 (all) or at least 0.
-LOGPROB_COUNTS = [("CompletionRequest", "logprobs"), ("CompletionRequest", "prompt_logprobs"),
-                  ("ChatCompletionRequest", "prompt_logprobs"), ("ChatCompletionRequest", "top_logprobs"),
-                  ("BatchChatCompletionRequest", "top_logprobs")]
+LOGPROB_COUNTS = [
+    ("CompletionRequest", "logprobs"),
+    ("CompletionRequest", "prompt_logprobs"),
+    ("ChatCompletionRequest", "prompt_logprobs"),
+    ("ChatCompletionRequest", "top_logprobs"),
+    ("BatchChatCompletionRequest", "top_logprobs"),
+]
 # Parts and tool calls vLLM's chat parser does not take: a file part (a chat's, a
 # Responses message's or tool output's), an assistant's custom tool call.
-UNPARSED = ("#/components/schemas/File", "#/components/schemas/ChatCompletionMessageCustomToolCallParam",
-            "#/components/schemas/ResponseInputFileParam", "#/components/schemas/ResponseInputFileContentParam",
-            "#/components/schemas/ResponseInputFile")
+UNPARSED = (
+    "#/components/schemas/File",
+    "#/components/schemas/ChatCompletionMessageCustomToolCallParam",
+    "#/components/schemas/ResponseInputFileParam",
+    "#/components/schemas/ResponseInputFileContentParam",
+    "#/components/schemas/ResponseInputFile",
+)
 REQUEST_NAMESPACE_FUNCTIONS = ("openai__types__responses__namespace_tool__ToolFunction",)
 # Content parts without a type, told apart by their one key (vLLM's parser looks for it).
-SIMPLE_PARTS = {"CustomChatCompletionContentSimpleImageParam": "image_url",
-                "CustomChatCompletionContentSimpleAudioParam": "audio_url",
-                "CustomChatCompletionContentSimpleVideoParam": "video_url",
-                "CustomChatCompletionContentToolReferenceParam": "type"}
+SIMPLE_PARTS = {
+    "CustomChatCompletionContentSimpleImageParam": "image_url",
+    "CustomChatCompletionContentSimpleAudioParam": "audio_url",
+    "CustomChatCompletionContentSimpleVideoParam": "video_url",
+    "CustomChatCompletionContentToolReferenceParam": "type",
+}
 
 
 def variants(components: dict[str, Any], name: str, field: str) -> list[dict[str, Any]]:
@@ -210,10 +300,14 @@ def _free_form_value(depth: int) -> dict[str, Any]:
     array with 1 demanded elements", every fresh seed over /v1/messages)."""
     variants: list[dict[str, Any]] = [
         {"type": ["string", "boolean", "null"]},
-        {"type": "number", "minimum": MESSAGEPACK_RANGE[0], "maximum": MESSAGEPACK_RANGE[1]}]
+        {"type": "number", "minimum": MESSAGEPACK_RANGE[0], "maximum": MESSAGEPACK_RANGE[1]},
+    ]
     if depth > 0:
         inner = _free_form_value(depth - 1)
-        variants += [{"type": "array", "items": inner}, {"type": "object", "additionalProperties": copy.deepcopy(inner)}]
+        variants += [
+            {"type": "array", "items": inner},
+            {"type": "object", "additionalProperties": copy.deepcopy(inner)},
+        ]
     return {"anyOf": variants}
 
 

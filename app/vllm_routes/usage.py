@@ -128,7 +128,7 @@ class _UsageRewriter:
         if not event.startswith(b"data: {"):
             return event
         try:
-            payload = json.loads(event[len(b"data: "):])
+            payload = json.loads(event[len(b"data: ") :])
         except ValueError:
             return event
         return b"data: " + json.dumps(payload).encode() if await self._patch(payload) else event

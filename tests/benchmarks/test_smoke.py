@@ -25,8 +25,13 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("benchmarks")
-    result = subprocess.run([sys.executable, "-m", "benchmarks.smoke", "--out", str(out)],
-                            cwd=REPO, capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.smoke", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out, json.loads((out / "smoke.json").read_text())
 
@@ -90,8 +95,19 @@ def test_store_quick(quick_runs: tuple[Path, dict]) -> None:
 
 def test_transport_quick(quick_runs: tuple[Path, dict]) -> None:
     result = run_quick("transport", quick_runs)
-    assert set(result["per_side"]) == {"in-process", "in-server", "rest", "sse", "websocket", "websocket-deflate",
-                                       "rest-httpx", "sse-httpx", "rest-bare", "sse-bare", "websocket-bare"}
+    assert set(result["per_side"]) == {
+        "in-process",
+        "in-server",
+        "rest",
+        "sse",
+        "websocket",
+        "websocket-deflate",
+        "rest-httpx",
+        "sse-httpx",
+        "rest-bare",
+        "sse-bare",
+        "websocket-bare",
+    }
     assert all(len(samples) == 8 for samples in result["samples_ms"].values())
     # Each side's own CPU was counted, and the bare hop's beside ours.
     assert all(row["client_cpu_ms_per_chunk"] > 0 for row in result["per_side"].values())
@@ -161,8 +177,9 @@ def test_disk_index_quick(quick_runs: tuple[Path, dict]) -> None:
 def test_admission_quick(quick_runs: tuple[Path, dict]) -> None:
     result = run_quick("admission", quick_runs)
     assert set(result["per_open_sessions"]) == {"10", "1000"}
-    assert all(row["every_session_us"] > 0 and row["device_holders_us"] > 0
-               for row in result["per_open_sessions"].values())
+    assert all(
+        row["every_session_us"] > 0 and row["device_holders_us"] > 0 for row in result["per_open_sessions"].values()
+    )
 
 
 def own_process_quick(tmp_path: Path, module: str) -> dict:
@@ -170,8 +187,13 @@ def own_process_quick(tmp_path: Path, module: str) -> dict:
     benchmark restarts replicas (cluster: the pool would keep a stopped server), sets its
     servers' environment (cpu_decode's LD_PRELOAD) or runs vLLM's tool on an event loop
     of its own (vllm_bench)."""
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path)],
-                            cwd=REPO, capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / f"{module}-quick.png").stat().st_size > 10_000
     return dict(json.loads((tmp_path / f"{module}-quick.json").read_text()))
@@ -186,15 +208,18 @@ def test_cluster_quick(tmp_path: Path) -> None:
         assert side["turns"] == settings["agents"] * settings["turns"]  # every turn answered
         assert len(side["per_turn"]) == settings["turns"] and side["computed_per_turn"] > 0
     # Our replicas drain and exit cleanly when restarted.
-    assert all(sides[side]["restarted_exit_status"] == 0
-               for side in ("ours-keyed", "ours-old-routing", "ours-old-configuration"))
+    assert all(
+        sides[side]["restarted_exit_status"] == 0
+        for side in ("ours-keyed", "ours-old-routing", "ours-old-configuration")
+    )
 
 
 def test_cpu_decode_quick(tmp_path: Path) -> None:
     result = own_process_quick(tmp_path, "cpu_decode")
     assert set(result["rounds"]) == {"eager", "eager+preload"}
-    assert all(len(rounds) == 2 and all(r["decode_tokens_per_s"] > 0 for r in rounds)
-               for rounds in result["rounds"].values())
+    assert all(
+        len(rounds) == 2 and all(r["decode_tokens_per_s"] > 0 for r in rounds) for rounds in result["rounds"].values()
+    )
     assert result["summary"]["eager"]["ratio_to_eager"] == 1.0
 
 
@@ -203,4 +228,3 @@ def test_vllm_bench_quick(tmp_path: Path) -> None:
     (key,) = result["summary"]
     assert key == "chat@inf" and result["summary"][key]["failed"] == {"ours": 0, "vllm-serve": 0}
     assert all(run[key]["completed"] == 4 and run[key]["output_throughput"] > 0 for run in result["runs"].values())
-

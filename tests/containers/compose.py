@@ -50,14 +50,24 @@ class Compose:
 
     def __init__(self, podman: Podman, file: Path, project: str, env: dict[str, str] | None = None):
         self.podman, self.file, self.project = podman, file, project
-        self.env = {**podman.env, "DOCKER_HOST": podman.start_service(), "STREAMSESS_API_KEYS": API_KEY,
-                    "COMPOSE_PROJECT_NAME": project, **(env or {})}
+        self.env = {
+            **podman.env,
+            "DOCKER_HOST": podman.start_service(),
+            "STREAMSESS_API_KEYS": API_KEY,
+            "COMPOSE_PROJECT_NAME": project,
+            **(env or {}),
+        }
         self._ticking = threading.Event()
         self._ticker: threading.Thread | None = None
 
     def __call__(self, *args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(["docker-compose", "-f", str(self.file), *args], env=self.env, text=True,
-                                capture_output=True, timeout=timeout)
+        result = subprocess.run(
+            ["docker-compose", "-f", str(self.file), *args],
+            env=self.env,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
         if check and result.returncode:
             raise RuntimeError(f"docker-compose {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
         return result
@@ -76,8 +86,9 @@ class Compose:
 
     def _tick(self) -> None:
         while self._ticking.is_set():
-            listed = self.podman("ps", "-q", "--filter", f"label=com.docker.compose.project={self.project}",
-                                 check=False)
+            listed = self.podman(
+                "ps", "-q", "--filter", f"label=com.docker.compose.project={self.project}", check=False
+            )
             for container in listed.stdout.split():
                 self.podman("healthcheck", "run", container, check=False, timeout=60)
             time.sleep(HEALTH_TICK_S)
@@ -106,8 +117,10 @@ class Compose:
             found = self.inspect(service)
             state = found.get("State", {})
             if found and (not state.get("Running") or state.get("Restarting") or found["RestartCount"] > restarts):
-                raise RuntimeError(f"{service} stopped (exit code {state.get('ExitCode')}, restarted "
-                                   f"{found['RestartCount'] - restarts} times):\n{self.logs(service)}")
+                raise RuntimeError(
+                    f"{service} stopped (exit code {state.get('ExitCode')}, restarted "
+                    f"{found['RestartCount'] - restarts} times):\n{self.logs(service)}"
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as answer:
                     if answer.status == 200:
@@ -124,8 +137,10 @@ class Compose:
                 return time.monotonic() - start
             time.sleep(1)
         states = {service: self.health(service) for service in services}
-        raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {states}\n"
-                           + "\n".join(self.logs(service) for service, state in states.items() if state != "healthy"))
+        raise RuntimeError(
+            f"not healthy after {timeout_s:.0f} s: {states}\n"
+            + "\n".join(self.logs(service) for service, state in states.items() if state != "healthy")
+        )
 
     def healthcheck(self, service: str) -> bool:
         """The container's healthcheck (compose's, else the image's), run now."""

@@ -24,8 +24,10 @@ WORKDIR = Path(os.environ.get("STREAMSESS_CONTAINER_WORKDIR", "/var/tmp/streamse
 def podman() -> Iterator[Podman]:
     missing = missing_tools()
     if missing:
-        pytest.fail(f"the container check needs {', '.join(missing)}: scripts/container-check installs them "
-                    "(Debian packages, as root)")
+        pytest.fail(
+            f"the container check needs {', '.join(missing)}: scripts/container-check installs them "
+            "(Debian packages, as root)"
+        )
     runner = Podman(WORKDIR)
     try:
         yield runner
@@ -36,8 +38,9 @@ def podman() -> Iterator[Podman]:
 @pytest.fixture(scope="session")
 def cpu_image(podman: Podman) -> str:
     base = podman.base_image()
-    seconds = podman.build(CPU_IMAGE, ROOT / "docker" / "Dockerfile.cpu", ROOT, {"BASE_IMAGE": base},
-                           log=WORKDIR / "build-cpu.log")
+    seconds = podman.build(
+        CPU_IMAGE, ROOT / "docker" / "Dockerfile.cpu", ROOT, {"BASE_IMAGE": base}, log=WORKDIR / "build-cpu.log"
+    )
     print(f"\nbuilt {CPU_IMAGE} on {base} in {seconds:.0f} s (log: {WORKDIR / 'build-cpu.log'})")
     return CPU_IMAGE
 

@@ -44,10 +44,12 @@ class Podman:
         self.socket = workdir / "podman.sock"
         self._service: subprocess.Popen[bytes] | None = None
 
-    def __call__(self, *args: str, check: bool = True, timeout: float = 600,
-                 capture: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["podman", *args], env=self.env, check=check, timeout=timeout, text=True,
-                              capture_output=capture)
+    def __call__(
+        self, *args: str, check: bool = True, timeout: float = 600, capture: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["podman", *args], env=self.env, check=check, timeout=timeout, text=True, capture_output=capture
+        )
 
     def ulimit_args(self) -> list[str]:
         return [f"--ulimit={name}={value}:{value}" for name, value in self.ulimits.items()]
@@ -62,20 +64,47 @@ class Podman:
             return BASE_IMAGE
         root = self.workdir / "rootfs"
         shutil.rmtree(root, ignore_errors=True)
-        subprocess.run(["debootstrap", "--variant=minbase", "bookworm", str(root), apt_mirror()],
-                       check=True, timeout=900, capture_output=True)
+        subprocess.run(
+            ["debootstrap", "--variant=minbase", "bookworm", str(root), apt_mirror()],
+            check=True,
+            timeout=900,
+            capture_output=True,
+        )
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(["podman", "import", "-", BASE_IMAGE], stdin=tar.stdout, env=self.env, check=True,
-                       timeout=600, capture_output=True)
+        subprocess.run(
+            ["podman", "import", "-", BASE_IMAGE],
+            stdin=tar.stdout,
+            env=self.env,
+            check=True,
+            timeout=600,
+            capture_output=True,
+        )
         tar.wait()
         shutil.rmtree(root, ignore_errors=True)
         return BASE_IMAGE
 
-    def build(self, tag: str, dockerfile: Path, context: Path, build_args: dict[str, str] | None = None,
-              log: Path | None = None) -> float:
+    def build(
+        self,
+        tag: str,
+        dockerfile: Path,
+        context: Path,
+        build_args: dict[str, str] | None = None,
+        log: Path | None = None,
+    ) -> float:
         """``podman build``, with the host's pip settings passed in; seconds it took."""
         # Docker's image format: OCI's has no HEALTHCHECK (podman drops it, with a warning).
-        args = ["build", "--format", "docker", "--network", "host", *self.ulimit_args(), "-f", str(dockerfile), "-t", tag]
+        args = [
+            "build",
+            "--format",
+            "docker",
+            "--network",
+            "host",
+            *self.ulimit_args(),
+            "-f",
+            str(dockerfile),
+            "-t",
+            tag,
+        ]
         pip_args, pip_volumes = pip_build_options()
         for name, value in {**pip_args, **(build_args or {})}.items():
             args += ["--build-arg", f"{name}={value}"]
@@ -84,8 +113,9 @@ class Podman:
         log = log or self.workdir / f"build-{re.sub(r'[^a-z0-9]+', '-', tag)}.log"
         start = time.monotonic()
         with log.open("w") as output:  # written as it goes: a cold build takes minutes
-            returncode = subprocess.run(["podman", *args], env=self.env, stdout=output, stderr=subprocess.STDOUT,
-                                        timeout=3600).returncode
+            returncode = subprocess.run(
+                ["podman", *args], env=self.env, stdout=output, stderr=subprocess.STDOUT, timeout=3600
+            ).returncode
         if returncode:
             raise RuntimeError(f"podman build of {tag} failed (log: {log}):\n{log.read_text()[-4000:]}")
         return time.monotonic() - start
@@ -95,8 +125,12 @@ class Podman:
         """podman's Docker-compatible API, for docker-compose; its DOCKER_HOST."""
         if self._service is None:
             self.socket.unlink(missing_ok=True)
-            self._service = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{self.socket}"],
-                                             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._service = subprocess.Popen(
+                ["podman", "system", "service", "--time=0", f"unix://{self.socket}"],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             deadline = time.monotonic() + 30
             while not self.socket.exists():
                 if time.monotonic() > deadline or self._service.poll() is not None:

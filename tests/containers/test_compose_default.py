@@ -50,8 +50,9 @@ def test_default_profile_serves_sessions_across_a_restart(server: tuple[Compose,
     base = f"http://127.0.0.1:{port}/v1"
     sdk = openai.OpenAI(base_url=base, api_key=API_KEY)
     model = sdk.models.list().data[0].id
-    chat = sdk.chat.completions.create(model=model, max_tokens=8, temperature=0,
-                                       messages=[{"role": "user", "content": "Say hello."}])
+    chat = sdk.chat.completions.create(
+        model=model, max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Say hello."}]
+    )
     assert chat.choices[0].message.content and chat.usage and chat.usage.completion_tokens > 0
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base, api_key="wrong").models.list()

@@ -34,13 +34,17 @@ def prometheus_query(port: int, query: str) -> list[dict[str, object]]:
 
 
 def test_scale_profile_routes_by_key_and_survives_a_stopped_replica(
-        podman: Podman, cpu_image: str, standin_images: dict[str, str]) -> None:
+    podman: Podman, cpu_image: str, standin_images: dict[str, str]
+) -> None:
     file = ROOT / "docker" / f".compose-check-scale-{os.getpid()}.yaml"
     render(file, {"streaming-sessions:cpu": cpu_image, **standin_images})
     proxy_port, prometheus_port = free_port(), free_port()
-    env = {"STREAMSESS_PORT": str(free_port()), "STREAMSESS_PROXY_PUBLISH_PORT": str(proxy_port),
-           "STREAMSESS_PROMETHEUS_PORT": str(prometheus_port),
-           "STREAMSESS_STORE_URL": "postgresql://streamsess:streamsess@postgres:5432/streamsess"}
+    env = {
+        "STREAMSESS_PORT": str(free_port()),
+        "STREAMSESS_PROXY_PUBLISH_PORT": str(proxy_port),
+        "STREAMSESS_PROMETHEUS_PORT": str(prometheus_port),
+        "STREAMSESS_STORE_URL": "postgresql://streamsess:streamsess@postgres:5432/streamsess",
+    }
     try:
         with Compose(podman, file, f"streamsess-check-scale-{os.getpid()}", env) as compose:
             started = time.monotonic()
@@ -58,8 +62,9 @@ def run_through_proxy(compose: Compose, proxy_port: int, prometheus_port: int) -
     model = sdk.models.list().data[0].id
 
     def respond(text: str, previous: str | None) -> tuple[str, str]:
-        raw = sdk.responses.with_raw_response.create(model=model, input=text, max_output_tokens=4,
-                                                     temperature=0, previous_response_id=previous)
+        raw = sdk.responses.with_raw_response.create(
+            model=model, input=text, max_output_tokens=4, temperature=0, previous_response_id=previous
+        )
         return raw.parse().id, raw.headers["x-replica"]
 
     chain: list[tuple[str, str]] = []

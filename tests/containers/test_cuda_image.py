@@ -32,11 +32,17 @@ def test_the_cuda_python_layer_resolves(tmp_path: Path) -> None:
     venv.create(tmp_path / "env", with_pip=True)
     pip = tmp_path / "env" / "bin" / "pip"
     report = tmp_path / "report.json"
-    resolved = subprocess.run([str(pip), "install", "--dry-run", "--quiet", "--report", str(report), f"{project}[cuda]"],
-                              capture_output=True, text=True, timeout=900)
+    resolved = subprocess.run(
+        [str(pip), "install", "--dry-run", "--quiet", "--report", str(report), f"{project}[cuda]"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert resolved.returncode == 0, resolved.stderr[-3000:]
-    versions = {item["metadata"]["name"].lower(): item["metadata"]["version"]
-                for item in json.loads(report.read_text())["install"]}
+    versions = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
     print(f"\nthe cuda extra resolves to {len(versions)} packages: vllm {versions['vllm']}, torch {versions['torch']}")
     assert versions["vllm"].startswith("0.33."), versions["vllm"]  # pyproject's pin: vllm>=0.33,<0.34
     assert "+cpu" not in versions["torch"] and "streaming-sessions" in versions

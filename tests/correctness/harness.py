@@ -129,8 +129,16 @@ def make_workload(
     if oracle == "device":
         interleaved_probe_rate, preempt_every_s = 0.0, None
     return Workload(
-        seed, sessions, concurrency, interleaved_probe_rate, probes_after_close, preempt_every_s, 2 * concurrency,
-        oracle, block_size, park_rate,
+        seed,
+        sessions,
+        concurrency,
+        interleaved_probe_rate,
+        probes_after_close,
+        preempt_every_s,
+        2 * concurrency,
+        oracle,
+        block_size,
+        park_rate,
     )
 
 
@@ -211,7 +219,9 @@ class InProcessBackend:
 
         request_id = f"harness-{next(self._ids)}"
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
             skip_reading_prefix_cache=True if recompute else None,
         )
         final = None
@@ -233,7 +243,8 @@ class InProcessBackend:
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, skip_reading_prefix_cache=True)
         final = None
         async for output in self._engine.generate(
-            prompt=tokens_input(list(prompt_ids), cache_salt=uuid.uuid4().hex), sampling_params=params,
+            prompt=tokens_input(list(prompt_ids), cache_salt=uuid.uuid4().hex),
+            sampling_params=params,
             request_id=f"harness-{next(self._ids)}",
         ):
             final = output
@@ -301,8 +312,12 @@ class HttpBackend:
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, recompute: bool) -> Generation:
         body: dict[str, Any] = {
-            "model": self._model, "prompt": prompt_ids, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "model": self._model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
         }
         if recompute:
             body["cache_salt"] = uuid.uuid4().hex  # new block hashes: no cache can serve it
@@ -317,8 +332,14 @@ class HttpBackend:
         )
 
     async def top2_margin(self, prompt_ids: list[int]) -> float:
-        body = {"model": self._model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0, "logprobs": 2,
-                "cache_salt": uuid.uuid4().hex}
+        body = {
+            "model": self._model,
+            "prompt": prompt_ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "logprobs": 2,
+            "cache_salt": uuid.uuid4().hex,
+        }
         response = await self._http.post("/v1/completions", json=body)
         response.raise_for_status()
         return _margin(list(response.json()["choices"][0]["logprobs"]["top_logprobs"][0].values()))
@@ -420,7 +441,6 @@ class Report(Mismatches):
     mismatches: list[Mismatch] = field(default_factory=list)
     seconds: float = 0.0
 
-
     @property
     def passed(self) -> bool:
         compared = self.chunks_checked + self.prefix_requests_compared
@@ -467,10 +487,12 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
             report.prefix_requests_with_tier_hits += 1
             report.tier_tokens += served.cpu_tier_tokens
         if served.token_ids != expected.token_ids:
-            report.mismatches.append(await measured(
-                Mismatch("prefix", session_index, chunk_index, length, expected.token_ids, served.token_ids),
-                context[:length],
-            ))
+            report.mismatches.append(
+                await measured(
+                    Mismatch("prefix", session_index, chunk_index, length, expected.token_ids, served.token_ids),
+                    context[:length],
+                )
+            )
 
     async def probe_tier_against_device(indices: list[int]) -> None:
         block = workload.block_size
@@ -514,11 +536,19 @@ async def run_workload(backend: Backend, workload: Workload) -> Report:
                         expected = await backend.generate(context + chunk.token_ids, chunk.max_tokens, recompute=True)
                         report.chunks_checked += 1
                         if got != expected.token_ids:
-                            report.mismatches.append(await measured(
-                                Mismatch("chunk", index, chunk_index, len(context) + len(chunk.token_ids),
-                                         expected.token_ids, got),
-                                context + chunk.token_ids,
-                            ))
+                            report.mismatches.append(
+                                await measured(
+                                    Mismatch(
+                                        "chunk",
+                                        index,
+                                        chunk_index,
+                                        len(context) + len(chunk.token_ids),
+                                        expected.token_ids,
+                                        got,
+                                    ),
+                                    context + chunk.token_ids,
+                                )
+                            )
                     # The session's context holds every output token (the last one is
                     # sent to the engine again with the next chunk).
                     context += chunk.token_ids + got
@@ -625,8 +655,11 @@ def harness_settings(name: str, oracle: str = "recompute", **overrides: Any) -> 
     from app.settings import Settings
 
     values = {
-        **BASE_CONFIG, **HARNESS_CONFIGS[name], "dtype": ORACLE_DTYPES[oracle],
-        "served_model_name": f"harness-{name}", **overrides,
+        **BASE_CONFIG,
+        **HARNESS_CONFIGS[name],
+        "dtype": ORACLE_DTYPES[oracle],
+        "served_model_name": f"harness-{name}",
+        **overrides,
     }
     return Settings(_env_file=None, **values)
 

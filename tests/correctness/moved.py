@@ -42,11 +42,23 @@ MIN_MOVED_DISK_SHARE = 0.5
 
 def replica_settings(name: str, store_url: str, tier: Path) -> dict[str, str]:
     return {
-        "api_keys": API_KEY, "replica_name": name, "replica_id": name, "store_url": store_url,
-        "cache_salt_secret": "harness-moved-secret", "dtype": "float32", "kv_cache_gib": "0.25",
-        "cpu_tier_gib": "0.5", "max_num_seqs": "16", "max_sessions": "256", "max_model_len": "1024",
-        "session_park_after_s": "3600", "session_idle_timeout_s": "3600", "log_level": "warning",
-        "disk_tier_gib": "1", "disk_tier_dir": str(tier), "disk_tier_shared": "true",
+        "api_keys": API_KEY,
+        "replica_name": name,
+        "replica_id": name,
+        "store_url": store_url,
+        "cache_salt_secret": "harness-moved-secret",
+        "dtype": "float32",
+        "kv_cache_gib": "0.25",
+        "cpu_tier_gib": "0.5",
+        "max_num_seqs": "16",
+        "max_sessions": "256",
+        "max_model_len": "1024",
+        "session_park_after_s": "3600",
+        "session_idle_timeout_s": "3600",
+        "log_level": "warning",
+        "disk_tier_gib": "1",
+        "disk_tier_dir": str(tier),
+        "disk_tier_shared": "true",
     }
 
 
@@ -73,8 +85,9 @@ class MovingBackend:
         return self._replicas[(self._turns[session_id] - 1) % 2]
 
     async def open_session(self) -> str:
-        created = await self._replicas[0].post("/v1/sessions", json={"defaults": {"temperature": 0,
-                                                                                    "ignore_eos": True}})
+        created = await self._replicas[0].post(
+            "/v1/sessions", json={"defaults": {"temperature": 0, "ignore_eos": True}}
+        )
         created.raise_for_status()
         session_id = str(created.json()["id"])
         self._turns[session_id] = 0
@@ -83,8 +96,9 @@ class MovingBackend:
     async def session_chunk(self, session_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
         turn = self._turns[session_id]
         self._turns[session_id] = turn + 1
-        answer = await self._replicas[turn % 2].post(f"/v1/sessions/{session_id}/chunks",
-                                                     json={"input": token_ids, "max_tokens": max_tokens})
+        answer = await self._replicas[turn % 2].post(
+            f"/v1/sessions/{session_id}/chunks", json={"input": token_ids, "max_tokens": max_tokens}
+        )
         answer.raise_for_status()
         body = answer.json()
         if turn > 0:
@@ -135,18 +149,22 @@ def two_replicas(workdir: Path) -> Iterator[tuple[str, str]]:
     with contextlib.ExitStack() as stack:
         store_url = stack.enter_context(postgres_server()).url
         tier = workdir / "shared-tier"
-        servers = enter_together(stack, [
-            app_server(name, workdir / f"{name}.log", replica_settings(name, store_url, tier))
-            for name in ("harness-replica-a", "harness-replica-b")
-        ])
+        servers = enter_together(
+            stack,
+            [
+                app_server(name, workdir / f"{name}.log", replica_settings(name, store_url, tier))
+                for name in ("harness-replica-a", "harness-replica-b")
+            ],
+        )
         yield servers[0].base_url, servers[1].base_url
 
 
 async def run_moved_on(urls: tuple[str, str], seed: int, num_sessions: int) -> tuple[Report, Moves]:
     backend = MovingBackend(urls)
     try:
-        workload = make_workload(seed, num_sessions, block_size=32, blocks_per_chunk=1,
-                                 max_session_tokens=SESSION_TOKENS)
+        workload = make_workload(
+            seed, num_sessions, block_size=32, blocks_per_chunk=1, max_session_tokens=SESSION_TOKENS
+        )
         report = await run_workload(backend, workload)
     finally:
         await backend.aclose()
@@ -154,8 +172,9 @@ async def run_moved_on(urls: tuple[str, str], seed: int, num_sessions: int) -> t
 
 
 def moved_passed(report: Report, moves: Moves) -> bool:
-    return report.passed and moves.moved_chunks > 0 and \
-        moves.moved_from_disk >= MIN_MOVED_DISK_SHARE * moves.moved_chunks
+    return (
+        report.passed and moves.moved_chunks > 0 and moves.moved_from_disk >= MIN_MOVED_DISK_SHARE * moves.moved_chunks
+    )
 
 
 async def run_moved(seed: int, num_sessions: int) -> dict[str, Any]:

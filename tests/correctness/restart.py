@@ -86,8 +86,12 @@ class RestartReport(Mismatches):
 
 def restart_settings(state_dir: str) -> Any:
     return harness_settings(
-        CONFIG, state_dir=state_dir, disk_tier_gib=DISK_TIER_GIB, api_keys=[API_KEY],
-        max_sessions=1024, served_model_name="harness-restart",
+        CONFIG,
+        state_dir=state_dir,
+        disk_tier_gib=DISK_TIER_GIB,
+        api_keys=[API_KEY],
+        max_sessions=1024,
+        served_model_name="harness-restart",
     )
 
 
@@ -96,16 +100,27 @@ def restart_sessions(seed: int, num_sessions: int, block_size: int, blocks_per_c
     plans: list[SessionPlan] = []
     round_seed = seed
     while len(plans) < num_sessions:
-        workload = make_workload(round_seed, num_sessions, block_size=block_size,
-                                 blocks_per_chunk=blocks_per_chunk, max_session_tokens=SESSION_TOKENS)
+        workload = make_workload(
+            round_seed,
+            num_sessions,
+            block_size=block_size,
+            blocks_per_chunk=blocks_per_chunk,
+            max_session_tokens=SESSION_TOKENS,
+        )
         plans += [plan for plan in workload.sessions if len(plan.chunks) >= 2]
         round_seed += 1_000_003
     return plans[:num_sessions]
 
 
 async def checked_chunk(
-    backend: InProcessBackend, report: RestartReport, index: int, chunk_index: int, session_id: str,
-    context: list[int], token_ids: list[int], max_tokens: int,
+    backend: InProcessBackend,
+    report: RestartReport,
+    index: int,
+    chunk_index: int,
+    session_id: str,
+    context: list[int],
+    token_ids: list[int],
+    max_tokens: int,
 ) -> Any:
     """A session's chunk, its answer compared with a salted recompute."""
     result = await backend.session_chunk_result(session_id, token_ids, max_tokens)
@@ -118,7 +133,9 @@ async def checked_chunk(
     return result
 
 
-async def run_restart(seed: int, num_sessions: int, state_dir: str | None = None, concurrency: int = 4) -> RestartReport:
+async def run_restart(
+    seed: int, num_sessions: int, state_dir: str | None = None, concurrency: int = 4
+) -> RestartReport:
     with tempfile.TemporaryDirectory(prefix="harness-restart-") as scratch:
         settings = restart_settings(state_dir or scratch)
         plans = restart_sessions(seed, num_sessions, settings.block_size, settings.blocks_per_chunk)
@@ -133,8 +150,9 @@ async def run_restart(seed: int, num_sessions: int, state_dir: str | None = None
                 session_id = await backend.open_session()
                 context: list[int] = []
                 for chunk_index, chunk in enumerate(plan.chunks[:-1]):
-                    result = await checked_chunk(backend, report, index, chunk_index, session_id, context,
-                                                 chunk.token_ids, chunk.max_tokens)
+                    result = await checked_chunk(
+                        backend, report, index, chunk_index, session_id, context, chunk.token_ids, chunk.max_tokens
+                    )
                     context += chunk.token_ids + list(result.token_ids)
                 await backend.park_session(session_id)
                 ids[index], contexts[index] = session_id, context
@@ -142,8 +160,9 @@ async def run_restart(seed: int, num_sessions: int, state_dir: str | None = None
         async def after_restart(backend: InProcessBackend, index: int, plan: SessionPlan) -> None:
             async with limit:
                 chunk, context = plan.chunks[-1], contexts[index]
-                result = await checked_chunk(backend, report, index, len(plan.chunks) - 1, ids[index], context,
-                                             chunk.token_ids, chunk.max_tokens)
+                result = await checked_chunk(
+                    backend, report, index, len(plan.chunks) - 1, ids[index], context, chunk.token_ids, chunk.max_tokens
+                )
                 await backend.close_session(ids[index])
                 details = result.usage.prompt_tokens_details
                 # The last output token was sampled, never computed: its KV is not in the transcript's.

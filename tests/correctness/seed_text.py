@@ -47,9 +47,16 @@ async def validate(disable_fix: bool) -> dict[str, Any]:
     from app.settings import Settings
     from tests.helpers import reset_device_prefix_cache, run_streaming_session
 
-    settings = Settings(_env_file=None, model_preset="smollm2-135m-instruct", dtype="float32", kv_cache_gib=0.5,
-                        cpu_tier_gib=1.0, max_model_len=4096, max_num_seqs=8,
-                        disable_streaming_session_fix=disable_fix)
+    settings = Settings(
+        _env_file=None,
+        model_preset="smollm2-135m-instruct",
+        dtype="float32",
+        kv_cache_gib=0.5,
+        cpu_tier_gib=1.0,
+        max_model_len=4096,
+        max_num_seqs=8,
+        disable_streaming_session_fix=disable_fix,
+    )
     engine = build_engine(settings)
     try:
         tokenizer = engine.get_tokenizer()
@@ -60,12 +67,17 @@ async def validate(disable_fix: bool) -> dict[str, Any]:
         for length in PREFIX_LENGTHS:
             served = await greedy(engine, context[:length], salt=None)
             recomputed = await greedy(engine, context[:length], salt=f"recompute-{secrets.token_hex(8)}")
-            probes.append({
-                "prefix_tokens": length, "prefix_text_tail": tokenizer.decode(context[length - 24:length]),
-                "cpu_tier_tokens": served.num_cached_tokens, "recompute_cached_tokens": recomputed.num_cached_tokens,
-                "served_from_tier": served.outputs[0].text, "recomputed": recomputed.outputs[0].text,
-                "equal": list(served.outputs[0].token_ids) == list(recomputed.outputs[0].token_ids),
-            })
+            probes.append(
+                {
+                    "prefix_tokens": length,
+                    "prefix_text_tail": tokenizer.decode(context[length - 24 : length]),
+                    "cpu_tier_tokens": served.num_cached_tokens,
+                    "recompute_cached_tokens": recomputed.num_cached_tokens,
+                    "served_from_tier": served.outputs[0].text,
+                    "recomputed": recomputed.outputs[0].text,
+                    "equal": list(served.outputs[0].token_ids) == list(recomputed.outputs[0].token_ids),
+                }
+            )
         return {"streaming_fix": not disable_fix, "context_tokens": len(context), "probes": probes}
     finally:
         shutdown_engine(engine)
@@ -74,12 +86,17 @@ async def validate(disable_fix: bool) -> dict[str, Any]:
 async def greedy(engine: Any, prompt: list[int], salt: str | None) -> Any:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=PROBE_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True,
-                            skip_reading_prefix_cache=salt is not None or None)
+    params = SamplingParams(
+        max_tokens=PROBE_OUTPUT_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        skip_reading_prefix_cache=salt is not None or None,
+    )
     request: dict[str, Any] = {"prompt_token_ids": list(prompt), **({"cache_salt": salt} if salt else {})}
     final = None
-    async for output in engine.generate(prompt=request, sampling_params=params,
-                                        request_id=f"seed-text-{secrets.token_hex(6)}"):
+    async for output in engine.generate(
+        prompt=request, sampling_params=params, request_id=f"seed-text-{secrets.token_hex(6)}"
+    ):
         final = output
     return final
 
@@ -89,14 +106,20 @@ def main() -> None:
 
     runs = [asyncio.run(validate(disable_fix=False)), asyncio.run(validate(disable_fix=True))]
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"model": "smollm2-135m-instruct", "dtype": "float32",
-                               "cpu_flags": " ".join(kernel_flags()), "runs": runs}, indent=2))
+    OUT.write_text(
+        json.dumps(
+            {"model": "smollm2-135m-instruct", "dtype": "float32", "cpu_flags": " ".join(kernel_flags()), "runs": runs},
+            indent=2,
+        )
+    )
     for run in runs:
         print(f"\nstreaming fix {'on' if run['streaming_fix'] else 'OFF'}:")
         for probe in run["probes"]:
-            print(f"  prefix {probe['prefix_tokens']} (tier {probe['cpu_tier_tokens']} tokens), "
-                  f"equal={probe['equal']}\n    tier:      {probe['served_from_tier']!r}\n"
-                  f"    recompute: {probe['recomputed']!r}")
+            print(
+                f"  prefix {probe['prefix_tokens']} (tier {probe['cpu_tier_tokens']} tokens), "
+                f"equal={probe['equal']}\n    tier:      {probe['served_from_tier']!r}\n"
+                f"    recompute: {probe['recomputed']!r}"
+            )
     print(OUT)
 
 

@@ -17,8 +17,10 @@ RULES = REPO / "docker" / "prometheus" / "alerts.yaml"
 RULE_TESTS = Path(__file__).resolve().parent / "prometheus" / "alerts.test.yaml"
 PROMETHEUS_RULE = REPO / "docker" / "kubernetes" / "base" / "prometheus-rule.yaml"
 
-pytestmark = pytest.mark.skipif(shutil.which("promtool") is None,
-                                reason="promtool (Debian's prometheus package) is missing; scripts/test installs it as root")
+pytestmark = pytest.mark.skipif(
+    shutil.which("promtool") is None,
+    reason="promtool (Debian's prometheus package) is missing; scripts/test installs it as root",
+)
 
 
 def promtool_test(rules: Path, tests: Path) -> subprocess.CompletedProcess[str]:
@@ -32,13 +34,24 @@ def test_rules_are_valid() -> None:
 
 def test_every_alert_fires_and_stays_quiet() -> None:
     alerts = {rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]}
-    tested = {case["alertname"] for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
-              for case in test.get("alert_rule_test", [])}
+    tested = {
+        case["alertname"]
+        for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for case in test.get("alert_rule_test", [])
+    }
     assert alerts <= tested, f"alerts without a promtool test: {alerts - tested}"
-    firing = {case["alertname"] for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
-              for case in test.get("alert_rule_test", []) if case["exp_alerts"]}
-    quiet = {case["alertname"] for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
-             for case in test.get("alert_rule_test", []) if not case["exp_alerts"]}
+    firing = {
+        case["alertname"]
+        for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for case in test.get("alert_rule_test", [])
+        if case["exp_alerts"]
+    }
+    quiet = {
+        case["alertname"]
+        for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for case in test.get("alert_rule_test", [])
+        if not case["exp_alerts"]
+    }
     assert alerts <= firing and alerts <= quiet, (alerts - firing, alerts - quiet)
     result = promtool_test(RULES, RULE_TESTS)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -48,8 +61,12 @@ def test_a_changed_threshold_fails_the_rule_tests(tmp_path: Path) -> None:
     """Negative control: the tests catch an alert that waits longer than it should."""
     rules = tmp_path / "docker" / "prometheus" / "alerts.yaml"
     rules.parent.mkdir(parents=True)
-    rules.write_text(RULES.read_text().replace("expr: up{job=\"streaming-sessions\"} == 0\n        for: 2m",
-                                               "expr: up{job=\"streaming-sessions\"} == 0\n        for: 10m"))
+    rules.write_text(
+        RULES.read_text().replace(
+            'expr: up{job="streaming-sessions"} == 0\n        for: 2m',
+            'expr: up{job="streaming-sessions"} == 0\n        for: 10m',
+        )
+    )
     assert rules.read_text() != RULES.read_text()
     tests = tmp_path / "tests" / "deploy" / "prometheus" / "alerts.test.yaml"
     tests.parent.mkdir(parents=True)

@@ -54,13 +54,31 @@ def test_dashboard_has_grafanas_provisioning_shape() -> None:
 def prometheus(target: str, workdir: Path) -> Iterator[str]:
     port = free_port()
     config = workdir / "prometheus.yml"
-    config.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "streaming-sessions", "metrics_path": "/metrics",
-                            "static_configs": [{"targets": [target]}]}]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {
+                        "job_name": "streaming-sessions",
+                        "metrics_path": "/metrics",
+                        "static_configs": [{"targets": [target]}],
+                    }
+                ],
+            }
+        )
+    )
     log = (workdir / "prometheus.log").open("wb")
-    process = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-                                f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_answering(process, f"{url}/-/ready", 30, workdir / "prometheus.log", interval_s=0.2)
@@ -80,8 +98,11 @@ def query(url: str, expr: str) -> list[dict[str, Any]]:
 # Shown by the dashboard, but their events need what one server cannot give here: another
 # replica's files (foreign hits, vanished files) or a corrupt file. Each is checked to be
 # a metric the server declares (its HELP line), so a misspelt name still fails.
-EVENTS_NOT_SERVED = {"vllm:kv_offload_disk_tier_foreign_hits_total", "vllm:kv_offload_disk_tier_vanished_total",
-                     "vllm:kv_offload_disk_tier_checksum_failures_total"}
+EVENTS_NOT_SERVED = {
+    "vllm:kv_offload_disk_tier_foreign_hits_total",
+    "vllm:kv_offload_disk_tier_vanished_total",
+    "vllm:kv_offload_disk_tier_checksum_failures_total",
+}
 LONG_CHUNK = " ".join(f"word{i}" for i in range(120)) + " "  # several whole blocks: offloaded, written to disk
 
 
@@ -109,7 +130,9 @@ def resume_from_disk(server: RunningServer, session: str) -> None:
         assert http.delete(f"/v1/sessions/{session}").status_code == 200
 
 
-@pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="Prometheus (Debian package) is missing; scripts/test installs it")
+@pytest.mark.skipif(
+    not Path(PROMETHEUS).exists(), reason="Prometheus (Debian package) is missing; scripts/test installs it"
+)
 def test_every_panel_query_returns_data(tmp_path: Path) -> None:
     settings = {"api_keys": API_KEY, "disk_tier_gib": "1", "state_dir": str(tmp_path / "state")}
     port = free_port()
@@ -122,8 +145,9 @@ def test_every_panel_query_returns_data(tmp_path: Path) -> None:
             queries = dashboard_queries()
             for name in {name for expr in queries for name in metric_names(expr)}:
                 family = re.sub(r"_(bucket|count|sum)$", "", name)
-                assert f"# HELP {family} " in declared or f"# HELP {family.removesuffix('_total')} " in declared, \
+                assert f"# HELP {family} " in declared or f"# HELP {family.removesuffix('_total')} " in declared, (
                     f"the server does not export {name}"
+                )
             served = [expr for expr in queries if not metric_names(expr) & EVENTS_NOT_SERVED]
             empty = served
             deadline = time.monotonic() + 60  # a few scrapes after the last chunk, for rate()

@@ -29,7 +29,7 @@ def commands(path: Path) -> list[dockerfile.Command]:
 def healthcheck_probe(command: list[str]) -> list[str]:
     """The probe's argv (after HEALTHCHECK's options and CMD): no argument with a space,
     since podman's Docker-compatible API splits them there (found by the container check)."""
-    argv = command[command.index("CMD") + 1:] if "CMD" in command else command
+    argv = command[command.index("CMD") + 1 :] if "CMD" in command else command
     argv = [part.strip('[]", ') for part in argv] if argv and argv[0].startswith("[") else argv
     assert not any(" " in part for part in argv), argv
     return argv
@@ -46,7 +46,9 @@ def test_cpu_dockerfile() -> None:
     parsed = commands(DOCKER / "Dockerfile.cpu")
     by_cmd = [c.cmd for c in parsed]
     args = {c.value[0].split("=")[0]: c.value[0] for c in parsed if c.cmd == "ARG"}
-    assert args["BASE_IMAGE"] == "BASE_IMAGE=python:3.11-slim"  # the public default; scripts/container-check builds on Debian
+    assert (
+        args["BASE_IMAGE"] == "BASE_IMAGE=python:3.11-slim"
+    )  # the public default; scripts/container-check builds on Debian
     assert next(c for c in parsed if c.cmd == "FROM").value[0] == "${BASE_IMAGE}"
     runs = " ".join(" ".join(c.value) for c in parsed if c.cmd == "RUN")
     assert "scripts/bootstrap.sh" in runs  # the README's install
@@ -93,8 +95,12 @@ def test_compose_file_is_valid() -> None:
     # The default profile is the one server; the others join with their profile.
     assert [name for name, spec in services.items() if not spec.get("profiles")] == ["server"]
     assert {name: spec.get("profiles") for name, spec in services.items() if spec.get("profiles")} == {
-        "replica-2": ["scale"], "postgres": ["scale"], "proxy": ["scale"], "prometheus": ["metrics"],
-        "grafana": ["metrics"], "server-gpu": ["gpu"],
+        "replica-2": ["scale"],
+        "postgres": ["scale"],
+        "proxy": ["scale"],
+        "prometheus": ["metrics"],
+        "grafana": ["metrics"],
+        "server-gpu": ["gpu"],
     }
     server = services["server"]
     assert healthcheck_probe(server["healthcheck"]["test"][1:]) == ["python", "-m", "app.http.healthcheck"]
@@ -103,12 +109,15 @@ def test_compose_file_is_valid() -> None:
     assert targets == {"/models", "/var/lib/streamsess"}
     assert set(rendered["volumes"]) == {"models", "state", "state-2", "pgdata"}
     # The proxy's configuration names both replicas by their compose service names.
-    assert any(v.endswith("/usr/local/etc/haproxy/haproxy.cfg:ro") or
-               (isinstance(v, dict) and v["target"] == "/usr/local/etc/haproxy/haproxy.cfg")
-               for v in services["proxy"]["volumes"])
+    assert any(
+        v.endswith("/usr/local/etc/haproxy/haproxy.cfg:ro")
+        or (isinstance(v, dict) and v["target"] == "/usr/local/etc/haproxy/haproxy.cfg")
+        for v in services["proxy"]["volumes"]
+    )
     haproxy_cfg = (DOCKER / "haproxy" / "haproxy.cfg").read_text()
     assert {"server server server:8000", "server replica-2 replica-2:8000"} <= {
-        line.strip() for line in haproxy_cfg.splitlines()}
+        line.strip() for line in haproxy_cfg.splitlines()
+    }
     # A stop drains before it exits: compose waits longer than the default drain.
     from app.settings import Settings
 

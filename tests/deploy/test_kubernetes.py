@@ -29,8 +29,9 @@ requires_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="k
 
 
 def render(overlay: str, root: Path = KUBERNETES) -> list[dict[str, Any]]:
-    built = subprocess.run(["kubectl", "kustomize", str(root / "overlays" / overlay)], capture_output=True,
-                           text=True, timeout=120)
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(root / "overlays" / overlay)], capture_output=True, text=True, timeout=120
+    )
     assert built.returncode == 0, built.stderr
     return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
 
@@ -107,9 +108,13 @@ def test_the_proxy_configuration_they_carry_passes_haproxys_check(tmp_path: Path
     assert servers == {f"streamsess-{i}" for i in range(statefulset["spec"]["replicas"])}
     path = tmp_path / "haproxy.cfg"
     path.write_text(config)
-    env = {item["name"]: item.get("value", "default") for item in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
-    checked = subprocess.run(["haproxy", "-c", "-f", str(path)], capture_output=True, text=True,
-                             env={**os.environ, **env})
+    env = {
+        item["name"]: item.get("value", "default")
+        for item in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    checked = subprocess.run(
+        ["haproxy", "-c", "-f", str(path)], capture_output=True, text=True, env={**os.environ, **env}
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 

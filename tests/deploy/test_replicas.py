@@ -59,9 +59,16 @@ class Replica:
 
 def replica_settings(name: str, store_url: str) -> dict[str, str]:
     return {
-        "api_keys": KEY, "replica_name": name, "replica_id": name, "store_url": store_url,
-        "dtype": "float32", "kv_cache_gib": "0.25", "cpu_tier_gib": "0.5", "max_num_seqs": "16",
-        "max_sessions": "64", "log_level": "warning",
+        "api_keys": KEY,
+        "replica_name": name,
+        "replica_id": name,
+        "store_url": store_url,
+        "dtype": "float32",
+        "kv_cache_gib": "0.25",
+        "cpu_tier_gib": "0.5",
+        "max_num_seqs": "16",
+        "max_sessions": "64",
+        "log_level": "warning",
     }
 
 
@@ -78,10 +85,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with contextlib.ExitStack() as stack:
         database = stack.enter_context(postgres_server())
         names, ports = ("replica-a", "replica-b"), (free_port(), free_port())
-        servers = enter_together(stack, [
-            app_server(name, workdir / f"{name}.log", replica_settings(name, database.url), port=port)
-            for name, port in zip(names, ports)
-        ])
+        servers = enter_together(
+            stack,
+            [
+                app_server(name, workdir / f"{name}.log", replica_settings(name, database.url), port=port)
+                for name, port in zip(names, ports)
+            ],
+        )
         replicas = [Replica(name, port, server) for name, port, server in zip(names, ports, servers)]
         proxy = stack.enter_context(haproxy.running({r.name: r.port for r in replicas}, workdir))
         yield Cluster(proxy, {r.name: r for r in replicas}, workdir)
@@ -133,7 +143,9 @@ async def test_websocket_sessions_are_routed_by_their_id(cluster: Cluster, http:
             state = await http.get(f"/v1/sessions/{session_id}")
             assert state.status_code == 200 and state.json()["num_chunks"] == 1
             # A second connection, attached by id, lands there too.
-            async with websockets.connect(f"{ws_base}/v1/sessions/{session_id}/ws", additional_headers=HEADERS) as again:
+            async with websockets.connect(
+                f"{ws_base}/v1/sessions/{session_id}/ws", additional_headers=HEADERS
+            ) as again:
                 hello = json.loads(await again.recv())
                 assert hello["type"] == "session.updated" and hello["session"]["num_chunks"] == 1
                 await again.send(json.dumps({"type": "input.append", "input": [1], "max_tokens": 1}))
@@ -143,7 +155,9 @@ async def test_websocket_sessions_are_routed_by_their_id(cluster: Cluster, http:
             await ws.send(json.dumps({"type": "session.close"}))
 
 
-async def send(http: httpx.AsyncClient, session_id: str, chunk: list[int], max_tokens: int = MAX_TOKENS) -> httpx.Response:
+async def send(
+    http: httpx.AsyncClient, session_id: str, chunk: list[int], max_tokens: int = MAX_TOKENS
+) -> httpx.Response:
     return await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": chunk, "max_tokens": max_tokens})
 
 
@@ -177,8 +191,10 @@ async def test_every_replica_lists_every_replicas_sessions(cluster: Cluster) -> 
 async def test_two_appends_through_two_replicas_get_one_answer_and_one_409(cluster: Cluster) -> None:
     a, b = (cluster.replicas[name] for name in ("replica-a", "replica-b"))
     budgets = [MAX_TOKENS, 64, MAX_TOKENS, MAX_TOKENS]
-    async with httpx.AsyncClient(base_url=a.url, headers=HEADERS, timeout=120) as via_a, \
-            httpx.AsyncClient(base_url=b.url, headers=HEADERS, timeout=120) as via_b:
+    async with (
+        httpx.AsyncClient(base_url=a.url, headers=HEADERS, timeout=120) as via_a,
+        httpx.AsyncClient(base_url=b.url, headers=HEADERS, timeout=120) as via_b,
+    ):
         control = (await open_session(via_b)).json()["id"]
         expected = [(await send(via_b, control, c, n)).json()["output"]["token_ids"] for c, n in zip(CHUNKS, budgets)]
 
@@ -234,11 +250,15 @@ async def test_a_responses_chain_and_a_conversation_go_on_through_either_replica
         # own, or a resumed one's), with the same tokens (tests/api/responses/test_responses.py).
         return str(response.output_text).replace("\ufffd", "")
 
-    async with openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key=KEY, max_retries=0) as via_a, \
-            openai.AsyncOpenAI(base_url=f"{b.url}/v1", api_key=KEY, max_retries=0) as via_b:
+    async with (
+        openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key=KEY, max_retries=0) as via_a,
+        openai.AsyncOpenAI(base_url=f"{b.url}/v1", api_key=KEY, max_retries=0) as via_b,
+    ):
+
         async def respond(client: openai.AsyncOpenAI, turn: str, **fields: Any) -> Any:
-            return await client.responses.create(model="embedded-tiny", input=turn, max_output_tokens=4,
-                                                 temperature=0, **fields)
+            return await client.responses.create(
+                model="embedded-tiny", input=turn, max_output_tokens=4, temperature=0, **fields
+            )
 
         control, previous = [], None
         for turn in turns:
@@ -259,8 +279,10 @@ async def test_a_responses_chain_and_a_conversation_go_on_through_either_replica
         control_conversation = await via_b.conversations.create()
         expected = [text(await respond(via_b, turn, conversation=control_conversation.id)) for turn in turns]
         conversation = await via_a.conversations.create()
-        answers = [text(await respond((via_a, via_b)[index % 2], turn, conversation=conversation.id))
-                   for index, turn in enumerate(turns)]
+        answers = [
+            text(await respond((via_a, via_b)[index % 2], turn, conversation=conversation.id))
+            for index, turn in enumerate(turns)
+        ]
         assert answers == expected
         items = [item async for item in via_b.conversations.items.list(conversation.id, order="asc")]
         assert [item.role for item in items] == ["user", "assistant"] * len(turns)
@@ -289,8 +311,11 @@ def off_affinity(turns: list[Turn]) -> list[str]:
     than it added (+1: the last sampled token of the turn before, which has no KV yet
     and is sent again). Oracle: usage's own split of the prompt, and X-Replica."""
     home = turns[0].replica
-    return [f"turn {index}: {turn.replica} (home {home}), computed {turn.computed} of {turn.added} added"
-            for index, turn in enumerate(turns[1:], 2) if turn.replica != home or turn.computed > turn.added + 1]
+    return [
+        f"turn {index}: {turn.replica} (home {home}), computed {turn.computed} of {turn.added} added"
+        for index, turn in enumerate(turns[1:], 2)
+        if turn.replica != home or turn.computed > turn.added + 1
+    ]
 
 
 def words(index: int, tag: str) -> str:
@@ -313,7 +338,8 @@ async def responses_turns(proxy: str, *, conversation: bool) -> list[Turn]:
         before = None
         for index in range(AFFINITY_TURNS):
             raw = await client.responses.with_raw_response.create(
-                model="embedded-tiny", input=words(index, tag), max_output_tokens=6, temperature=0, **link)
+                model="embedded-tiny", input=words(index, tag), max_output_tokens=6, temperature=0, **link
+            )
             response = raw.parse()
             assert response.usage is not None
             usage = response.usage
@@ -336,8 +362,14 @@ async def session_turns(proxy: str) -> list[Turn]:
             answer = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": chunk, "max_tokens": 4})
             assert answer.status_code == 200, answer.text
             usage = answer.json()["usage"]
-            turns.append(turn_of(answer.headers["x-replica"], usage["prompt_tokens"],
-                                 usage["prompt_tokens_details"]["computed_tokens"], before))
+            turns.append(
+                turn_of(
+                    answer.headers["x-replica"],
+                    usage["prompt_tokens"],
+                    usage["prompt_tokens_details"]["computed_tokens"],
+                    before,
+                )
+            )
             before = (usage["prompt_tokens"], usage["completion_tokens"])
     return turns
 
@@ -356,14 +388,19 @@ async def realtime_turns(proxy: str) -> list[Turn]:
             replica = ws.response.headers["x-replica"]
             assert json.loads(await ws.recv())["type"] == "session.created"
             for _ in range(AFFINITY_TURNS // 2):
-                item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words(len(turns), tag)}]}
+                item = {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": words(len(turns), tag)}],
+                }
                 await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
                 await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 6}}))
                 while (event := json.loads(await ws.recv()))["type"] != "response.done":
                     assert event["type"] != "error", event
                 usage = event["response"]["usage"]
-                turns.append(turn_of(replica, usage["input_tokens"],
-                                     usage["input_token_details"]["computed_tokens"], before))
+                turns.append(
+                    turn_of(replica, usage["input_tokens"], usage["input_token_details"]["computed_tokens"], before)
+                )
                 before = (usage["input_tokens"], usage["output_tokens"])
     # The session was created on its home: the REST answer names it.
     assert turns[0].replica == created.headers["x-replica"]
@@ -390,8 +427,9 @@ async def test_without_the_key_rules_chains_and_conversations_scatter(cluster: C
     """Negative control: the same proxy hashing only the session API's paths (what the
     nginx configuration before it did): a Responses chain and a conversation go to the
     least busy replica each turn, and the check above catches it."""
-    with haproxy.running({r.name: r.port for r in cluster.replicas.values()}, cluster.workdir,
-                         routing="session-paths") as old_proxy:
+    with haproxy.running(
+        {r.name: r.port for r in cluster.replicas.values()}, cluster.workdir, routing="session-paths"
+    ) as old_proxy:
         chain = await responses_turns(old_proxy, conversation=False)
         conversation = await responses_turns(old_proxy, conversation=True)
     print("chain:", off_affinity(chain), "conversation:", off_affinity(conversation))
@@ -402,7 +440,11 @@ async def test_without_the_key_rules_chains_and_conversations_scatter(cluster: C
 
 
 async def drain_with_a_chunk_in_flight(
-    http: httpx.AsyncClient, victim: Replica, heir: Replica, session_id: str, expected: list[list[int]],
+    http: httpx.AsyncClient,
+    victim: Replica,
+    heir: Replica,
+    session_id: str,
+    expected: list[list[int]],
 ) -> None:
     """SIGTERM (to the server process alone, as a container runtime sends it) while a
     chunk of ``session_id`` runs on ``victim``, whose engine is paused so that the

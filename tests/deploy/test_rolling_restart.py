@@ -62,12 +62,19 @@ pytestmark = [pytest.mark.server, haproxy.needs_haproxy, needs_postgres]
 
 def replica(name: str, store_url: str, workdir: Path) -> Restartable:
     settings = {
-        "api_keys": KEY, "replica_name": name, "replica_id": name, "store_url": store_url,
-        "dtype": "float32", "kv_cache_gib": "0.25", "cpu_tier_gib": "0.5", "max_num_seqs": "32",
-        "max_sessions": "128", "log_level": "warning", "drain_timeout_s": "30",
+        "api_keys": KEY,
+        "replica_name": name,
+        "replica_id": name,
+        "store_url": store_url,
+        "dtype": "float32",
+        "kv_cache_gib": "0.25",
+        "cpu_tier_gib": "0.5",
+        "max_num_seqs": "32",
+        "max_sessions": "128",
+        "log_level": "warning",
+        "drain_timeout_s": "30",
     }
-    return Restartable(name, lambda port, start: app_server(name, workdir / f"{name}-{start}.log", settings,
-                                                            port=port))
+    return Restartable(name, lambda port, start: app_server(name, workdir / f"{name}-{start}.log", settings, port=port))
 
 
 @dataclass
@@ -176,8 +183,11 @@ async def websocket_turns(proxy: str, http: httpx.AsyncClient, client: Client, s
         if client.full():
             client.begin_again()
             client.session_id = await open_session(http)
-        path = (f"/v1/sessions/{client.session_id}/ws" if client.kind == "websocket"
-                else f"/v1/realtime?model=embedded-tiny&session_id={client.session_id}")
+        path = (
+            f"/v1/sessions/{client.session_id}/ws"
+            if client.kind == "websocket"
+            else f"/v1/realtime?model=embedded-tiny&session_id={client.session_id}"
+        )
         url = proxy.replace("http://", "ws://") + path
         assert client.session_id is not None
         try:
@@ -226,8 +236,12 @@ async def responses_turn(openai_client: Any, client: Client) -> None:
 
     try:
         raw = await openai_client.responses.with_raw_response.create(
-            model="embedded-tiny", input=text_of(client.tag()), max_output_tokens=MAX_TOKENS, temperature=0,
-            previous_response_id=client.last_response_id)
+            model="embedded-tiny",
+            input=text_of(client.tag()),
+            max_output_tokens=MAX_TOKENS,
+            temperature=0,
+            previous_response_id=client.last_response_id,
+        )
     except openai.APIStatusError as exc:
         refusal(exc.response)
         raise
@@ -240,8 +254,10 @@ async def responses_turn(openai_client: Any, client: Client) -> None:
 async def run_client(proxy: str, client: Client, stop: asyncio.Event) -> None:
     import openai
 
-    async with httpx.AsyncClient(base_url=proxy, headers=HEADERS, timeout=180) as http, \
-            openai.AsyncOpenAI(base_url=f"{proxy}/v1", api_key=KEY, max_retries=0, timeout=180) as sdk:
+    async with (
+        httpx.AsyncClient(base_url=proxy, headers=HEADERS, timeout=180) as http,
+        openai.AsyncOpenAI(base_url=f"{proxy}/v1", api_key=KEY, max_retries=0, timeout=180) as sdk,
+    ):
         if client.kind != "responses":
             client.session_id = await open_session(http)
         if client.kind in ("websocket", "realtime"):
@@ -275,8 +291,7 @@ async def open_session(http: httpx.AsyncClient) -> str:
         await asyncio.sleep(0.2)
 
 
-async def transcript_text(http: httpx.AsyncClient, session_id: str | None, tags: list[str],
-                          open_ids: list[str]) -> str:
+async def transcript_text(http: httpx.AsyncClient, session_id: str | None, tags: list[str], open_ids: list[str]) -> str:
     """The text of the session that holds a conversation: a session's own, or for a
     chain (``session_id`` None) the open session whose transcript has its last tag (a
     chain's latest response may be in a fork)."""
@@ -305,8 +320,16 @@ async def test_a_rolling_restart_under_load_loses_nothing(cluster: Cluster) -> N
     assert not pending, "clients did not finish their last turn within 300 s"
     for task in done:
         task.result()  # a client's assertion (an unexpected error) fails the test here
-    report = {f"{c.kind}-{c.number}": {"turns": c.turns(), "retries": c.retries, "reconnects": c.reconnects,
-                                      "cut": c.unknown, "replicas": dict(c.replicas)} for c in clients}
+    report = {
+        f"{c.kind}-{c.number}": {
+            "turns": c.turns(),
+            "retries": c.retries,
+            "reconnects": c.reconnects,
+            "cut": c.unknown,
+            "replicas": dict(c.replicas),
+        }
+        for c in clients
+    }
     print(json.dumps({"exit statuses": stopped, "clients": report}, indent=1))
     assert stopped == dict.fromkeys(cluster.replicas, 0), stopped  # each drained and exited cleanly
     async with httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120) as http:
@@ -331,22 +354,26 @@ async def test_a_killed_replicas_session_goes_on_once_its_lease_expires(cluster:
     renewal), not asserted."""
     victim, heir = cluster.replicas["replica-a"], cluster.replicas["replica-b"]
     assert victim.server is not None
-    async with httpx.AsyncClient(base_url=victim.server.base_url, headers=HEADERS, timeout=120) as direct, \
-            httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120) as http:
+    async with (
+        httpx.AsyncClient(base_url=victim.server.base_url, headers=HEADERS, timeout=120) as direct,
+        httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120) as http,
+    ):
         for _ in range(40):  # a session the proxy homes on the victim (a chance of 2**-40 to miss)
             created = await http.post("/v1/sessions", json={})
             if created.headers["x-replica"] == victim.name:
                 break
         assert created.headers["x-replica"] == victim.name
         session_id = created.json()["id"]
-        assert (await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": "one", "max_tokens": 2})
-                ).status_code == 200
+        assert (
+            await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": "one", "max_tokens": 2})
+        ).status_code == 200
         # On a connection of its own: HAProxy answers 502 for a connection's first request
         # (on a later one it closes the connection instead, its keep-alive rule).
         fresh = httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120)
         with paused_engine(victim.server.process):
             in_flight = asyncio.create_task(
-                fresh.post(f"/v1/sessions/{session_id}/chunks", json={"input": "two", "max_tokens": 2}))
+                fresh.post(f"/v1/sessions/{session_id}/chunks", json={"input": "two", "max_tokens": 2})
+            )
             deadline = time.monotonic() + 30
             while (await direct.get(f"/v1/sessions/{session_id}")).json()["status"] != "generating":
                 assert time.monotonic() < deadline, "the chunk never started"
@@ -381,5 +408,7 @@ async def test_a_killed_replicas_session_goes_on_once_its_lease_expires(cluster:
         waited = time.monotonic() - killed_at
         state = (await http.get(f"/v1/sessions/{session_id}")).json()
         assert state["num_chunks"] == 2, state  # "one" and "three": the killed chunk is not there
-    print(f"after kill -9: {refused} answers 409 chunk_in_flight, {failed} 502 replica_failed (sent before the "
-          f"proxy saw the death), the session went on on {heir.name} after {waited:.1f} s (session_lease_s 6)")
+    print(
+        f"after kill -9: {refused} answers 409 chunk_in_flight, {failed} 502 replica_failed (sent before the "
+        f"proxy saw the death), the session went on on {heir.name} after {waited:.1f} s (session_lease_s 6)"
+    )

@@ -38,10 +38,20 @@ MAX_TOKENS = 6
 
 def settings(name: str, store_url: str, tier: Path) -> dict[str, str]:
     return {
-        "api_keys": ",".join(KEYS), "replica_name": name, "replica_id": name, "store_url": store_url,
-        "cache_salt_secret": "one-secret-for-every-replica", "dtype": "float32", "kv_cache_gib": "0.25",
-        "cpu_tier_gib": "0.5", "max_num_seqs": "8", "log_level": "warning", "session_park_after_s": "600",
-        "disk_tier_gib": "1", "disk_tier_dir": str(tier), "disk_tier_shared": "true",
+        "api_keys": ",".join(KEYS),
+        "replica_name": name,
+        "replica_id": name,
+        "store_url": store_url,
+        "cache_salt_secret": "one-secret-for-every-replica",
+        "dtype": "float32",
+        "kv_cache_gib": "0.25",
+        "cpu_tier_gib": "0.5",
+        "max_num_seqs": "8",
+        "log_level": "warning",
+        "session_park_after_s": "600",
+        "disk_tier_gib": "1",
+        "disk_tier_dir": str(tier),
+        "disk_tier_shared": "true",
     }
 
 
@@ -84,8 +94,11 @@ def files_settled(tier: Path, at_least: int, timeout_s: float = 30) -> int:
 
 def foreign_hits(http: httpx.Client) -> float:
     metrics = http.get("/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("vllm:kv_offload_disk_tier_foreign_hits"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:kv_offload_disk_tier_foreign_hits")
+    )
 
 
 @contextlib.contextmanager
@@ -99,8 +112,13 @@ def test_a_moved_session_resumes_from_the_files_another_replica_wrote(tmp_path: 
     port_a, port_b = free_port(), free_port()
     with contextlib.ExitStack() as stack:
         store_url = stack.enter_context(postgres_server()).url
-        a, b = enter_together(stack, [replica("replica-a", store_url, tier, port_a, tmp_path),
-                                      replica("replica-b", store_url, tier, port_b, tmp_path)])
+        a, b = enter_together(
+            stack,
+            [
+                replica("replica-a", store_url, tier, port_a, tmp_path),
+                replica("replica-b", store_url, tier, port_b, tmp_path),
+            ],
+        )
         http_b = stack.enter_context(client(b))
         control_b = stack.enter_context(client(b, KEYS[1]))
         inputs = {"drained": chunks(1), "killed": chunks(2)}

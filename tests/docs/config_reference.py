@@ -62,11 +62,14 @@ def render() -> str:
         description = " ".join((field.description or "").split()).replace("|", "\\|")
         flag = "--" + name.replace("_", "-")
         sections.setdefault(of_field.get(name, "other"), []).append(
-            f"| `{name}` | `STREAMSESS_{name.upper()}`, `{flag}` | {shown(default)} | {description} |")
+            f"| `{name}` | `STREAMSESS_{name.upper()}`, `{flag}` | {shown(default)} | {description} |"
+        )
     parts = [HEAD]
     for group, rows in sections.items():
-        parts.append(f"\n## {group[0].upper()}{group[1:]}\n\n| setting | variable, flag | default | what it does |\n"
-                     "| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
+        parts.append(
+            f"\n## {group[0].upper()}{group[1:]}\n\n| setting | variable, flag | default | what it does |\n"
+            "| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n"
+        )
     return "".join(parts)
 
 

@@ -32,12 +32,14 @@ def constrained(text: str) -> Any:
     def plan(context_ids: list[int], conversation: ChatState | None) -> Turn:
         ids = list(range(40, 40 + len(text)))  # any ids: the grammar decides the answer
         return Turn(ids, structured_outputs=StructuredOutputsParams(choice=[FORCED]))
+
     return plan
 
 
 async def answer(service: SessionService, session_id: str, chunk: Any) -> str:
-    run = await service.start_chunk("owner", session_id, chunk, SamplingOptions(max_tokens=32, temperature=0),
-                                    transport="test", wait=False)
+    run = await service.start_chunk(
+        "owner", session_id, chunk, SamplingOptions(max_tokens=32, temperature=0), transport="test", wait=False
+    )
     result = await run.result()
     # The forced text ends the answer (the grammar then admits only end-of-sequence).
     return result.text if result.finish_reason == "stop" else f"{result.text}[{result.finish_reason}]"

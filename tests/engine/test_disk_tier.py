@@ -92,8 +92,7 @@ async def test_a_restarted_engine_resumes_sessions_from_disk(tmp_path: Path) -> 
             prompt = context + random_tokens(rng, 40)
             resumed = await generate_once(engine, prompt, max_tokens=16)
             recompute = await generate_once(engine, prompt, max_tokens=16, recompute=True)
-            answers.append((resumed.num_cached_tokens, resumed.outputs[0].token_ids,
-                            recompute.outputs[0].token_ids))
+            answers.append((resumed.num_cached_tokens, resumed.outputs[0].token_ids, recompute.outputs[0].token_ids))
 
     whole = [len(context) // BLOCK * BLOCK for context in contexts]
     (hit_1, ours_1, recompute_1), (hit_2, ours_2, recompute_2), (hit_3, ours_3, recompute_3) = answers

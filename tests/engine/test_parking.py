@@ -104,7 +104,9 @@ async def test_parked_session_resumes_from_the_cpu_tier(service: SessionService,
     details = resumed.usage.prompt_tokens_details
     # Everything but the partial last block came from the tier, the tail included.
     assert details.cpu_tier_tokens >= transcript - BLOCK, details
-    assert details.device_tokens == 0 and details.computed_tokens == resumed.usage.prompt_tokens - details.cpu_tier_tokens
+    assert (
+        details.device_tokens == 0 and details.computed_tokens == resumed.usage.prompt_tokens - details.cpu_tier_tokens
+    )
     assert resumed.resumed_from == "cpu_tier"
     assert counter(session_metrics().session_resumes, "cpu_tier") == resumes_before + 1
 
@@ -176,8 +178,9 @@ async def test_a_turn_that_cuts_the_context_resumes_from_the_kept_prefix(service
     def cut_turn(context_ids: list[int], conversation: Any) -> Turn:
         return Turn(chunk, start=keep)
 
-    run = await service.start_chunk(OWNER, session.id, cut_turn, SamplingOptions(max_tokens=8),
-                                    transport="test", wait=True)
+    run = await service.start_chunk(
+        OWNER, session.id, cut_turn, SamplingOptions(max_tokens=8), transport="test", wait=True
+    )
     result = await run.result()
     assert result.start == keep and result.usage.prompt_tokens == keep + len(chunk)
     assert session.token_ids == context[:keep] + chunk + result.token_ids
@@ -190,8 +193,9 @@ async def test_a_turn_that_cuts_the_context_resumes_from_the_kept_prefix(service
 
     # Undone: the client leaves mid-answer; the context is whole again.
     context = list(session.token_ids)
-    run = await service.start_chunk(OWNER, session.id, cut_turn, SamplingOptions(max_tokens=400),
-                                    transport="test", wait=True)
+    run = await service.start_chunk(
+        OWNER, session.id, cut_turn, SamplingOptions(max_tokens=400), transport="test", wait=True
+    )
     async for _ in run.events():
         break  # leaving the events early cancels the chunk
     await run.released
@@ -214,7 +218,10 @@ async def test_parking_keeps_closed_and_failed_rules(service: SessionService) ->
 # A device of about 64 blocks (8 MiB, 4 KiB a token in fp32) and 6 engine slots:
 # each session below holds 3 to 5 blocks, so a dozen fill the device.
 SMALL_DEVICE = {
-    "kv_cache_gib": 8 / 1024, "max_model_len": 1984, "max_num_seqs": 6, "max_sessions": 2000,
+    "kv_cache_gib": 8 / 1024,
+    "max_model_len": 1984,
+    "max_num_seqs": 6,
+    "max_sessions": 2000,
     "max_chunk_output_tokens": 1900,
 }
 

@@ -48,8 +48,9 @@ async def test_the_estimate_counts_exactly_the_sessions_on_the_device(tmp_path: 
 
         # A chunk in flight holds its reservation; a consumer that leaves undoes it (parked).
         engine.hold()
-        run = await service.start_chunk(OWNER, sessions[0].id, [4, 5], SamplingOptions(max_tokens=20),
-                                        transport="test", wait=False)
+        run = await service.start_chunk(
+            OWNER, sessions[0].id, [4, 5], SamplingOptions(max_tokens=20), transport="test", wait=False
+        )
         assert_estimate_whole(service)
         events = run.events()
         engine.allow(1)

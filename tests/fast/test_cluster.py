@@ -27,10 +27,22 @@ pytestmark = pytest.mark.timeout(30)
 async def replica(tmp_path: Path, state: str, **settings: Any) -> AsyncIterator[SessionService]:
     """A service on the store ``tmp_path/shared.db`` with its own state directory."""
     engine = FakeEngine()
-    config = Settings(_env_file=None, state_dir=str(tmp_path / state), api_keys="k",
-                      store_url=f"sqlite:///{tmp_path / 'shared.db'}", **settings)
-    service = SessionService(engine, config, "fake", engine.get_tokenizer(), session_metrics(),
-                             store=open_store(config), salter=cache_salter(config))
+    config = Settings(
+        _env_file=None,
+        state_dir=str(tmp_path / state),
+        api_keys="k",
+        store_url=f"sqlite:///{tmp_path / 'shared.db'}",
+        **settings,
+    )
+    service = SessionService(
+        engine,
+        config,
+        "fake",
+        engine.get_tokenizer(),
+        session_metrics(),
+        store=open_store(config),
+        salter=cache_salter(config),
+    )
     await service.start()
     try:
         yield service
@@ -77,8 +89,10 @@ async def test_replicas_adopt_the_clusters_cache_salt_secret(tmp_path: Path) -> 
     async with replica(tmp_path, "a", replica_id="a") as first, replica(tmp_path, "b", replica_id="b") as second:
         assert first.cache_salt("key_x") == second.cache_salt("key_x")
     # Negative control: each state directory made its own secret; without the store's they differ.
-    assert (cache_salter(Settings(_env_file=None, state_dir=str(tmp_path / "a"), api_keys="k")).salt("key_x")  # type: ignore[union-attr]
-            != cache_salter(Settings(_env_file=None, state_dir=str(tmp_path / "b"), api_keys="k")).salt("key_x"))  # type: ignore[union-attr]
+    assert (
+        cache_salter(Settings(_env_file=None, state_dir=str(tmp_path / "a"), api_keys="k")).salt("key_x")  # type: ignore[union-attr]
+        != cache_salter(Settings(_env_file=None, state_dir=str(tmp_path / "b"), api_keys="k")).salt("key_x")
+    )  # type: ignore[union-attr]
 
 
 async def test_a_replica_configured_with_another_secret_is_refused(tmp_path: Path) -> None:

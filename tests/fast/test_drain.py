@@ -22,8 +22,9 @@ async def test_a_drain_refuses_new_work_and_waits_for_the_chunk_in_flight_to_be_
         other = await service.create(OWNER, GREEDY)
         assert await service.not_ready() == []
         engine.hold()
-        run = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3),
-                                        transport="test", wait=False)
+        run = await service.start_chunk(
+            OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3), transport="test", wait=False
+        )
         drain = asyncio.create_task(service.drain(10))
         await asyncio.sleep(0.05)
         assert not drain.done()  # the chunk in flight holds it
@@ -45,8 +46,9 @@ async def test_a_drain_stops_waiting_at_its_timeout(tmp_path: Path) -> None:
     async with running_service(tmp_path) as (service, engine):
         session = await service.create(OWNER, GREEDY)
         engine.hold()
-        run = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3),
-                                        transport="test", wait=False)
+        run = await service.start_chunk(
+            OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3), transport="test", wait=False
+        )
         assert await service.drain(0.2) is False
         run.cancel()
         await run.released
@@ -57,8 +59,9 @@ async def test_a_drain_waits_for_the_consumer_not_only_the_chunk(tmp_path: Path)
     session, whose consumer has not read its end yet, still holds the drain."""
     async with running_service(tmp_path) as (service, _engine):
         session = await service.create(OWNER, GREEDY)
-        run = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3),
-                                        transport="test", wait=False)
+        run = await service.start_chunk(
+            OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3), transport="test", wait=False
+        )
         await run.released  # ended, released, nobody has read it
         assert await service.drain(0.2) is False
         assert (await run.result()).index == 0

@@ -34,8 +34,9 @@ GREEDY = SessionCreateRequest(defaults=SessionDefaults(temperature=0.0, ignore_e
 async def running_service(tmp_path: Path, **settings: Any) -> AsyncIterator[tuple[SessionService, FakeEngine]]:
     engine = FakeEngine()
     config = Settings(_env_file=None, state_dir=str(tmp_path / "state"), **settings)
-    service = SessionService(engine, config, "fake", engine.get_tokenizer(), session_metrics(),
-                             store=open_store(config))
+    service = SessionService(
+        engine, config, "fake", engine.get_tokenizer(), session_metrics(), store=open_store(config)
+    )
     await service.start()
     try:
         yield service, engine
@@ -44,18 +45,21 @@ async def running_service(tmp_path: Path, **settings: Any) -> AsyncIterator[tupl
         await service.stop()
 
 
-async def chunk(service: SessionService, session_id: str, ids: list[int], max_tokens: int = 3,
-                wait: bool = False) -> Any:
-    run = await service.start_chunk(OWNER, session_id, ids, SamplingOptions(max_tokens=max_tokens),
-                                    transport="test", wait=wait)
+async def chunk(
+    service: SessionService, session_id: str, ids: list[int], max_tokens: int = 3, wait: bool = False
+) -> Any:
+    run = await service.start_chunk(
+        OWNER, session_id, ids, SamplingOptions(max_tokens=max_tokens), transport="test", wait=wait
+    )
     return await run.result()
 
 
 async def test_a_chunk_cancelled_before_its_first_step_releases_everything(tmp_path: Path) -> None:
     async with running_service(tmp_path) as (service, _engine):
         session = await service.create(OWNER, GREEDY)
-        run = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3),
-                                        transport="test", wait=False)
+        run = await service.start_chunk(
+            OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3), transport="test", wait=False
+        )
         assert session.lock.locked()
         run.cancel()  # before the run's task has taken a single step
         await run.released
@@ -70,8 +74,9 @@ async def test_a_consumer_that_leaves_mid_chunk_undoes_it(tmp_path: Path) -> Non
         first = await chunk(service, session.id, [5, 6, 7])
         before = list(session.token_ids)
         engine.hold()
-        run = await service.start_chunk(OWNER, session.id, [8, 9], SamplingOptions(max_tokens=50),
-                                        transport="test", wait=False)
+        run = await service.start_chunk(
+            OWNER, session.id, [8, 9], SamplingOptions(max_tokens=50), transport="test", wait=False
+        )
         events = run.events()
         engine.allow(1)
         assert (await anext(events)).token_ids  # the first delta arrived; the rest is held
@@ -95,23 +100,26 @@ async def test_a_chunk_cancelled_while_an_undone_request_unwinds_leaves_the_next
         session = await service.create(OWNER, GREEDY)
         engine.abort_delay_s = 0.3
         engine.hold()
-        first = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=50),
-                                          transport="test", wait=False)
+        first = await service.start_chunk(
+            OWNER, session.id, [1, 2], SamplingOptions(max_tokens=50), transport="test", wait=False
+        )
         events = first.events()
         engine.allow(1)
         await anext(events)
         await events.aclose()  # undone: its request is aborted and still ending
         await first.released
-        second = await service.start_chunk(OWNER, session.id, [3], SamplingOptions(max_tokens=3),
-                                           transport="test", wait=False)
+        second = await service.start_chunk(
+            OWNER, session.id, [3], SamplingOptions(max_tokens=3), transport="test", wait=False
+        )
         # Time for the second chunk to reach its wait for the aborted request (0.3 s to
         # end): were it cancelled before that, the test would pass without its scenario.
         await asyncio.sleep(0.05)
         assert session.id in engine.requests, "the aborted request ended before the second chunk was cancelled"
         second.cancel()
         await second.released
-        third = await service.start_chunk(OWNER, session.id, [4], SamplingOptions(max_tokens=3),
-                                          transport="test", wait=False)
+        third = await service.start_chunk(
+            OWNER, session.id, [4], SamplingOptions(max_tokens=3), transport="test", wait=False
+        )
         # The aborted request ends (0.3 s) while the third chunk waits for it; the third
         # then starts a request of its own, held at its first token.
         assert await until(lambda: engine.requests.get(session.id) == [4]), "the third chunk never started"
@@ -120,8 +128,7 @@ async def test_a_chunk_cancelled_while_an_undone_request_unwinds_leaves_the_next
         assert not session.closed and session.token_ids[:1] == [4]
 
 
-async def test_a_request_the_engine_ended_while_idle_or_before_a_chunk_began_is_started_again(
-        tmp_path: Path) -> None:
+async def test_a_request_the_engine_ended_while_idle_or_before_a_chunk_began_is_started_again(tmp_path: Path) -> None:
     """An idle session's engine request may end on its own, or end as the next chunk is
     appended to it: that chunk goes on a new request from the transcript instead of
     failing and closing the session ("the engine ended the session mid-chunk", seen in a
@@ -136,7 +143,7 @@ async def test_a_request_the_engine_ended_while_idle_or_before_a_chunk_began_is_
         again = await chunk(service, session.id, [4])
         assert again.index == 2 and len(again.token_ids) == 3
         assert not session.closed and session.num_chunks == 3
-        assert engine.requests[session.id][:len(session.token_ids) - 1] == session.token_ids[:-1]
+        assert engine.requests[session.id][: len(session.token_ids) - 1] == session.token_ids[:-1]
 
 
 async def test_a_session_closed_before_its_chunk_began_is_not_started_again(tmp_path: Path) -> None:
@@ -145,8 +152,9 @@ async def test_a_session_closed_before_its_chunk_began_is_not_started_again(tmp_
     async with running_service(tmp_path) as (service, engine):
         session = await service.create(OWNER, GREEDY)
         engine.hold()
-        run = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3),
-                                        transport="test", wait=False)
+        run = await service.start_chunk(
+            OWNER, session.id, [1, 2], SamplingOptions(max_tokens=3), transport="test", wait=False
+        )
         assert await until(lambda: engine.requests.get(session.id) == [1, 2]), "the chunk was never appended"
         await service.close(OWNER, session.id)  # appended, no token yet
         with pytest.raises(APIError) as ended:
@@ -160,8 +168,9 @@ async def test_a_second_chunk_in_flight_is_409_and_the_first_goes_on(tmp_path: P
     async with running_service(tmp_path) as (service, engine):
         session = await service.create(OWNER, GREEDY)
         engine.hold()
-        run = await service.start_chunk(OWNER, session.id, [1], SamplingOptions(max_tokens=2),
-                                        transport="test", wait=False)
+        run = await service.start_chunk(
+            OWNER, session.id, [1], SamplingOptions(max_tokens=2), transport="test", wait=False
+        )
         with pytest.raises(APIError) as refused:
             await chunk(service, session.id, [2])
         assert (refused.value.status, refused.value.code) == (409, "chunk_in_flight")
@@ -178,10 +187,12 @@ async def test_defaults_updated_while_a_chunk_waits_for_the_lock_apply_to_it(tmp
     async with running_service(tmp_path) as (service, engine):
         session = await service.create(OWNER, GREEDY)
         engine.hold()
-        first = await service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=5),
-                                          transport="test", wait=False)
-        queued = asyncio.create_task(service.start_chunk(OWNER, session.id, [3], SamplingOptions(),
-                                                         transport="test", wait=True))
+        first = await service.start_chunk(
+            OWNER, session.id, [1, 2], SamplingOptions(max_tokens=5), transport="test", wait=False
+        )
+        queued = asyncio.create_task(
+            service.start_chunk(OWNER, session.id, [3], SamplingOptions(), transport="test", wait=True)
+        )
         # Its parameters were built from the old defaults before it queued for the lock;
         # an update that came before that would pass the test without its scenario.
         assert await until(lambda: bool(session.lock._waiters)), "the second chunk never queued for the lock"
@@ -252,8 +263,9 @@ async def test_a_server_stop_parks_and_closes_nothing_in_the_store(tmp_path: Pat
         await chunk(service, idle.id, [1, 2])
         busy = await service.create(OWNER, GREEDY)
         engine.hold()
-        run = await service.start_chunk(OWNER, busy.id, [3], SamplingOptions(max_tokens=5),
-                                        transport="test", wait=False)
+        run = await service.start_chunk(
+            OWNER, busy.id, [3], SamplingOptions(max_tokens=5), transport="test", wait=False
+        )
         consumer = asyncio.create_task(run.result())
         engine.allow(1)
         await asyncio.sleep(0.01)  # let the first token out; the rest are held
@@ -307,7 +319,8 @@ async def test_an_expired_conversation_reopens_with_its_items_and_context(tmp_pa
     async with running_service(tmp_path) as (service, engine):
         tokenizer = engine.get_tokenizer()
         conversations = ConversationsService(
-            ResponsesService(service, service.store, tokenizer, ReplyParsers(tokenizer, None, None)))
+            ResponsesService(service, service.store, tokenizer, ReplyParsers(tokenizer, None, None))
+        )
         conversation_id = (await conversations.create(OWNER, [{"role": "user", "content": "hello"}], None))["id"]
         first = await chunk(service, conversation_id, [1, 2, 3])
         context = list((await service.get(OWNER, conversation_id)).token_ids)
@@ -317,8 +330,9 @@ async def test_an_expired_conversation_reopens_with_its_items_and_context(tmp_pa
         assert (await conversations.retrieve(OWNER, conversation_id))["id"] == conversation_id
         session = await service.get(OWNER, conversation_id)
         assert (session.status, session.token_ids, session.num_chunks) == ("parked", context, 1)
-        assert [item["content"][0]["text"] for item in await conversations.list_items(OWNER, conversation_id)] \
-            == ["hello"]
+        assert [item["content"][0]["text"] for item in await conversations.list_items(OWNER, conversation_id)] == [
+            "hello"
+        ]
         second = await chunk(service, conversation_id, [4, 5])
         assert second.index == first.index + 1
         assert session.token_ids == [*context, 4, 5, *second.token_ids]
@@ -382,8 +396,9 @@ async def test_a_chunk_waiting_for_device_room_keeps_its_lease(tmp_path: Path) -
 
         service.store.renew_lease = counted_renew  # type: ignore[method-assign]
         service.parking.admit = held_admit  # type: ignore[method-assign]
-        starting = asyncio.create_task(service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=2),
-                                                           transport="test", wait=False))
+        starting = asyncio.create_task(
+            service.start_chunk(OWNER, session.id, [1, 2], SamplingOptions(max_tokens=2), transport="test", wait=False)
+        )
         await asyncio.wait_for(renewed.wait(), 5)  # a TimeoutError here: not renewed while it waited
         renewed.clear()
         await asyncio.wait_for(renewed.wait(), 5)  # and again, past the lease's first term

@@ -43,8 +43,9 @@ def with_servers(config: str, servers: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_haproxy(servers: dict[str, int], workdir: Path, routing: Routing = "keyed",
-                   check_path: str = "/ready") -> Path:
+def render_haproxy(
+    servers: dict[str, int], workdir: Path, routing: Routing = "keyed", check_path: str = "/ready"
+) -> Path:
     """The shipped config with ``servers`` (name: loopback port) in each backend, routed
     as ``routing`` says, its health checks on ``check_path`` (vLLM's server has no /ready)."""
     text = with_servers(HAPROXY_CONFIG.read_text(), {name: f"127.0.0.1:{port}" for name, port in servers.items()})
@@ -56,13 +57,18 @@ def render_haproxy(servers: dict[str, int], workdir: Path, routing: Routing = "k
 
 
 def check_haproxy(config: Path, bind: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["haproxy", "-c", "-f", str(config)], capture_output=True, text=True,
-                          env={**os.environ, "STREAMSESS_PROXY_BIND": bind})
+    return subprocess.run(
+        ["haproxy", "-c", "-f", str(config)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "STREAMSESS_PROXY_BIND": bind},
+    )
 
 
 @contextlib.contextmanager
-def haproxy(servers: dict[str, int], workdir: Path, routing: Routing = "keyed",
-            check_path: str = "/ready") -> Iterator[str]:
+def haproxy(
+    servers: dict[str, int], workdir: Path, routing: Routing = "keyed", check_path: str = "/ready"
+) -> Iterator[str]:
     """HAProxy in front of ``servers``; yields its base URL once it answers."""
     config = render_haproxy(servers, workdir, routing, check_path)
     port = free_port()
@@ -71,8 +77,12 @@ def haproxy(servers: dict[str, int], workdir: Path, routing: Routing = "keyed",
     assert checked.returncode == 0, checked.stdout + checked.stderr
     log_path = workdir / f"haproxy-{port}.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen(["haproxy", "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "STREAMSESS_PROXY_BIND": bind})
+        process = subprocess.Popen(
+            ["haproxy", "-db", "-f", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "STREAMSESS_PROXY_BIND": bind},
+        )
         try:
             url = f"http://{bind}"
             wait_answering(process, f"{url}/health", 10, log_path)

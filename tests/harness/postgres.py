@@ -53,18 +53,39 @@ class PostgresServer:
         if os.geteuid() == 0:
             self.log.touch()
             shutil.chown(self.log, "postgres", "postgres")
-        self._run(str(self.bin_dir / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
-                  "--auth=trust", "--no-sync", "-E", "UTF8")
+        self._run(
+            str(self.bin_dir / "initdb"),
+            "-D",
+            str(self.data_dir),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--no-sync",
+            "-E",
+            "UTF8",
+        )
         self.start()
-        self._run(str(self.bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-                  self.database)
+        self._run(
+            str(self.bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", self.database
+        )
 
     def start(self) -> None:
         options = f"-p {self.port} -k {self.socket_dir} -c listen_addresses=127.0.0.1"
         if not self.fsync:
             options += " -c fsync=off"  # tests only: a commit need not reach the disk
-        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log),
-                  "-o", options, "-w", "-t", "60", "start")
+        self._run(
+            str(self.bin_dir / "pg_ctl"),
+            "-D",
+            str(self.data_dir),
+            "-l",
+            str(self.log),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
 
     def stop(self, mode: str = "fast") -> None:
         """pg_ctl's shutdown modes: fast (close connections, checkpoint), immediate (an outage)."""

@@ -84,8 +84,9 @@ def wait_healthy(server: RunningServer, timeout_s: float = 600) -> None:
     raise TimeoutError(f"{server.name} did not become healthy")
 
 
-def wait_answering(process: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path,
-                   interval_s: float = 0.1) -> None:
+def wait_answering(
+    process: subprocess.Popen[bytes], url: str, timeout_s: float, log: Path, interval_s: float = 0.1
+) -> None:
     """Until ``url`` answers 200 (a proxy, Prometheus); fails at once, with the process's
     log, if the process exits first."""
     deadline = time.monotonic() + timeout_s
@@ -99,8 +100,9 @@ def wait_answering(process: subprocess.Popen[bytes], url: str, timeout_s: float,
 
 
 @contextlib.contextmanager
-def serve(name: str, command: list[str], env: dict[str, str], port: int, model: str, log: Path,
-          key: Any = None) -> Iterator[RunningServer]:
+def serve(
+    name: str, command: list[str], env: dict[str, str], port: int, model: str, log: Path, key: Any = None
+) -> Iterator[RunningServer]:
     """A server in a fresh process (its own process group), healthy before it is
     yielded and stopped with everything it started afterwards; or, in a pool, the
     pool's server of the same ``key`` (what the server is, less its port and paths)."""
@@ -151,7 +153,11 @@ def stop_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def app_server(
-    name: str, log: Path, settings: dict[str, str], port: int | None = None, model: str = "embedded-tiny",
+    name: str,
+    log: Path,
+    settings: dict[str, str],
+    port: int | None = None,
+    model: str = "embedded-tiny",
     command: list[str] | None = None,
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """``python -m app.main`` (or ``command``) in a fresh process; ``settings`` are its STREAMSESS_*
@@ -181,7 +187,9 @@ class Pool:
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self.engines: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self.servers: collections.OrderedDict[Any, tuple[RunningServer, contextlib.ExitStack]] = collections.OrderedDict()
+        self.servers: collections.OrderedDict[Any, tuple[RunningServer, contextlib.ExitStack]] = (
+            collections.OrderedDict()
+        )
 
     def engine(self, key: str, build: Callable[[], Any]) -> Any:
         if key not in self.engines:

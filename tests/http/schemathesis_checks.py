@@ -48,17 +48,27 @@ PROMPT_BOUND_PARAMS = {"routed_experts_prompt_start"}
 MISSING_OBJECT_CODES = {"previous_response_not_found", "tool_call_not_found"}
 # A tool_choice naming a function the request's tools do not hold (OpenAI's 400 too).
 MISSING_TOOL = ("tool_choice", "not found")
-MISSING_TOOL_MESSAGES = ("which is not declared in tools", "does not match any of the specified `tools`",
-                         "is not found in the tools list")
+MISSING_TOOL_MESSAGES = (
+    "which is not declared in tools",
+    "does not match any of the specified `tools`",
+    "is not found in the tools list",
+)
 # A rule inside a string (a grammar that is not one: "Invalid JSON grammar specification"
 # for a structured output's json given as a string), or between fields the schema cannot
 # compare.
-UNSTATABLE_MESSAGES = ("Invalid structured_outputs", "Invalid response_format", "must be less than max_tokens",
-                       "Invalid JSON grammar specification",
-                       "kind of structured outputs constraint", "one kind of constraints for structured outputs",
-                       "allowed_token_ids cannot be combined",
-                       "logprobs must equal len(logprob_token_ids)", "min_tokens must be less than or equal to max_tokens",
-                       "with min_pattern_size <= max_pattern_size", "must tokenize to at least one token")
+UNSTATABLE_MESSAGES = (
+    "Invalid structured_outputs",
+    "Invalid response_format",
+    "must be less than max_tokens",
+    "Invalid JSON grammar specification",
+    "kind of structured outputs constraint",
+    "one kind of constraints for structured outputs",
+    "allowed_token_ids cannot be combined",
+    "logprobs must equal len(logprob_token_ids)",
+    "min_tokens must be less than or equal to max_tokens",
+    "with min_pattern_size <= max_pattern_size",
+    "must tokenize to at least one token",
+)
 MISSING_CURSOR_PARAMS = {"after"}
 BOUND = re.compile(r"Input should be (less|greater) than or equal to (-?\d+)")
 
@@ -84,12 +94,18 @@ def beyond_stated_bound(message: str, param: str | None, body: Any) -> bool:
 
 def refusal_no_schema_can_prevent(error: dict[str, Any], body: Any) -> bool:
     code, param = error.get("code"), error.get("param")
-    return (code in TOKEN_LIMIT_CODES or code in MISSING_OBJECT_CODES or param in PROMPT_BOUND_PARAMS
-            or (param in MISSING_CURSOR_PARAMS and code == "invalid_value")
-            or (param == MISSING_TOOL[0] and MISSING_TOOL[1] in str(error.get("message", "")))
-            or any(text in str(error.get("message", ""))
-                   for text in (*UNSTATABLE_MESSAGES, *MISSING_TOOL_MESSAGES, *TOKEN_LIMIT_MESSAGES))
-            or beyond_stated_bound(str(error.get("message", "")), param, body))
+    return (
+        code in TOKEN_LIMIT_CODES
+        or code in MISSING_OBJECT_CODES
+        or param in PROMPT_BOUND_PARAMS
+        or (param in MISSING_CURSOR_PARAMS and code == "invalid_value")
+        or (param == MISSING_TOOL[0] and MISSING_TOOL[1] in str(error.get("message", "")))
+        or any(
+            text in str(error.get("message", ""))
+            for text in (*UNSTATABLE_MESSAGES, *MISSING_TOOL_MESSAGES, *TOKEN_LIMIT_MESSAGES)
+        )
+        or beyond_stated_bound(str(error.get("message", "")), param, body)
+    )
 
 
 @schemathesis.check
@@ -121,8 +137,11 @@ def negative_data_rejection_of_what_was_sent(ctx: Any, response: Any, case: Any)
     issue #4332). A fresh seed reported a conversation whose every item a JSON Schema
     validator takes, accepted with 200, as "schema-violating"."""
     meta = case.meta
-    negative = [] if meta is None else [str(location.value) for location, component in meta.components.items()
-                                         if component.mode.is_negative]
+    negative = (
+        []
+        if meta is None
+        else [str(location.value) for location, component in meta.components.items() if component.mode.is_negative]
+    )
     if negative == ["body"] and body_fits_schema(case):  # only the body was to be invalid, and is not
         return None
     return negative_data_rejection(ctx, response, case)

@@ -40,17 +40,17 @@ async def new_session(http: httpx.AsyncClient) -> str:
 
 async def test_unknown_and_closed_sessions(http: httpx.AsyncClient) -> None:
     assert_openai_error(await http.get("/v1/sessions/sess_nope"), 404, "session_not_found")
-    assert_openai_error(
-        await http.post("/v1/sessions/sess_nope/chunks", json={"input": [1]}), 404, "session_not_found"
-    )
+    assert_openai_error(await http.post("/v1/sessions/sess_nope/chunks", json={"input": [1]}), 404, "session_not_found")
     session_id = await new_session(http)
     assert (await http.get(f"/v1/sessions/{session_id}/transcript")).status_code == 200
     assert (await http.delete(f"/v1/sessions/{session_id}")).status_code == 200
     # A deleted session is gone, as OpenAI's deleted objects are (schemathesis's
     # use_after_free check found its transcript still served).
     for method, path in [
-        ("POST", f"/v1/sessions/{session_id}/chunks"), ("GET", f"/v1/sessions/{session_id}"),
-        ("GET", f"/v1/sessions/{session_id}/transcript"), ("DELETE", f"/v1/sessions/{session_id}"),
+        ("POST", f"/v1/sessions/{session_id}/chunks"),
+        ("GET", f"/v1/sessions/{session_id}"),
+        ("GET", f"/v1/sessions/{session_id}/transcript"),
+        ("DELETE", f"/v1/sessions/{session_id}"),
     ]:
         body = {"input": [1, 2]} if method == "POST" else None
         assert_openai_error(await http.request(method, path, json=body), 404, "session_not_found")
@@ -69,8 +69,10 @@ async def test_malformed_and_invalid_bodies(http: httpx.AsyncClient) -> None:
     assert missing["param"] == "input.0.content" and "required" in missing["message"], missing
     assert_openai_error(await http.post(url, json={"input": [10**9]}), 400, "invalid_token_id")
     assert_openai_error(await http.post(url, json={"input": [1], "temperature": -1}), 400)
-    assert assert_openai_error(await http.post("/v1/sessions", json={"model": "nope"}), 404,
-                               "model_not_found")["param"] == "model"
+    assert (
+        assert_openai_error(await http.post("/v1/sessions", json={"model": "nope"}), 404, "model_not_found")["param"]
+        == "model"
+    )
     # Nothing was lost: the session still answers.
     ok = await http.post(url, json={"input": [1, 2, 3], "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["index"] == 0
@@ -84,7 +86,8 @@ async def test_limits(http: httpx.AsyncClient, server_settings: Any) -> None:
     assert_openai_error(await http.post(url, json={"input": too_big}), 400, "chunk_too_large")
     assert_openai_error(
         await http.post(url, json={"input": [1], "max_tokens": server_settings.max_chunk_output_tokens + 1}),
-        400, "max_tokens_too_large",
+        400,
+        "max_tokens_too_large",
     )
     huge_body = b'{"input": "' + b"a" * (server_settings.max_request_body_bytes + 1) + b'"}'
     assert_openai_error(
@@ -93,15 +96,16 @@ async def test_limits(http: httpx.AsyncClient, server_settings: Any) -> None:
 
     async def in_pieces(body: bytes) -> AsyncIterator[bytes]:
         for start in range(0, len(body), 1 << 20):
-            yield body[start:start + (1 << 20)]
+            yield body[start : start + (1 << 20)]
 
     # Sent in chunked encoding, with no length to refuse it by: refused once the bytes
     # read pass the limit (it was read whole before), and a small one still answered.
     chunked = await http.post(url, content=in_pieces(huge_body), headers={"content-type": "application/json"})
     assert chunked.request.headers.get("transfer-encoding") == "chunked"
     assert_openai_error(chunked, 413, "request_too_large")
-    small = await http.post(url, content=in_pieces(b'{"input": [5], "max_tokens": 1}'),
-                            headers={"content-type": "application/json"})
+    small = await http.post(
+        url, content=in_pieces(b'{"input": [5], "max_tokens": 1}'), headers={"content-type": "application/json"}
+    )
     assert small.status_code == 200, small.text
     # Fill the context to near the limit, then one chunk too many.
     for _ in range(2):
@@ -109,7 +113,8 @@ async def test_limits(http: httpx.AsyncClient, server_settings: Any) -> None:
     state = (await http.get(f"/v1/sessions/{session_id}")).json()
     assert_openai_error(
         await http.post(url, json={"input": [7] * (state["max_tokens"] - state["num_tokens"]), "max_tokens": 1}),
-        400, "context_length_exceeded",
+        400,
+        "context_length_exceeded",
     )
     assert (await http.post(url, json={"input": [7, 8], "max_tokens": 1})).status_code == 200
     await http.delete(f"/v1/sessions/{session_id}")
@@ -217,11 +222,14 @@ async def test_non_streaming_disconnect_undoes_the_chunk_too(server: str, engine
         expected = await uninterrupted(http)
         victim = await new_session(http)
         await http.post(f"/v1/sessions/{victim}/chunks", json={"input": FIRST, "max_tokens": 4})
-    async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as impatient, \
-            httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+    async with (
+        httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as impatient,
+        httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http,
+    ):
         # The client hangs up once the chunk is generating (its connection closes).
         request = asyncio.create_task(
-            impatient.post(f"/v1/sessions/{victim}/chunks", json={"input": CUT, "max_tokens": 1000}))
+            impatient.post(f"/v1/sessions/{victim}/chunks", json={"input": CUT, "max_tokens": 1000})
+        )
         deadline = asyncio.get_running_loop().time() + 30
         while (await http.get(f"/v1/sessions/{victim}")).json()["status"] != "generating":
             assert not request.done(), "the chunk ended before the client could hang up"
@@ -247,7 +255,8 @@ async def test_disconnect_while_sending_the_body_changes_nothing(server: str, en
         writer.write(
             f"POST /v1/sessions/{session_id}/chunks HTTP/1.1\r\nHost: {host}\r\n"
             f"Authorization: {auth()['Authorization']}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body) + 100}\r\n\r\n".encode() + body
+            f"Content-Length: {len(body) + 100}\r\n\r\n".encode()
+            + body
         )
         await writer.drain()
         writer.close()

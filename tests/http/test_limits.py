@@ -37,8 +37,10 @@ def assert_rate_limited(response: httpx.Response, kind: str) -> None:
 
 
 async def test_requests_per_minute_refuse_the_key_over_it_and_only_that_key(engine: Any) -> None:
-    async with running_app(limited(rate_limit_requests_per_minute=4), engine) as url, \
-            httpx.AsyncClient(base_url=url, timeout=60) as http:
+    async with (
+        running_app(limited(rate_limit_requests_per_minute=4), engine) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
         created = await http.post("/v1/sessions", json={}, headers=ALICE)
         session_id = created.json()["id"]
         for _ in range(3):
@@ -56,8 +58,10 @@ async def test_requests_per_minute_refuse_the_key_over_it_and_only_that_key(engi
 
 
 async def test_tokens_per_minute_count_chunks_and_completions(engine: Any) -> None:
-    async with running_app(limited(rate_limit_tokens_per_minute=100), engine) as url, \
-            httpx.AsyncClient(base_url=url, timeout=60) as http:
+    async with (
+        running_app(limited(rate_limit_tokens_per_minute=100), engine) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
         session_id = (await http.post("/v1/sessions", json={}, headers=ALICE)).json()["id"]
         chunk = {"input": list(range(1, 41)), "max_tokens": 20}  # 60 tokens
         assert (await http.post(f"/v1/sessions/{session_id}/chunks", json=chunk, headers=ALICE)).status_code == 200
@@ -80,8 +84,10 @@ async def test_websocket_connections_events_and_frames_are_bounded_per_key(engin
     settings = limited(ws_max_connections_per_key=2, ws_events_per_second=5, ws_max_message_bytes=64 * 1024)
     async with running_app(settings, engine) as url:
         ws_url = url.replace("http://", "ws://") + "/v1/sessions/ws"
-        async with websockets.connect(ws_url, additional_headers=ALICE) as first, \
-                websockets.connect(ws_url, additional_headers=ALICE) as second:
+        async with (
+            websockets.connect(ws_url, additional_headers=ALICE) as first,
+            websockets.connect(ws_url, additional_headers=ALICE) as second,
+        ):
             for ws in (first, second):
                 assert json.loads(await ws.recv())["type"] == "session.created"
             # A third connection of Alice's is refused; Bob's is not.
@@ -126,9 +132,11 @@ async def test_negative_control_without_limits_the_same_traffic_passes(engine: A
         completion = {"model": "embedded-tiny", "prompt": list(range(1, 31)), "max_tokens": 200}
         assert (await http.post("/v1/completions", json=completion, headers=ALICE)).status_code == 200
         ws_url = url.replace("http://", "ws://") + "/v1/sessions/ws"
-        async with websockets.connect(ws_url, additional_headers=ALICE) as first, \
-                websockets.connect(ws_url, additional_headers=ALICE) as second, \
-                websockets.connect(ws_url, additional_headers=ALICE) as third:
+        async with (
+            websockets.connect(ws_url, additional_headers=ALICE) as first,
+            websockets.connect(ws_url, additional_headers=ALICE) as second,
+            websockets.connect(ws_url, additional_headers=ALICE) as third,
+        ):
             for ws in (first, second, third):
                 assert json.loads(await ws.recv())["type"] == "session.created"
             for _ in range(12):

@@ -36,8 +36,11 @@ from tests.helpers import running_app
 pytestmark = pytest.mark.server
 
 BASE_CHECKS = [
-    "not_a_server_error", "status_code_conformance", "content_type_conformance",
-    "response_schema_conformance", "negative_data_rejection_of_what_was_sent",
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_schema_conformance",
+    "negative_data_rejection_of_what_was_sent",
 ]
 # Our routes: every check of the kind, on a fresh seed every run (so CI explores new
 # inputs), printed and in the assertion message so a failure replays with
@@ -63,13 +66,33 @@ async def schemathesis(url: str, routes: str, checks: list[str], report_dir: Pat
     assert st is not None, "schemathesis is a dev dependency (pyproject.toml)"
     await asyncio.to_thread(report_dir.mkdir, parents=True, exist_ok=True)
     process = await asyncio.create_subprocess_exec(
-        st, "run", f"{url}/openapi.json", "--checks", ",".join(checks),
-        "--include-path-regex", routes,
-        "--phases", "examples,coverage,fuzzing", "--max-examples", EXAMPLES, "--workers", "1",
-        "--seed", seed, "--request-timeout", "60", "--suppress-health-check", "all",
-        "--header", f"Authorization: Bearer {API_KEYS[0]}",
-        "--report", "junit", "--report-dir", str(report_dir),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        st,
+        "run",
+        f"{url}/openapi.json",
+        "--checks",
+        ",".join(checks),
+        "--include-path-regex",
+        routes,
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--max-examples",
+        EXAMPLES,
+        "--workers",
+        "1",
+        "--seed",
+        seed,
+        "--request-timeout",
+        "60",
+        "--suppress-health-check",
+        "all",
+        "--header",
+        f"Authorization: Bearer {API_KEYS[0]}",
+        "--report",
+        "junit",
+        "--report-dir",
+        str(report_dir),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, "SCHEMATHESIS_HOOKS": HOOKS, "PYTHONPATH": str(REPO)},
     )
     output, _ = await process.communicate()
@@ -87,7 +110,6 @@ async def test_schemathesis_finds_no_server_errors_or_schema_violations(engine: 
     report = Path(REPORT_DIR) if REPORT_DIR else tmp_path
     async with running_app(settings, engine) as url:
         await schemathesis(url, OUR_ROUTES, OUR_CHECKS, report / "ours", SEED)
-
 
 
 async def test_every_operation_of_the_published_schema_can_be_generated(server: str) -> None:

@@ -47,8 +47,10 @@ def random_json(rng: random.Random, depth: int = 0) -> Any:
         return rng.randrange(-5, 1000)
     if choice == 4:
         return [random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {rng.choice(["type", "input", "session", "item", "x", ""]): random_json(rng, depth + 1)
-            for _ in range(rng.randrange(4))}
+    return {
+        rng.choice(["type", "input", "session", "item", "x", ""]): random_json(rng, depth + 1)
+        for _ in range(rng.randrange(4))
+    }
 
 
 def invalid_frames(rng: random.Random, event_types: list[str], corruptions: list[dict[str, Any]]) -> list[str]:
@@ -77,16 +79,28 @@ def invalid_frames(rng: random.Random, event_types: list[str], corruptions: list
 
 
 SESSION_CORRUPTIONS: list[dict[str, Any]] = [
-    {"input": {"a": 1}}, {"input": []}, {"input": ""}, {"input": [1, -4]}, {"input": 3.5},
-    {"input": [1], "max_tokens": 0}, {"input": [1], "max_tokens": "many"}, {"input": [1], "temperature": -1},
-    {"input": [1], "unknown_field": True}, {"session": "not an object"}, {"session": {"defaults": 5}},
-    {"input": [1], "top_p": float("nan")}, {"input": [1], "stop_token_ids": list(range(100))},
+    {"input": {"a": 1}},
+    {"input": []},
+    {"input": ""},
+    {"input": [1, -4]},
+    {"input": 3.5},
+    {"input": [1], "max_tokens": 0},
+    {"input": [1], "max_tokens": "many"},
+    {"input": [1], "temperature": -1},
+    {"input": [1], "unknown_field": True},
+    {"session": "not an object"},
+    {"session": {"defaults": 5}},
+    {"input": [1], "top_p": float("nan")},
+    {"input": [1], "stop_token_ids": list(range(100))},
 ]
 REALTIME_CORRUPTIONS: list[dict[str, Any]] = [
-    {"item": 5}, {"item": {"type": "message", "role": "user", "content": "not a list"}},
-    {"session": "not an object"}, {"session": {"type": "transcription"}},
+    {"item": 5},
+    {"item": {"type": "message", "role": "user", "content": "not a list"}},
+    {"session": "not an object"},
+    {"session": {"type": "transcription"}},
     {"session": {"type": "realtime", "output_modalities": ["audio"]}},
-    {"response": {"output_modalities": ["audio"]}}, {"item_id": 12},
+    {"response": {"output_modalities": ["audio"]}},
+    {"item_id": 12},
 ]
 SESSION_TYPES = ["input.append", "session.update"]
 REALTIME_TYPES = ["conversation.item.create", "session.update", "conversation.item.retrieve"]
@@ -176,8 +190,9 @@ async def test_rest_bodies_nested_too_deep_or_with_huge_numbers_get_400(app_url:
     deep = '{"input": ' + "[" * 100_000 + "]" * 100_000 + "}"
     huge = '{"input": [1], "max_tokens": ' + "9" * 5000 + "}"
     session_id = await open_session(app_url)
-    async with httpx.AsyncClient(base_url=app_url, headers={**HEADERS, "content-type": "application/json"},
-                                 timeout=60) as http:
+    async with httpx.AsyncClient(
+        base_url=app_url, headers={**HEADERS, "content-type": "application/json"}, timeout=60
+    ) as http:
         for path in (f"/v1/sessions/{session_id}/chunks", "/v1/sessions", "/v1/completions", "/v1/chat/completions"):
             for body in (deep, huge):
                 reply = await http.post(path, content=body)

@@ -43,17 +43,22 @@ def prompt(seed: int) -> list[int]:
 async def session_on(http: httpx.AsyncClient, tokens: list[int], headers: dict[str, str]) -> dict[str, Any]:
     created = await http.post("/v1/sessions", json={"defaults": {"temperature": 0}}, headers=headers)
     session_id = created.json()["id"]
-    reply = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": tokens, "max_tokens": 1},
-                            headers=headers)
+    reply = await http.post(
+        f"/v1/sessions/{session_id}/chunks", json={"input": tokens, "max_tokens": 1}, headers=headers
+    )
     assert reply.status_code == 200, reply.text
     await http.delete(f"/v1/sessions/{session_id}", headers=headers)
     return dict(reply.json()["usage"]["prompt_tokens_details"])
 
 
-async def completion_on(http: httpx.AsyncClient, tokens: list[int], headers: dict[str, str],
-                        **extra: Any) -> dict[str, Any]:
-    reply = await http.post("/v1/completions", headers=headers, json={
-        "model": "embedded-tiny", "prompt": tokens, "max_tokens": 1, "temperature": 0, **extra})
+async def completion_on(
+    http: httpx.AsyncClient, tokens: list[int], headers: dict[str, str], **extra: Any
+) -> dict[str, Any]:
+    reply = await http.post(
+        "/v1/completions",
+        headers=headers,
+        json={"model": "embedded-tiny", "prompt": tokens, "max_tokens": 1, "temperature": 0, **extra},
+    )
     assert reply.status_code == 200, reply.text
     return dict(reply.json()["usage"]["prompt_tokens_details"])
 
@@ -132,8 +137,11 @@ async def test_a_key_sees_none_of_another_keys_cached_prompt(server: str) -> Non
         for secret in (by_completion, by_session, by_websocket, from_tier):
             assert (await session_on(http, secret, ALICE))["computed_tokens"] == 256
         # Bob, every way in: nothing cached.
-        for probe in (await completion_on(http, by_completion, BOB), await session_on(http, by_session, BOB),
-                      await websocket_chunk(server, by_websocket, BOB)):
+        for probe in (
+            await completion_on(http, by_completion, BOB),
+            await session_on(http, by_session, BOB),
+            await websocket_chunk(server, by_websocket, BOB),
+        ):
             assert probe["cached_tokens"] == probe["device_tokens"] == probe["cpu_tier_tokens"] == 0, probe
         # Nor over Realtime.
         text = text_prompt(50)

@@ -55,8 +55,10 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
     state_dir, port = tmp_path / "state", free_port()
     extra = {"disk_tier_gib": "1", "session_park_after_s": "600"}  # parked on request only
     parked_chunks, active_chunks = chunks(1), chunks(2)
-    with durable_server("first", state_dir, port, tmp_path, **extra) as server, \
-            httpx.Client(base_url=server.base_url, timeout=120) as http:
+    with (
+        durable_server("first", state_dir, port, tmp_path, **extra) as server,
+        httpx.Client(base_url=server.base_url, timeout=120) as http,
+    ):
         expected = {}
         for name, inputs in (("parked", parked_chunks), ("active", active_chunks)):
             control = open_session(http)
@@ -71,13 +73,19 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
         active = open_session(http)
         for chunk in active_chunks[:2]:
             send(http, active, chunk)
-        contexts = {"parked": transcript_ids(http, parked), "active": transcript_ids(http, active),
-                    "reused": transcript_ids(http, reused)}
+        contexts = {
+            "parked": transcript_ids(http, parked),
+            "active": transcript_ids(http, active),
+            "reused": transcript_ids(http, reused),
+        }
         assert status(http, active) == "active"
         kill_hard(server)
 
-    with contextlib.ExitStack() as stack, durable_server("restarted", state_dir, port, tmp_path, **extra) as server, \
-            httpx.Client(base_url=server.base_url, timeout=120) as http:
+    with (
+        contextlib.ExitStack() as stack,
+        durable_server("restarted", state_dir, port, tmp_path, **extra) as server,
+        httpx.Client(base_url=server.base_url, timeout=120) as http,
+    ):
         for name, session, inputs in (("parked", parked, parked_chunks), ("active", active, active_chunks)):
             resumed = send(http, session, inputs[2])
             assert resumed["output"]["token_ids"] == expected[name][2], name
@@ -90,8 +98,9 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
             assert details["disk_tier_tokens"] >= wanted, (name, details, len(contexts[name]))
             assert details["cached_tokens"] == details["disk_tier_tokens"]
         # vLLM's own route reuses a session's prefix from disk too, and its usage says so.
-        completion = http.post("/v1/completions", json={"model": "embedded-tiny", "prompt": contexts["reused"],
-                                                         "max_tokens": 1})
+        completion = http.post(
+            "/v1/completions", json={"model": "embedded-tiny", "prompt": contexts["reused"], "max_tokens": 1}
+        )
         assert completion.status_code == 200, completion.text
         details = completion.json()["usage"]["prompt_tokens_details"]
         assert details["disk_tier_tokens"] >= len(contexts["reused"]) // BLOCK * BLOCK - BLOCK, details
@@ -124,8 +133,10 @@ def test_sessions_resume_from_disk_after_sigkill(tmp_path: Path) -> None:
             owned_ws.recv(timeout=30)
         assert closed_by_server.value.rcvd is not None and closed_by_server.value.rcvd.code == 1012
 
-    with durable_server("after-sigterm", state_dir, port, tmp_path, **extra) as server, \
-            httpx.Client(base_url=server.base_url, timeout=120) as http:
+    with (
+        durable_server("after-sigterm", state_dir, port, tmp_path, **extra) as server,
+        httpx.Client(base_url=server.base_url, timeout=120) as http,
+    ):
         for name, session in (("parked", parked), ("active", active)):
             assert status(http, session) == "parked", name  # parked by the stop, not closed
             resumed = send(http, session, [5, 6, 7])

@@ -34,8 +34,16 @@ MAX_TOKENS = 6
 
 @contextlib.contextmanager
 def durable_server(name: str, state_dir: Path, port: int, log_dir: Path, **extra: str) -> Iterator[RunningServer]:
-    settings = {"state_dir": str(state_dir), "dtype": "float32", "kv_cache_gib": "0.25", "cpu_tier_gib": "0.5",
-                "max_num_seqs": "8", "max_chunk_output_tokens": "4000", "log_level": "warning", **extra}
+    settings = {
+        "state_dir": str(state_dir),
+        "dtype": "float32",
+        "kv_cache_gib": "0.25",
+        "cpu_tier_gib": "0.5",
+        "max_num_seqs": "8",
+        "max_chunk_output_tokens": "4000",
+        "log_level": "warning",
+        **extra,
+    }
     with app_server(name, log_dir / f"{name}.log", settings, port=port) as server:
         yield server
 
@@ -65,8 +73,14 @@ def respond_chain(http: httpx.Client, turns: list[str], previous: str | None = N
     """Responses that continue one another (``previous_response_id``), greedy."""
     responses = []
     for text in turns:
-        body = {"model": "embedded-tiny", "input": text, "max_output_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "previous_response_id": previous}
+        body = {
+            "model": "embedded-tiny",
+            "input": text,
+            "max_output_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "previous_response_id": previous,
+        }
         response = http.post("/v1/responses", json=body)
         assert response.status_code == 200, response.text
         responses.append(response.json())
@@ -83,8 +97,10 @@ def transcript_ids(http: httpx.Client, session_id: str) -> list[int]:
 def test_sessions_survive_sigkill_between_and_during_chunks(tmp_path: Path) -> None:
     state_dir, port = tmp_path / "state", free_port()
 
-    with durable_server("first", state_dir, port, tmp_path) as server, \
-            httpx.Client(base_url=server.base_url, timeout=120) as http:
+    with (
+        durable_server("first", state_dir, port, tmp_path) as server,
+        httpx.Client(base_url=server.base_url, timeout=120) as http,
+    ):
         control = open_session(http)
         expected = [send(http, control, chunk)["output"]["token_ids"] for chunk in CHUNKS]
         between = open_session(http)
@@ -98,14 +114,17 @@ def test_sessions_survive_sigkill_between_and_during_chunks(tmp_path: Path) -> N
         send(http, during, CHUNKS[0])
         during_before = transcript_ids(http, during)
         # A long chunk (seconds of decoding), streaming; the server dies after its first tokens.
-        with http.stream("POST", f"/v1/sessions/{during}/chunks",
-                         json={"input": [99] * 40, "max_tokens": 3000, "stream": True}) as stream:
+        with http.stream(
+            "POST", f"/v1/sessions/{during}/chunks", json={"input": [99] * 40, "max_tokens": 3000, "stream": True}
+        ) as stream:
             assert stream.status_code == 200
             assert any(line.startswith("data: ") and "delta" in line for line in stream.iter_lines())
             kill_hard(server)  # right after the first delta
 
-    with durable_server("restarted", state_dir, port, tmp_path) as server, \
-            httpx.Client(base_url=server.base_url, timeout=120) as http:
+    with (
+        durable_server("restarted", state_dir, port, tmp_path) as server,
+        httpx.Client(base_url=server.base_url, timeout=120) as http,
+    ):
         # Killed between chunks: same id, the transcript kept, parked.
         state = http.get(f"/v1/sessions/{between}").json()
         assert (state["status"], state["num_chunks"], state["num_tokens"]) == ("parked", 2, len(before_kill))
@@ -122,8 +141,9 @@ def test_sessions_survive_sigkill_between_and_during_chunks(tmp_path: Path) -> N
         assert send(http, between, CHUNKS[3])["output"]["token_ids"] == expected[3]
         # The chain's next turn, after the kill: answered as without it, token for token.
         chain += respond_chain(http, TURNS[2:], previous=chain[-1]["id"])
-        assert [r["output"][0]["content"][0]["text"] for r in chain] == \
-            [r["output"][0]["content"][0]["text"] for r in control_chain]
+        assert [r["output"][0]["content"][0]["text"] for r in chain] == [
+            r["output"][0]["content"][0]["text"] for r in control_chain
+        ]
         assert transcript_ids(http, chain[0]["id"]) == transcript_ids(http, control_chain[0]["id"])
 
         # Killed during a chunk: that chunk is not in the transcript, and the session goes on.
@@ -133,8 +153,10 @@ def test_sessions_survive_sigkill_between_and_during_chunks(tmp_path: Path) -> N
         assert send(http, during, CHUNKS[1])["output"]["token_ids"] == expected[1]
         kill_hard(server)  # and once more, right after a resumed chunk
 
-    with durable_server("again", state_dir, port, tmp_path) as server, \
-            httpx.Client(base_url=server.base_url, timeout=120) as http:
+    with (
+        durable_server("again", state_dir, port, tmp_path) as server,
+        httpx.Client(base_url=server.base_url, timeout=120) as http,
+    ):
         assert http.get(f"/v1/sessions/{during}").json()["num_chunks"] == 2
         assert send(http, during, CHUNKS[2])["output"]["token_ids"] == expected[2]
         assert http.delete(f"/v1/sessions/{control}").status_code == 200

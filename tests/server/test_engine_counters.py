@@ -22,8 +22,13 @@ from tests.harness.servers import app_server
 
 pytestmark = pytest.mark.server
 
-CHUNKS = ["The meeting opened with the budget", " then moved on to hiring plans for the spring",
-          " and closed with questions", " from the floor about the new office", " and its lease"]
+CHUNKS = [
+    "The meeting opened with the budget",
+    " then moved on to hiring plans for the spring",
+    " and closed with questions",
+    " from the floor about the new office",
+    " and its lease",
+]
 # Every general plugin this project installs but the one under test.
 WITHOUT_STATS_PLUGIN = "streamsess_cpu_platform,streamsess_streaming_grammar"
 
@@ -35,8 +40,12 @@ def counters(http: httpx.Client) -> dict[str, float]:
         for sample in family.samples:
             if sample.name == "vllm:prompt_tokens_by_source_total":
                 key = f"prompt_{sample.labels['source']}"
-            elif sample.name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                                 "vllm:request_success_total", "vllm:e2e_request_latency_seconds_count"):
+            elif sample.name in (
+                "vllm:prompt_tokens_total",
+                "vllm:generation_tokens_total",
+                "vllm:request_success_total",
+                "vllm:e2e_request_latency_seconds_count",
+            ):
                 key = sample.name.removeprefix("vllm:")
             else:
                 continue
@@ -62,18 +71,23 @@ def test_session_chunks_move_vllms_counters(tmp_path: Path, monkeypatch: pytest.
             # so the last answer can reach us first: all are recorded together, and the
             # generation counter (right with or without the plugin) says when.
             deadline = time.monotonic() + 10
-            while (after := counters(http))["generation_tokens_total"] - before["generation_tokens_total"] < generated \
-                    and time.monotonic() < deadline:
+            while (after := counters(http))["generation_tokens_total"] - before[
+                "generation_tokens_total"
+            ] < generated and time.monotonic() < deadline:
                 time.sleep(0.1)
     grown = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
     computed = sum(usage["prompt_tokens_details"]["computed_tokens"] for usage in usages)
     first_cached = usages[0]["prompt_tokens"] - usages[0]["prompt_tokens_details"]["computed_tokens"]
-    seen = (f"server {grown}; chunks computed {computed} prompt tokens (the first had {first_cached} cached), "
-            f"generated {generated}, {len(CHUNKS)} chunks")
+    seen = (
+        f"server {grown}; chunks computed {computed} prompt tokens (the first had {first_cached} cached), "
+        f"generated {generated}, {len(CHUNKS)} chunks"
+    )
     print(f"\n{seen}")
     assert grown["generation_tokens_total"] == generated, seen  # right with or without the plugin
-    counted = (grown["prompt_local_compute"] == computed
-               and grown["prompt_tokens_total"] == computed + first_cached
-               and grown["request_success_total"] == len(CHUNKS)
-               and grown["e2e_request_latency_seconds_count"] == len(CHUNKS))
+    counted = (
+        grown["prompt_local_compute"] == computed
+        and grown["prompt_tokens_total"] == computed + first_cached
+        and grown["request_success_total"] == len(CHUNKS)
+        and grown["e2e_request_latency_seconds_count"] == len(CHUNKS)
+    )
     assert counted is plugin, seen

@@ -94,8 +94,11 @@ def capital_of_france(server: RunningServer, continued: bool = False) -> str:
     """The answer to QUESTION; ``continued``: the model continues an answer begun for it."""
     body: dict[str, Any] = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0}
     if continued:
-        body.update(messages=[*QUESTION, {"role": "assistant", "content": "The capital of France is"}],
-                    continue_final_message=True, add_generation_prompt=False)
+        body.update(
+            messages=[*QUESTION, {"role": "assistant", "content": "The capital of France is"}],
+            continue_final_message=True,
+            add_generation_prompt=False,
+        )
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["message"]["content"])
@@ -107,8 +110,9 @@ def fresh_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pa
     log_dir = tmp_path_factory.mktemp("fresh")
     ensure_model(DEFAULT_PRESET)  # once, before the two servers start
     with contextlib.ExitStack() as stack:
-        default, float32 = enter_together(stack, [scripts_serve("default", log_dir),
-                                                  scripts_serve("float32", log_dir, STREAMSESS_DTYPE="float32")])
+        default, float32 = enter_together(
+            stack, [scripts_serve("default", log_dir), scripts_serve("float32", log_dir, STREAMSESS_DTYPE="float32")]
+        )
         yield log_dir, {"default": default, "float32": float32}
 
 
@@ -126,7 +130,8 @@ def test_the_default_server_answers_short_first_requests_and_in_words(
     assert all(len(r.json()["output"]["token_ids"]) >= 1 for r in responses)
     completion = httpx.post(
         f"{server.base_url}/v1/completions",
-        json={"model": MODEL, "prompt": [17], "max_tokens": 3, "temperature": 0}, timeout=120,
+        json={"model": MODEL, "prompt": [17], "max_tokens": 3, "temperature": 0},
+        timeout=120,
     )
     assert completion.status_code == 200, completion.text
     assert completion.json()["usage"]["prompt_tokens"] == 1
@@ -135,9 +140,12 @@ def test_the_default_server_answers_short_first_requests_and_in_words(
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     # vLLM's HTTP metrics count (the middleware stack's rebuild once left them empty);
     # chunk appends served without FastAPI are counted by ours instead.
-    samples = {(sample.name, sample.labels.get("handler") or sample.labels.get("transport")): sample.value
-               for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text)
-               for sample in family.samples if sample.name in ("http_requests_total", "streamsess_chunks_total")}
+    samples = {
+        (sample.name, sample.labels.get("handler") or sample.labels.get("transport")): sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text)
+        for sample in family.samples
+        if sample.name in ("http_requests_total", "streamsess_chunks_total")
+    }
     assert samples.get(("http_requests_total", "/v1/completions"), 0) >= 1, samples
     assert ("http_requests_total", "/v1/sessions/{session_id}/chunks") not in samples, samples
     assert samples.get(("streamsess_chunks_total", "rest"), 0) >= 2, samples
@@ -165,8 +173,14 @@ def test_the_default_model_answers_in_words_in_float32(fresh_servers: tuple[Path
     assert code == 0 and "get_weather" in out, err
 
 
-CHAT = ["What is the capital of France?", "And of Germany?", "Name one river that flows through it.",
-        "Write a sentence about it, in French.", "Thank you!", "What did I ask first?"]
+CHAT = [
+    "What is the capital of France?",
+    "And of Germany?",
+    "Name one river that flows through it.",
+    "Write a sentence about it, in French.",
+    "Thank you!",
+    "What did I ask first?",
+]
 
 
 async def realtime_chat_is_the_conversation(server: RunningServer) -> None:
@@ -193,19 +207,38 @@ async def realtime_chat_is_the_conversation(server: RunningServer) -> None:
             assert json.loads(await ws.recv())["type"] == "session.created"
             for question in CHAT:
                 conversation.append({"role": "user", "content": question})
-                await ws.send(json.dumps({"type": "conversation.item.create", "item": {
-                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]}}))
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "conversation.item.create",
+                            "item": {
+                                "type": "message",
+                                "role": "user",
+                                "content": [{"type": "input_text", "text": question}],
+                            },
+                        }
+                    )
+                )
                 await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 40}}))
                 while (event := json.loads(await ws.recv()))["type"] != "response.done":
                     assert event["type"] != "error", event
                 answer = event["response"]["output"][0]["content"][0]["text"]
-                rest = await http.post(f"/v1/sessions/{over_rest}/chunks", json={
-                    "input": [{"role": "user", "content": question}], "max_tokens": 40})
+                rest = await http.post(
+                    f"/v1/sessions/{over_rest}/chunks",
+                    json={"input": [{"role": "user", "content": question}], "max_tokens": 40},
+                )
                 assert rest.status_code == 200, rest.text
                 assert rest.json()["output"]["text"] == answer
-                reference = await http.post("/v1/chat/completions", json={
-                    "model": MODEL, "messages": conversation, "max_tokens": 40, "temperature": 0,
-                    "cache_salt": secrets.token_hex(8)})
+                reference = await http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "messages": conversation,
+                        "max_tokens": 40,
+                        "temperature": 0,
+                        "cache_salt": secrets.token_hex(8),
+                    },
+                )
                 expected = reference.json()["choices"][0]["message"]["content"]
                 if canonical:
                     assert answer == expected, (len(conversation), answer, expected)
@@ -214,8 +247,9 @@ async def realtime_chat_is_the_conversation(server: RunningServer) -> None:
                 assert (await http.get(f"/v1/sessions/{over_rest}/transcript")).json()["token_ids"] == transcript
                 rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
                 # The transcript ends inside the last reply's turn: its close comes with the next turn.
-                closed = transcript + tokenizer.encode(reply_close_rest(tokenizer, transcript),
-                                                       add_special_tokens=False)
+                closed = transcript + tokenizer.encode(
+                    reply_close_rest(tokenizer, transcript), add_special_tokens=False
+                )
                 assert tokenizer.decode(closed) == rendered, (tokenizer.decode(closed), rendered)
                 canonical = canonical and closed == tokenizer.encode(rendered, add_special_tokens=False)
         print(f"realtime chat of {len(CHAT)} turns: token-exact throughout: {canonical}")
@@ -234,8 +268,10 @@ def tile_state_permitted_in_a_child() -> bool:
     (``arch_prctl(ARCH_GET_XCOMP_PERM)`` has XTILEDATA, feature 17): on some machines
     every process starts with it (inherited from an ancestor that asked, or granted by
     the kernel), and there no AMX kernel can die for want of it."""
-    probe = ("import ctypes; v = ctypes.c_uint64(0); "
-             "ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(v)); print(v.value >> 17 & 1)")
+    probe = (
+        "import ctypes; v = ctypes.c_uint64(0); "
+        "ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(v)); print(v.value >> 17 & 1)"
+    )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     return result.stdout.strip() == "1"
 
@@ -247,9 +283,11 @@ def tile_state_permitted_in_a_child() -> bool:
 )
 def test_negative_control_without_the_plugin_the_engine_dies(tmp_path: Path) -> None:
     if tile_state_permitted_in_a_child():
-        pytest.skip("the processes this test starts may use AMX tiles without asking Linux (XTILEDATA is "
-                    "permitted from their start on this machine), so a server without our plugin cannot "
-                    "crash, and this negative control cannot show anything")
+        pytest.skip(
+            "the processes this test starts may use AMX tiles without asking Linux (XTILEDATA is "
+            "permitted from their start on this machine), so a server without our plugin cannot "
+            "crash, and this negative control cannot show anything"
+        )
     # VLLM_PLUGINS lists the general plugins vLLM may load; empty loads none of them.
     with scripts_serve("no-plugin", tmp_path, VLLM_PLUGINS="") as server:
         responses = first_chunks(server)

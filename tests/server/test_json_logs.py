@@ -35,8 +35,11 @@ def test_json_logs_carry_request_session_and_replica(tmp_path: Path) -> None:
     with app_server("json-logs", log, {"log_format": "json", "replica_name": "replica-json"}) as server:
         with httpx.Client(base_url=server.base_url, timeout=120) as http:
             session = http.post("/v1/sessions", json={"defaults": {"max_tokens": 2}}).json()["id"]
-            answer = http.post(f"/v1/sessions/{session}/chunks", json={"input": "hello there"},
-                               headers={"X-Request-Id": "req-json-logs-1"})
+            answer = http.post(
+                f"/v1/sessions/{session}/chunks",
+                json={"input": "hello there"},
+                headers={"X-Request-Id": "req-json-logs-1"},
+            )
             assert answer.status_code == 200 and answer.headers["x-request-id"] == "req-json-logs-1"
             assert http.get("/health").headers["x-request-id"]  # minted when the client sends none
     logged = records(log)

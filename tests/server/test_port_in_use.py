@@ -24,10 +24,16 @@ def test_a_busy_port_fails_before_the_engine_starts() -> None:
     with socket.socket() as taken, tempfile.TemporaryDirectory() as state_dir:
         taken.bind(("127.0.0.1", port))
         taken.listen()
-        env = {**engine_env(), "STREAMSESS_PORT": str(port), "STREAMSESS_HOST": "127.0.0.1",
-               "STREAMSESS_STATE_DIR": state_dir, "STREAMSESS_MODEL_PRESET": "tiny"}
-        done = subprocess.run([sys.executable, "-m", "app.main"], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=300)
+        env = {
+            **engine_env(),
+            "STREAMSESS_PORT": str(port),
+            "STREAMSESS_HOST": "127.0.0.1",
+            "STREAMSESS_STATE_DIR": state_dir,
+            "STREAMSESS_MODEL_PRESET": "tiny",
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "app.main"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == PORT_UNAVAILABLE_EXIT, done.stderr[-3000:]
     assert f"cannot listen on 127.0.0.1:{port}" in lines[-1] and "in use" in lines[-1].lower(), lines[-1]

@@ -102,13 +102,13 @@ async def assert_state(http: httpx.AsyncClient, session_id: str, num_chunks: int
     assert (await http.get(f"/v1/sessions/{session_id}/transcript")).json()["token_ids"] == transcript
 
 
-async def test_a_full_disk_gives_503s_and_the_server_recovers_when_space_returns(
-    engine: Any, tmp_path: Path
-) -> None:
+async def test_a_full_disk_gives_503s_and_the_server_recovers_when_space_returns(engine: Any, tmp_path: Path) -> None:
     with small_tmpfs(tmp_path / "state") as state_dir:
         settings = make_settings(api_keys=list(API_KEYS), state_dir=str(state_dir))
-        async with running_app(settings, engine) as url, \
-                httpx.AsyncClient(base_url=url, headers=auth(), timeout=120) as http:
+        async with (
+            running_app(settings, engine) as url,
+            httpx.AsyncClient(base_url=url, headers=auth(), timeout=120) as http,
+        ):
             expected, victim, transcript = await control_and_victim(http)
 
             filler = await asyncio.to_thread(fill, state_dir)
@@ -126,8 +126,10 @@ async def test_a_full_disk_gives_503s_and_the_server_recovers_when_space_returns
 async def test_a_stopped_postgres_gives_503s_undoes_the_chunk_it_interrupted_and_recovers(engine: Any) -> None:
     with postgres_server() as database:
         settings = make_settings(api_keys=list(API_KEYS), store_url=database.url, max_chunk_output_tokens=4000)
-        async with running_app(settings, engine) as url, \
-                httpx.AsyncClient(base_url=url, headers=auth(), timeout=120) as http:
+        async with (
+            running_app(settings, engine) as url,
+            httpx.AsyncClient(base_url=url, headers=auth(), timeout=120) as http,
+        ):
             expected, victim, transcript = await control_and_victim(http)
 
             # The database goes away while a long chunk is answering: its answer
@@ -155,8 +157,7 @@ async def stream_while(http: httpx.AsyncClient, session_id: str, action: Any) ->
         async for line in stream.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            events.append(json.loads(line[len("data: "):]))
+            events.append(json.loads(line[len("data: ") :]))
             if len(events) == 1:
                 await asyncio.to_thread(action)
     return events
-

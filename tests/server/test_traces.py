@@ -46,9 +46,16 @@ def otlp_receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
             for resource in request.resource_spans:
                 for scope in resource.scope_spans:
                     for span in scope.spans:
-                        spans.append({"name": span.name, "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-                                      "parent": span.parent_span_id.hex(), "scope": scope.scope.name,
-                                      "attributes": {a.key: a.value for a in span.attributes}})
+                        spans.append(
+                            {
+                                "name": span.name,
+                                "trace_id": span.trace_id.hex(),
+                                "span_id": span.span_id.hex(),
+                                "parent": span.parent_span_id.hex(),
+                                "scope": scope.scope.name,
+                                "attributes": {a.key: a.value for a in span.attributes},
+                            }
+                        )
             body = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
@@ -76,25 +83,36 @@ def test_chunks_and_engine_requests_are_traced(tmp_path: Path, monkeypatch: pyte
         with app_server("traces", tmp_path / "server.log", {"otlp_traces_endpoint": endpoint}) as server:
             with httpx.Client(base_url=server.base_url, timeout=120) as http:
                 session = http.post("/v1/sessions", json={"defaults": {"max_tokens": 2}}).json()["id"]
-                answer = http.post(f"/v1/sessions/{session}/chunks", json={"input": "hello there"},
-                                   headers={"traceparent": TRACEPARENT})
+                answer = http.post(
+                    f"/v1/sessions/{session}/chunks",
+                    json={"input": "hello there"},
+                    headers={"traceparent": TRACEPARENT},
+                )
                 assert answer.status_code == 200, answer.text
-                following = http.post(f"/v1/sessions/{session}/chunks", json={"input": " and more"},
-                                      headers={"traceparent": f"00-{NEXT_TRACE_ID}-00f067aa0ba902b9-01"})
+                following = http.post(
+                    f"/v1/sessions/{session}/chunks",
+                    json={"input": " and more"},
+                    headers={"traceparent": f"00-{NEXT_TRACE_ID}-00f067aa0ba902b9-01"},
+                )
                 assert following.status_code == 200, following.text
                 model = http.get("/v1/models").json()["data"][0]["id"]
-                chat = http.post("/v1/chat/completions", headers={"traceparent": f"00-{chat_trace}-00f067aa0ba902b8-01"},
-                                 json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+                chat = http.post(
+                    "/v1/chat/completions",
+                    headers={"traceparent": f"00-{chat_trace}-00f067aa0ba902b8-01"},
+                    json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                )
                 assert chat.status_code == 200, chat.text
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not all(
-                    any(s["name"] == "llm_request" and s["trace_id"] == trace for s in spans)
-                    for trace in (chat_trace, TRACE_ID, NEXT_TRACE_ID)):
+                any(s["name"] == "llm_request" and s["trace_id"] == trace for s in spans)
+                for trace in (chat_trace, TRACE_ID, NEXT_TRACE_ID)
+            ):
                 time.sleep(0.2)
         ours = {span["span_id"]: span for span in spans if span["trace_id"] == TRACE_ID}
         by_name = {span["name"]: span for span in ours.values()}
-        assert {"streamsess.chunk.admission", "streamsess.chunk", "streamsess.chunk.commit"} <= set(by_name), \
-            sorted((s["name"], s["trace_id"]) for s in spans)
+        assert {"streamsess.chunk.admission", "streamsess.chunk", "streamsess.chunk.commit"} <= set(by_name), sorted(
+            (s["name"], s["trace_id"]) for s in spans
+        )
         route = by_name["streamsess.chunk"]["parent"]
         assert ours[route]["scope"].startswith("opentelemetry.instrumentation")  # the route's server span
         assert ours[route]["parent"] == TRACEPARENT.split("-")[2]  # the client's span
@@ -102,7 +120,10 @@ def test_chunks_and_engine_requests_are_traced(tmp_path: Path, monkeypatch: pyte
         assert by_name["streamsess.chunk.commit"]["parent"] == by_name["streamsess.chunk"]["span_id"]
         chunk = by_name["streamsess.chunk"]["attributes"]
         assert chunk["streamsess.session_id"].string_value == session
-        assert chunk["streamsess.prompt_tokens.computed"].int_value == answer.json()["usage"]["prompt_tokens_details"]["computed_tokens"]
+        assert (
+            chunk["streamsess.prompt_tokens.computed"].int_value
+            == answer.json()["usage"]["prompt_tokens_details"]["computed_tokens"]
+        )
         chat_spans = {span["name"] for span in spans if span["trace_id"] == chat_trace}
         assert "llm_request" in chat_spans and "POST /v1/chat/completions" in chat_spans, chat_spans
         for trace, usage in ((TRACE_ID, answer.json()["usage"]), (NEXT_TRACE_ID, following.json()["usage"])):

@@ -202,9 +202,7 @@ class SchedulerHarness:
             kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
-        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
-            self.kv_cache_config, self.vllm_config
-        )
+        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
         scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
         with set_current_vllm_config(self.vllm_config):
             self.scheduler = scheduler_cls(

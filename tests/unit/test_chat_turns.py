@@ -61,8 +61,18 @@ QWEN3 = (  # a reply keeps its reasoning block only while no user message follow
     "{%- else -%}{{ m.content }}{%- endif -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-            "<|begin_of_text|>", "<start_of_turn>", "<end_of_turn>", "<think>", "</think>"]
+SPECIALS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|begin_of_text|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<think>",
+    "</think>",
+]
 # Template, its bos token, the token a reply that ends on its own ends with.
 FAMILIES = {"chatml": (CHATML, None, "<|im_end|>"), "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>")}
 # Where the session's tokens are the whole rendering's tokens too. Llama 3's assistant
@@ -98,7 +108,10 @@ def test_the_context_is_the_template_over_the_whole_conversation(
     tokenizer = with_template(base_tokenizer, template, bos)
     end_id = tokenizer.convert_tokens_to_ids(end_of_turn)
     turns = [
-        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}],
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
         [{"role": "user", "content": "And of Germany?"}],
         [{"role": "user", "content": "Thanks. Où est Zürich ?"}],
     ]
@@ -126,17 +139,23 @@ def test_without_the_turn_close_the_context_is_not_the_conversation(base_tokeniz
     context += [*encode(tokenizer, "Hello."), tokenizer.convert_tokens_to_ids("<|im_end|>")]
     full = render_turn(tokenizer, [{"role": "user", "content": "Bye"}], context)
     assert full.startswith("\n<|im_start|>user")  # the close's rest: "<|im_end|>" was the reply's last token
-    without_close = full[len("\n"):]
+    without_close = full[len("\n") :]
     conversation = [*first, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
-    expected = encode(tokenizer, tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
+    expected = encode(
+        tokenizer, tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    )
     assert context + encode(tokenizer, without_close) != expected
     assert context + encode(tokenizer, full) == expected
 
 
-@pytest.mark.parametrize(("template", "messages"), [
-    (GEMMA, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]),
-    (MISTRAL, [{"role": "user", "content": "Hi"}, {"role": "user", "content": "again"}]),
-], ids=["gemma-system-role", "mistral-alternation"])
+@pytest.mark.parametrize(
+    ("template", "messages"),
+    [
+        (GEMMA, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]),
+        (MISTRAL, [{"role": "user", "content": "Hi"}, {"role": "user", "content": "again"}]),
+    ],
+    ids=["gemma-system-role", "mistral-alternation"],
+)
 def test_a_template_that_refuses_the_conversation_is_a_value_error(
     base_tokenizer: Any, template: str, messages: list[dict[str, str]]
 ) -> None:
@@ -158,8 +177,12 @@ def test_a_template_that_rewrites_earlier_turns_is_rendered_again_from_the_commo
     with pytest.raises(NotIncrementalError):
         render_turn(tokenizer, [{"role": "user", "content": "Hi"}], [end_id])
     questions = ["What is the capital of France?", "And of Germany?", "Où est Zürich ?", "Thanks."]
-    replies = ["<think>\nA capital.\n</think>\n\nParis.", "<think>\n\n</think>\n\nBerlin.",
-               "<think>\nSwiss.\n</think>\n\nIn Switzerland.", "<think>\n\n</think>\n\nYou are welcome."]
+    replies = [
+        "<think>\nA capital.\n</think>\n\nParis.",
+        "<think>\n\n</think>\n\nBerlin.",
+        "<think>\nSwiss.\n</think>\n\nIn Switzerland.",
+        "<think>\n\n</think>\n\nYou are welcome.",
+    ]
     context: list[int] = []
     conversation: list[dict[str, str]] = []
     for turn, (question, reply) in enumerate(zip(questions, replies, strict=True)):
@@ -206,23 +229,28 @@ def test_a_warm_up_adds_its_messages_without_the_assistant_prefix(
         context += ids + encode(tokenizer, "Hello.") + [tokenizer.convert_tokens_to_ids(end_of_turn)]
         have = wanted.with_messages([{"role": "assistant", "content": "Hello."}])
     # Two warm-ups, then the turn that continues them with no message of its own.
-    for messages in ([{"role": "user", "content": "What is the capital of France?"}],
-                     [{"role": "user", "content": "And of Germany?"}]):
+    for messages in (
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "And of Germany?"}],
+    ):
         wanted = (have if have.messages else instructions).with_messages(messages)
         ids, start = continue_to(tokenizer, have, wanted, context, generation_prompt=False)
         assert start in (None, len(context))  # appended (a new session's first turn renders whole)
         context += ids
         have = wanted.warmed()
-        assert tokenizer.decode(context, skip_special_tokens=False) == \
-            tokenizer.apply_chat_template(have.rendered(), tokenize=False)
+        assert tokenizer.decode(context, skip_special_tokens=False) == tokenizer.apply_chat_template(
+            have.rendered(), tokenize=False
+        )
     warmed = list(context)
     ids, start = continue_to(tokenizer, have, have.with_messages([]), context)
     assert start is None
     context += ids
     expected = tokenizer.apply_chat_template(have.rendered(), tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(context, skip_special_tokens=False) == expected
-    assert tokenizer.decode(context[len(warmed):], skip_special_tokens=False) == \
-        expected[len(tokenizer.apply_chat_template(have.rendered(), tokenize=False)):]
+    assert (
+        tokenizer.decode(context[len(warmed) :], skip_special_tokens=False)
+        == expected[len(tokenizer.apply_chat_template(have.rendered(), tokenize=False)) :]
+    )
     if family in CANONICAL:
         assert context == encode(tokenizer, expected)
     if family == "chatml":
@@ -238,8 +266,11 @@ def test_a_warm_up_adds_its_messages_without_the_assistant_prefix(
 def test_a_tool_output_must_answer_a_call_made_before_it() -> None:
     """OpenAI's rule, on the request's own (last) messages only: a stored conversation
     with an orphan output stays usable."""
-    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-                                                                "function": {"name": "f", "arguments": "{}"}}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
     answer = {"role": "tool", "tool_call_id": "c1", "content": "1"}
     orphan = {"role": "tool", "tool_call_id": "c2", "content": "2"}
     user = {"role": "user", "content": "hi"}
@@ -280,8 +311,17 @@ def test_truncation_keeps_each_turn_within_the_context_and_cuts_seldom(base_toke
         reply = f"It is {index + 1}."
         context += [*encode(tokenizer, reply), end_id]
         have = planned.with_messages([{"role": "assistant", "content": reply}])
-    whole = ChatState("Answer briefly.", [m for i in range(40) for m in (
-        {"role": "user", "content": f"Question {i}: what follows {i}?"}, {"role": "assistant", "content": f"It is {i + 1}."})])
+    whole = ChatState(
+        "Answer briefly.",
+        [
+            m
+            for i in range(40)
+            for m in (
+                {"role": "user", "content": f"Question {i}: what follows {i}?"},
+                {"role": "assistant", "content": f"It is {i + 1}."},
+            )
+        ],
+    )
     whole_ids = encode(tokenizer, tokenizer.apply_chat_template(whole.rendered(), tokenize=False))
     assert len(whole_ids) > 2 * truncation.max_context  # without cuts, it could not fit
     assert cuts >= 2 and appends >= 3 * cuts  # each cut leaves a quarter of the room: several turns

@@ -20,8 +20,13 @@ def test_a_post_refused_by_a_draining_replica_is_sent_again() -> None:
 
 
 def test_a_post_whose_fate_is_unknown_is_not() -> None:
-    for status, code in ((503, "engine_dead"), (503, None), (502, None), (500, "internal_error"),
-                         (409, "chunk_in_flight")):
+    for status, code in (
+        (503, "engine_dead"),
+        (503, None),
+        (502, None),
+        (500, "internal_error"),
+        (409, "chunk_in_flight"),
+    ):
         assert not should_retry("POST", None, status, error_code(answer(status, code)))
     assert not should_retry("POST", httpx.ReadError("cut mid-answer"), None)
     # Reads are retried on any 503; a connection that never opened, for any method.

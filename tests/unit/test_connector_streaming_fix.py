@@ -62,9 +62,7 @@ def test_resumed_session_stores_its_new_blocks(connector: str, async_scheduling:
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("connector", ["offloading", "simple"])
-def test_negative_control_unfixed_connector_shows_the_seed_bug(
-    connector: str, async_scheduling: bool
-) -> None:
+def test_negative_control_unfixed_connector_shows_the_seed_bug(connector: str, async_scheduling: bool) -> None:
     """The same session on vLLM's own scheduler side (fix disabled) goes wrong,
     so the test above can fail."""
     harness = SchedulerHarness(connector, async_scheduling, disable_fix=True)  # type: ignore[arg-type]
@@ -134,9 +132,7 @@ def test_fixed_vllm_keeps_upstream_scheduler(monkeypatch: pytest.MonkeyPatch, di
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_fix_is_idempotent_on_a_fixed_vllm(
-    monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
-) -> None:
+def test_fix_is_idempotent_on_a_fixed_vllm(monkeypatch: pytest.MonkeyPatch, async_scheduling: bool) -> None:
     """Forcing our fix onto a vLLM whose scheduler already resets the table (0.33
     semantics of yield_req_data drive 0.32's reset branch) changes nothing."""
     monkeypatch.setattr(upstream_scheduler, "yield_req_data", _yield_req_data_033)

@@ -44,9 +44,16 @@ class Recorder:
         return JSONResponse({"from": "direct", "param": param})
 
 
-async def call(route: DirectRoute, body: bytes, *, path: str = "/v1/sessions/sess_1/chunks", method: str = "POST",
-               headers: list[tuple[bytes, bytes]] | None = None, split: bool = False) -> tuple[int, Any]:
-    parts = [body[: len(body) // 2], body[len(body) // 2:]] if split else [body]
+async def call(
+    route: DirectRoute,
+    body: bytes,
+    *,
+    path: str = "/v1/sessions/sess_1/chunks",
+    method: str = "POST",
+    headers: list[tuple[bytes, bytes]] | None = None,
+    split: bool = False,
+) -> tuple[int, Any]:
+    parts = [body[: len(body) // 2], body[len(body) // 2 :]] if split else [body]
     incoming = [{"type": "http.request", "body": part, "more_body": i < len(parts) - 1} for i, part in enumerate(parts)]
     sent: list[dict[str, Any]] = []
 
@@ -56,8 +63,13 @@ async def call(route: DirectRoute, body: bytes, *, path: str = "/v1/sessions/ses
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": path, "root_path": "",
-             "headers": headers if headers is not None else [(b"content-type", b"application/json")]}
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "root_path": "",
+        "headers": headers if headers is not None else [(b"content-type", b"application/json")],
+    }
     await route(scope, receive, send)
     if not sent:
         return 0, None
@@ -76,14 +88,17 @@ async def test_a_body_that_validates_is_served_directly_with_its_path_parameter(
     assert recorder.app_calls == []
 
 
-@pytest.mark.parametrize("body", [
-    b'{"input": "hi", "max_tokens": "many"}',  # refused by validation
-    b'{"input": "hi", "unknown": 1}',  # an extra field the model forbids
-    b'{"input": "hi"',  # not JSON
-    b'["input"]',  # JSON, not an object
-    b"",  # no body
-    b'\xff\xfe',  # not UTF-8
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"input": "hi", "max_tokens": "many"}',  # refused by validation
+        b'{"input": "hi", "unknown": 1}',  # an extra field the model forbids
+        b'{"input": "hi"',  # not JSON
+        b'["input"]',  # JSON, not an object
+        b"",  # no body
+        b"\xff\xfe",  # not UTF-8
+    ],
+)
 async def test_what_fastapi_would_refuse_goes_to_the_app_with_its_body_intact(body: bytes) -> None:
     recorder = Recorder()
     status, answer = await call(route_for(recorder), body, split=True)
@@ -92,15 +107,18 @@ async def test_what_fastapi_would_refuse_goes_to_the_app_with_its_body_intact(bo
     assert recorder.handled == []
 
 
-@pytest.mark.parametrize(("path", "method", "headers"), [
-    ("/v1/sessions/sess_1/chunks", "POST", [(b"origin", b"http://example.com")]),  # CORS: vLLM's middleware
-    ("/v1/sessions/sess_1/chunks", "POST", [(b"content-type", b"text/plain")]),  # FastAPI reads no JSON
-    ("/v1/sessions/sess_1/chunks", "GET", []),
-    ("/v1/sessions//chunks", "POST", []),
-    ("/v1/sessions/a/b/chunks", "POST", []),
-    ("/v1/sessions/sess_1/chunk", "POST", []),
-    ("/v1/sessions/sess_1", "POST", []),
-])
+@pytest.mark.parametrize(
+    ("path", "method", "headers"),
+    [
+        ("/v1/sessions/sess_1/chunks", "POST", [(b"origin", b"http://example.com")]),  # CORS: vLLM's middleware
+        ("/v1/sessions/sess_1/chunks", "POST", [(b"content-type", b"text/plain")]),  # FastAPI reads no JSON
+        ("/v1/sessions/sess_1/chunks", "GET", []),
+        ("/v1/sessions//chunks", "POST", []),
+        ("/v1/sessions/a/b/chunks", "POST", []),
+        ("/v1/sessions/sess_1/chunk", "POST", []),
+        ("/v1/sessions/sess_1", "POST", []),
+    ],
+)
 async def test_requests_that_are_not_the_routes_own_go_to_the_app(
     path: str, method: str, headers: list[tuple[bytes, bytes]]
 ) -> None:
@@ -114,8 +132,9 @@ async def test_requests_that_are_not_the_routes_own_go_to_the_app(
 async def test_a_content_type_with_parameters_or_a_json_suffix_is_json() -> None:
     recorder = Recorder()
     for kind in (b"application/json; charset=utf-8", b"application/vnd.api+json", b"APPLICATION/JSON"):
-        assert (await call(route_for(recorder), b'{"input": "hi"}', headers=[(b"content-type", kind)]))[1]["from"] \
-            == "direct"
+        assert (await call(route_for(recorder), b'{"input": "hi"}', headers=[(b"content-type", kind)]))[1][
+            "from"
+        ] == "direct"
     # No content type at all: FastAPI reads the body as JSON too.
     assert (await call(route_for(recorder), b'{"input": "hi"}', headers=[]))[1]["from"] == "direct"
 

@@ -34,8 +34,18 @@ FILE_BYTES = 1000
 
 
 def mapper(root: Path) -> FileMapper:
-    return FileMapper(str(root), "model", tokens_per_hash=32, blocks_per_file=1, tp_size=1, pp_size=1,
-                      pcp_size=1, dcp_size=1, rank=0, dtype="float32")
+    return FileMapper(
+        str(root),
+        "model",
+        tokens_per_hash=32,
+        blocks_per_file=1,
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        rank=0,
+        dtype="float32",
+    )
 
 
 def key(number: int, group: int = 0) -> OffloadKey:
@@ -57,8 +67,7 @@ def test_a_chunk_written_by_one_worker_loads_into_another(tmp_path: Path) -> Non
     index = DiskIndex(mapper(tmp_path), cap_bytes=1 << 20, file_bytes=FILE_BYTES)
     path = index.path(key(1))
     writer = DiskTierWorker(caches, blocks_per_chunk=2, num_chunks=4, fsync=True, queue_bytes=1 << 20)
-    writer.submit_store(1, GPULoadStoreSpec([3, 5], group_sizes=[2], block_indices=[0]),
-                        DiskFiles([2], [(2, 0, path)]))
+    writer.submit_store(1, GPULoadStoreSpec([3, 5], group_sizes=[2], block_indices=[0]), DiskFiles([2], [(2, 0, path)]))
     assert [r.job_id for r in writer.get_finished()] == [1]  # the file is queued as the store completes
     writer.shutdown()  # writes what is queued
     assert key_of(path) == key(1)
@@ -66,8 +75,7 @@ def test_a_chunk_written_by_one_worker_loads_into_another(tmp_path: Path) -> Non
         tensor.zero_()
     # A fresh worker (a restarted engine: its host tier empty) reads it into chunk 0.
     reader = DiskTierWorker(caches, blocks_per_chunk=2, num_chunks=4, fsync=False, queue_bytes=1 << 20)
-    reader.submit_load(2, DiskFiles([0], [(0, 0, path)]), GPULoadStoreSpec([8, 9], group_sizes=[2],
-                                                                        block_indices=[0]))
+    reader.submit_load(2, DiskFiles([0], [(0, 0, path)]), GPULoadStoreSpec([8, 9], group_sizes=[2], block_indices=[0]))
     for tensor, before in zip(tensors, original):
         assert torch.equal(tensor[[8, 9]], before[[3, 5]])
     reader.shutdown()
@@ -160,15 +168,30 @@ def test_a_file_that_fails_its_checksum_is_a_miss_and_is_deleted(tmp_path: Path)
 def spec(model: Path, root: Path) -> SimpleNamespace:
     """What file_mapper reads of an offloading spec (vLLM's own config objects)."""
     parallel = OffloadingParallelConfig(
-        rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
-        data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False)
+        rank=0,
+        world_size=1,
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=False,
+    )
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("layer.0",), group_id=0),),
-        worker_kv_bytes_per_block=4096, enable_kv_cache_events=False, extra_config={}, engine_id="e",
+        worker_kv_bytes_per_block=4096,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id="e",
         model=OffloadingModelConfig(name=str(model), dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1), parallel=parallel)
-    return SimpleNamespace(config=config, kv_bytes_per_chunk=4096, blocks_per_chunk=1,
-                           extra_config={DISK_TIER_DIR_KEY: str(root)})
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
+        parallel=parallel,
+    )
+    return SimpleNamespace(
+        config=config, kv_bytes_per_chunk=4096, blocks_per_chunk=1, extra_config={DISK_TIER_DIR_KEY: str(root)}
+    )
 
 
 def test_the_namespace_follows_the_weights_not_their_path(tmp_path: Path) -> None:

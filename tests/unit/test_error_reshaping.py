@@ -15,8 +15,9 @@ from starlette.types import Message, Receive, Scope, Send
 from app.http.errors import anthropic_error_bytes, openai_error_bytes, reshaping_errors
 from app.vllm_routes.usage import UsageProvenanceMiddleware
 
-VLLM_ERROR = {"error": {"message": "n must be at least 1, got 0.", "type": "BadRequestError", "param": None,
-                        "code": 400}}
+VLLM_ERROR = {
+    "error": {"message": "n must be at least 1, got 0.", "type": "BadRequestError", "param": None, "code": 400}
+}
 
 
 def scripted(status: int, content_type: bytes, *bodies: bytes) -> Any:
@@ -24,6 +25,7 @@ def scripted(status: int, content_type: bytes, *bodies: bytes) -> Any:
         await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
         for index, body in enumerate(bodies):
             await send({"type": "http.response.body", "body": body, "more_body": index < len(bodies) - 1})
+
     return app
 
 
@@ -36,15 +38,26 @@ async def run(app: Any, path: str = "/v1/chat/completions") -> tuple[Message, by
     async def send(message: Message) -> None:
         sent.append(message)
 
-    await app({"type": "http", "method": "POST", "path": path, "headers": [],
-               "app": SimpleNamespace(state=SimpleNamespace())}, receive, send)
+    await app(
+        {
+            "type": "http",
+            "method": "POST",
+            "path": path,
+            "headers": [],
+            "app": SimpleNamespace(state=SimpleNamespace()),
+        },
+        receive,
+        send,
+    )
     return sent[0], b"".join(message.get("body", b"") for message in sent[1:])
 
 
 def reshaped(app: Any, reshape: Any) -> Any:
     """``app`` with its answers sent through ``reshaping_errors(send, reshape)``."""
+
     async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
         await app(scope, receive, reshaping_errors(send, reshape))
+
     return wrapped
 
 
@@ -55,14 +68,28 @@ def content_length(start: Message) -> int:
 async def test_an_error_answered_in_parts_leaves_whole_in_openais_shape() -> None:
     raw = json.dumps(VLLM_ERROR).encode()
     start, body = await run(reshaped(scripted(400, b"application/json", raw[:10], raw[10:]), openai_error_bytes))
-    assert json.loads(body) == {"error": {"message": "n must be at least 1, got 0.", "type": "invalid_request_error",
-                                          "param": None, "code": "invalid_request"}}
+    assert json.loads(body) == {
+        "error": {
+            "message": "n must be at least 1, got 0.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_request",
+        }
+    }
     assert start["status"] == 400 and content_length(start) == len(body)
 
 
 async def test_anthropics_shape_on_its_routes_and_others_untouched() -> None:
-    ours = json.dumps({"error": {"message": "top_k: bad", "type": "invalid_request_error", "param": "top_k",
-                                 "code": "invalid_request"}}).encode()
+    ours = json.dumps(
+        {
+            "error": {
+                "message": "top_k: bad",
+                "type": "invalid_request_error",
+                "param": "top_k",
+                "code": "invalid_request",
+            }
+        }
+    ).encode()
     _, body = await run(reshaped(scripted(400, b"application/json", ours), anthropic_error_bytes), "/v1/messages")
     assert json.loads(body) == {"type": "error", "error": {"type": "invalid_request_error", "message": "top_k: bad"}}
     # A success, and an error of another shape, pass as they came.
@@ -81,5 +108,6 @@ async def test_an_error_inside_a_stream_takes_openais_shape() -> None:
     assert start["status"] == 200
     chunks = body.split(b"\n\n")
     assert chunks[0] + b"\n\n" == first and chunks[2] == b"data: [DONE]"
-    assert json.loads(chunks[1].removeprefix(b"data: ")) == {"error": {
-        "message": "engine failed", "type": "server_error", "param": None, "code": "internal_server_error"}}
+    assert json.loads(chunks[1].removeprefix(b"data: ")) == {
+        "error": {"message": "engine failed", "type": "server_error", "param": None, "code": "internal_server_error"}
+    }

@@ -9,13 +9,18 @@ from tests.correctness.harness import MAX_NEAR_TIE_RATE, NEAR_TIE_MARGIN, Mismat
 
 
 def mismatch(margin: float | None) -> Mismatch:
-    return Mismatch("prefix", session=0, chunk=1, prompt_tokens=64, expected=[1, 2], got=[1, 3],
-                    position=1, margin=margin)
+    return Mismatch(
+        "prefix", session=0, chunk=1, prompt_tokens=64, expected=[1, 2], got=[1, 3], position=1, margin=margin
+    )
 
 
 def report(*margins: float | None, compared: int = 200) -> Report:
-    return Report(seed=0, chunks_checked=compared // 2, prefix_requests_compared=compared - compared // 2,
-                  mismatches=[mismatch(m) for m in margins])
+    return Report(
+        seed=0,
+        chunks_checked=compared // 2,
+        prefix_requests_compared=compared - compared // 2,
+        mismatches=[mismatch(m) for m in margins],
+    )
 
 
 def test_the_margin_is_between_the_two_likeliest_tokens() -> None:

@@ -83,7 +83,9 @@ def load_with_the_copy_thread_held(
     """Store DEVICE_BLOCKS to the tier, zero the device, hold the copy thread until the
     returned event is set, and submit the load into TARGETS (job 2); returns the
     device's tensors as they were before the zeroing."""
-    worker.submit_store(1, GPULoadStoreSpec(DEVICE_BLOCKS, group_sizes=[4], block_indices=[0]), CPULoadStoreSpec([0, 1, 2, 3]))
+    worker.submit_store(
+        1, GPULoadStoreSpec(DEVICE_BLOCKS, group_sizes=[4], block_indices=[0]), CPULoadStoreSpec([0, 1, 2, 3])
+    )
     worker.get_finished()
     original = [t.clone() for t in tensors]
     for tensor in tensors:
@@ -140,8 +142,9 @@ def test_a_load_under_the_thread_minimum_is_copied_inline_and_a_store_still_goes
     """The copy thread held: a load smaller than ``thread_min_load_bytes`` is whole on
     the device when submit_load returns, while a store waits for the thread."""
     caches, tensors = make_caches()
-    worker = HostTierWorker(caches, blocks_per_chunk=1, num_chunks=8, copy_thread=True,
-                            thread_min_load_bytes=4 * PAGE * len(tensors) + 1)
+    worker = HostTierWorker(
+        caches, blocks_per_chunk=1, num_chunks=8, copy_thread=True, thread_min_load_bytes=4 * PAGE * len(tensors) + 1
+    )
     worker.layerwise_loads = True
     original, release = load_with_the_copy_thread_held(worker, tensors)
     for tensor, before in zip(tensors, original):
@@ -165,8 +168,10 @@ def test_layers_map_to_their_own_tensors_in_one_allocation() -> None:
     must still map to the tensor that starts where its KV starts (mapping by the
     shared storage sent every layer to one tensor, so each waited for all loads)."""
     storage = torch.zeros(3 * NUM_BLOCKS * PAGE, dtype=torch.int8)
-    layers = {f"layer.{i}": storage[i * NUM_BLOCKS * PAGE : (i + 1) * NUM_BLOCKS * PAGE].view(NUM_BLOCKS, PAGE)
-              for i in range(3)}
+    layers = {
+        f"layer.{i}": storage[i * NUM_BLOCKS * PAGE : (i + 1) * NUM_BLOCKS * PAGE].view(NUM_BLOCKS, PAGE)
+        for i in range(3)
+    }
     caches = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE) for t in layers.values()],
         group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE) for i in range(3)]],

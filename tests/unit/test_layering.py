@@ -27,8 +27,17 @@ REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "app"
 
 # The top-level modules of app/, by name: a new one is a choice of layer, made here.
-PLATFORM_MODULES = {"settings", "errors", "protocol", "metrics", "engine", "limits", "cache_salt", "provenance",
-                    "routing"}
+PLATFORM_MODULES = {
+    "settings",
+    "errors",
+    "protocol",
+    "metrics",
+    "engine",
+    "limits",
+    "cache_salt",
+    "provenance",
+    "routing",
+}
 ROOT_MODULES = {"main", "wiring"}
 PLATFORM_PACKAGES = {"store", "tools", "models"}
 # What each layer may import of ours beside itself.
@@ -42,8 +51,10 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 WEB_FRAMEWORKS = ("fastapi", "starlette", "uvicorn")
 # The session service's parts, which the APIs use only through its methods.
-REACH_THROUGH = re.compile(r"\b(service|sessions)\.(registry|limits|parking|store|parsers|tokenizer|recorder|"
-                           r"membership|capacity)\b")
+REACH_THROUGH = re.compile(
+    r"\b(service|sessions)\.(registry|limits|parking|store|parsers|tokenizer|recorder|"
+    r"membership|capacity)\b"
+)
 
 
 def module_path(module: str) -> Path | None:
@@ -68,8 +79,11 @@ def imports_of(module: str) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names
-                         if module_path(f"{node.module}.{alias.name}") is not None)
+            found.update(
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if module_path(f"{node.module}.{alias.name}") is not None
+            )
     return found
 
 
@@ -136,7 +150,8 @@ def test_the_layer_check_sees_an_import_against_the_layers(tmp_path: Path) -> No
     layering.REPO = fake_repo
     try:
         assert layering.against_the_layers(["app.sessions.leaky"]) == [
-            "app.sessions.leaky (sessions) imports app.http.sse (http)"]
+            "app.sessions.leaky (sessions) imports app.http.sse (http)"
+        ]
     finally:
         layering.REPO = original
 
@@ -172,9 +187,12 @@ def test_the_web_framework_check_sees_one() -> None:
 def test_the_apis_use_the_session_service_through_its_methods_only() -> None:
     """No ``service.registry``, ``sessions.store``, ... in ``app/api``: the domain's parts
     are its own; what an API needs of them is a method of the service."""
-    reaches = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
-               for path in sorted((APP / "api").rglob("*.py"))
-               for number, line in enumerate(path.read_text().splitlines(), 1) if REACH_THROUGH.search(line)]
+    reaches = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in sorted((APP / "api").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if REACH_THROUGH.search(line)
+    ]
     assert reaches == []
     assert REACH_THROUGH.search("self.sessions.registry.held")  # the pattern finds one
 

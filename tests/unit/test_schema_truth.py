@@ -28,25 +28,32 @@ def test_integral_floats_are_integers_as_json_schema_has_them() -> None:
     assert InputAppendEvent.model_validate({"type": "input.append", "input": [3.0]}).input == [3]
 
 
-@pytest.mark.parametrize("body", [
-    {"input": [1.5]},  # not integral
-    {"input": [True]},  # strict: a boolean is no token id
-    {"input": [1], "max_tokens": "3"},  # strict: no coercion from strings
-    {"input": [1], "seed": SAFE_INTEGER_MAX + 1},
-    {"input": [1], "seed": -781048977054667242471424},  # closed a session with a 500 before
-    {"input": [1], "stop_token_ids": [2**70]},
-    {"input": [2**31]},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": [1.5]},  # not integral
+        {"input": [True]},  # strict: a boolean is no token id
+        {"input": [1], "max_tokens": "3"},  # strict: no coercion from strings
+        {"input": [1], "seed": SAFE_INTEGER_MAX + 1},
+        {"input": [1], "seed": -781048977054667242471424},  # closed a session with a 500 before
+        {"input": [1], "stop_token_ids": [2**70]},
+        {"input": [2**31]},
+    ],
+)
 def test_out_of_range_and_coerced_values_are_refused(body: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         ChunkRequest.model_validate(body)
 
 
 def test_the_schema_states_the_servers_bounds() -> None:
-    schema = {"components": {"schemas": {
-        "ChunkRequest": copy.deepcopy(ChunkRequest.model_json_schema()),
-        "SessionDefaults": copy.deepcopy(SessionCreateRequest.model_json_schema()["$defs"]["SessionDefaults"]),
-    }}}
+    schema = {
+        "components": {
+            "schemas": {
+                "ChunkRequest": copy.deepcopy(ChunkRequest.model_json_schema()),
+                "SessionDefaults": copy.deepcopy(SessionCreateRequest.model_json_schema()["$defs"]["SessionDefaults"]),
+            }
+        }
+    }
     declare_bounds(schema, vocab_size=1024, max_output_tokens=16, max_chunk_tokens=256, max_messages=35)
     chunk = schema["components"]["schemas"]["ChunkRequest"]["properties"]
     ids, messages = [v for v in chunk["input"]["anyOf"] if v.get("type") == "array"]
@@ -67,8 +74,11 @@ def test_the_schema_states_the_servers_bounds() -> None:
 def test_a_responses_seed_is_bounded_where_doubles_are_exact() -> None:
     from app.api.responses.protocol import ResponsesCreateRequest
 
-    seed = next(v for v in ResponsesCreateRequest.model_json_schema()["properties"]["seed"]["anyOf"]
-                if v.get("type") == "integer")
+    seed = next(
+        v
+        for v in ResponsesCreateRequest.model_json_schema()["properties"]["seed"]["anyOf"]
+        if v.get("type") == "integer"
+    )
     assert (seed["minimum"], seed["maximum"]) == (-SAFE_INTEGER_MAX, SAFE_INTEGER_MAX)
     assert ResponsesCreateRequest.model_validate({"input": "hi", "seed": SAFE_INTEGER_MAX}).seed == SAFE_INTEGER_MAX
     with pytest.raises(ValidationError):
@@ -77,17 +87,32 @@ def test_a_responses_seed_is_bounded_where_doubles_are_exact() -> None:
 
 def test_vllm_rules_beyond_its_models_are_in_the_schema() -> None:
     nullable_array = {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]}
-    schema = {"components": {"schemas": {
-        "ChatCompletionRequest": {"properties": {
-            "messages": {"type": "array", "items": {}}, "tools": copy.deepcopy(nullable_array),
-            "allowed_token_ids": copy.deepcopy(nullable_array),
-            "truncate_prompt_tokens": {"anyOf": [{"type": "integer", "minimum": -1}, {"type": "null"}]},
-        }},
-        "CompletionRequest": {"properties": {
-            "prompt": {"anyOf": [{"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
-                                 {"type": "string"}, {"type": "null"}], "default": None},
-        }},
-    }}}
+    schema = {
+        "components": {
+            "schemas": {
+                "ChatCompletionRequest": {
+                    "properties": {
+                        "messages": {"type": "array", "items": {}},
+                        "tools": copy.deepcopy(nullable_array),
+                        "allowed_token_ids": copy.deepcopy(nullable_array),
+                        "truncate_prompt_tokens": {"anyOf": [{"type": "integer", "minimum": -1}, {"type": "null"}]},
+                    }
+                },
+                "CompletionRequest": {
+                    "properties": {
+                        "prompt": {
+                            "anyOf": [
+                                {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                                {"type": "string"},
+                                {"type": "null"},
+                            ],
+                            "default": None,
+                        },
+                    }
+                },
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert chat["messages"]["minItems"] == 1
@@ -103,15 +128,23 @@ def test_vllm_rules_beyond_its_models_are_in_the_schema() -> None:
 def test_vllm_rules_found_by_fresh_seeds_are_in_the_schema() -> None:
     """Each rule was a schema-valid body refused (or, for /invocations, a body its schema
     did not describe) in ten fresh-seed runs over every route (docs/reliability.md)."""
+
     def schema() -> dict[str, Any]:
         integer_or_null = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
-        return {"paths": {"/invocations": {"post": {"responses": {}}}}, "components": {"schemas": {
-            "ChatCompletionRequest": {"properties": {"thinking_token_budget": copy.deepcopy(integer_or_null)}},
-            "CompletionRequest": {"properties": {"thinking_token_budget": copy.deepcopy(integer_or_null)}},
-            "TokenizeChatRequest": {"properties": {"messages": {"type": "array", "items": {}}}},
-            "AnthropicMessagesRequest": {"properties": {"model": {"type": "string"}, "max_tokens": {"type": "integer"}}},
-            "AnthropicCountTokensRequest": {"properties": {"model": {"type": "string"}}},
-        }}}
+        return {
+            "paths": {"/invocations": {"post": {"responses": {}}}},
+            "components": {
+                "schemas": {
+                    "ChatCompletionRequest": {"properties": {"thinking_token_budget": copy.deepcopy(integer_or_null)}},
+                    "CompletionRequest": {"properties": {"thinking_token_budget": copy.deepcopy(integer_or_null)}},
+                    "TokenizeChatRequest": {"properties": {"messages": {"type": "array", "items": {}}}},
+                    "AnthropicMessagesRequest": {
+                        "properties": {"model": {"type": "string"}, "max_tokens": {"type": "integer"}}
+                    },
+                    "AnthropicCountTokensRequest": {"properties": {"model": {"type": "string"}}},
+                }
+            },
+        }
 
     plain, reasoning = schema(), schema()
     declare_vllm_input_rules(plain)
@@ -127,9 +160,14 @@ def test_vllm_rules_found_by_fresh_seeds_are_in_the_schema() -> None:
         budget = reasoning["components"]["schemas"][name]["properties"]["thinking_token_budget"]["anyOf"][0]
         assert budget == {"type": "integer", "minimum": -1}
     body = plain["paths"]["/invocations"]["post"]["requestBody"]
-    assert set(plain["paths"]["/invocations"]["post"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert set(plain["paths"]["/invocations"]["post"]["responses"]["200"]["content"]) == {
+        "application/json",
+        "text/event-stream",
+    }
     assert body["required"] and body["content"]["application/json"]["schema"]["anyOf"] == [
-        {"$ref": "#/components/schemas/ChatCompletionRequest"}, {"$ref": "#/components/schemas/CompletionRequest"}]
+        {"$ref": "#/components/schemas/ChatCompletionRequest"},
+        {"$ref": "#/components/schemas/CompletionRequest"},
+    ]
 
 
 def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_checks_them() -> None:
@@ -137,30 +175,57 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
 
     string_or_null = {"anyOf": [{"type": "string"}, {"type": "null"}]}
     ids = {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]}
-    schema: dict[str, Any] = {"components": {"schemas": {
-        "CompletionRequest": {"properties": {
-            "prompt": {"anyOf": [{"type": "array", "items": {"type": "integer"}},
-                                 {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]},
-            "truncate_prompt_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
-            "cache_salt": copy.deepcopy(string_or_null), "stop_token_ids": copy.deepcopy(ids),
-            "repetition_penalty": {"anyOf": [{"type": "number"}, {"type": "null"}]},
-            "bad_words": {"type": "array", "items": {"type": "string"}},
-            "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
-            "allowed_token_ids": copy.deepcopy(ids),
-            "media_io_kwargs": {"anyOf": [{"type": "object"}, {"type": "null"}]}}},
-        "TokenizeChatRequest": {"properties": {"mm_processor_kwargs": {"type": "object"},
-                                               "chat_template": copy.deepcopy(string_or_null)}},
-        "StructuredOutputsParams": {"properties": {"choice": {"anyOf": [
-            {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}}},
-        "AnthropicContentBlock": {"properties": {"type": {"type": "string"}}},
-        "BatchChatCompletionRequest": {"properties": {"use_beam_search": {"type": "boolean"}}},
-        "DetokenizeRequest": {"properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
-        "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
-        "openai__types__responses__namespace_tool__ToolFunction": {"properties": {
-            "parameters": {"anyOf": [{}, {"type": "null"}]}}},
-        "openai__types__responses__namespace_tool_param__ToolFunction": {"properties": {
-            "parameters": {"anyOf": [{}, {"type": "null"}]}}},
-    }}}
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "CompletionRequest": {
+                    "properties": {
+                        "prompt": {
+                            "anyOf": [
+                                {"type": "array", "items": {"type": "integer"}},
+                                {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                            ]
+                        },
+                        "truncate_prompt_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                        "cache_salt": copy.deepcopy(string_or_null),
+                        "stop_token_ids": copy.deepcopy(ids),
+                        "repetition_penalty": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+                        "bad_words": {"type": "array", "items": {"type": "string"}},
+                        "stop": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {"type": "array", "items": {"type": "string"}},
+                                {"type": "null"},
+                            ]
+                        },
+                        "allowed_token_ids": copy.deepcopy(ids),
+                        "media_io_kwargs": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                    }
+                },
+                "TokenizeChatRequest": {
+                    "properties": {
+                        "mm_processor_kwargs": {"type": "object"},
+                        "chat_template": copy.deepcopy(string_or_null),
+                    }
+                },
+                "StructuredOutputsParams": {
+                    "properties": {
+                        "choice": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
+                    }
+                },
+                "AnthropicContentBlock": {"properties": {"type": {"type": "string"}}},
+                "BatchChatCompletionRequest": {"properties": {"use_beam_search": {"type": "boolean"}}},
+                "DetokenizeRequest": {"properties": {"tokens": {"type": "array", "items": {"type": "integer"}}}},
+                "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
+                "openai__types__responses__namespace_tool__ToolFunction": {
+                    "properties": {"parameters": {"anyOf": [{}, {"type": "null"}]}}
+                },
+                "openai__types__responses__namespace_tool_param__ToolFunction": {
+                    "properties": {"parameters": {"anyOf": [{}, {"type": "null"}]}}
+                },
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     declare_model_limits(schema, 732, 2048)
     components = schema["components"]["schemas"]
@@ -181,7 +246,11 @@ def test_salts_untrusted_kwargs_tool_choice_and_token_ids_are_bounded_as_vllm_ch
     assert completion["repetition_penalty"]["anyOf"][0] == {"type": "number", "minimum": 1e-6, "maximum": 1e6}
     assert completion["bad_words"]["items"]["minLength"] == 1
     # vLLM's SamplingParams refuses an empty stop string, alone or in a list.
-    assert [v.get("minLength", v.get("items", {}).get("minLength")) for v in completion["stop"]["anyOf"]] == [1, 1, None]
+    assert [v.get("minLength", v.get("items", {}).get("minLength")) for v in completion["stop"]["anyOf"]] == [
+        1,
+        1,
+        None,
+    ]
     # A namespace's function tool becomes vLLM's FunctionTool: its parameters are an object.
     tool = components["openai__types__responses__namespace_tool__ToolFunction"]["properties"]
     assert tool["parameters"]["anyOf"][0] == {"type": "object"}
@@ -223,18 +292,37 @@ def _tool_schema() -> dict[str, Any]:
     harmony = {"$ref": "#/components/schemas/openai_harmony__Message"}
     image = {"$ref": "#/components/schemas/ChatCompletionContentPartImageParam"}
     embeds = {"$ref": "#/components/schemas/ChatCompletionContentPartPromptEmbedsParam"}
-    return {"components": {"schemas": {
-        "ChatCompletionRequest": {"properties": {
-            "messages": {"type": "array", "items": {"anyOf": [{"$ref": "#/components/schemas/User"}, harmony]}},
-            "content": {"items": {"anyOf": [{"$ref": "#/T"}, image, embeds]}},
-            "tool_choice": {"anyOf": [{"type": "string", "const": "none"}, {"type": "string", "const": "auto"},
-                                      {"type": "string", "const": "required"}, {"$ref": "#/x"}, {"type": "null"}]},
-            "tools": {"anyOf": [{"type": "array", "minItems": 1}, {"type": "null"}]}}},
-        "CompletionRequest": {"properties": {"prompt_embeds": {"anyOf": [{"type": "string"}, {"type": "null"}]}}},
-        "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
-        "AnthropicMessagesRequest": {"properties": {}},
-        "AnthropicContentBlock": {"properties": {"type": {"enum": ["text", "image"]}}},
-    }}}
+    return {
+        "components": {
+            "schemas": {
+                "ChatCompletionRequest": {
+                    "properties": {
+                        "messages": {
+                            "type": "array",
+                            "items": {"anyOf": [{"$ref": "#/components/schemas/User"}, harmony]},
+                        },
+                        "content": {"items": {"anyOf": [{"$ref": "#/T"}, image, embeds]}},
+                        "tool_choice": {
+                            "anyOf": [
+                                {"type": "string", "const": "none"},
+                                {"type": "string", "const": "auto"},
+                                {"type": "string", "const": "required"},
+                                {"$ref": "#/x"},
+                                {"type": "null"},
+                            ]
+                        },
+                        "tools": {"anyOf": [{"type": "array", "minItems": 1}, {"type": "null"}]},
+                    }
+                },
+                "CompletionRequest": {
+                    "properties": {"prompt_embeds": {"anyOf": [{"type": "string"}, {"type": "null"}]}}
+                },
+                "AnthropicToolChoice": {"properties": {"type": {"enum": ["auto", "any", "tool", "none"]}}},
+                "AnthropicMessagesRequest": {"properties": {}},
+                "AnthropicContentBlock": {"properties": {"type": {"enum": ["text", "image"]}}},
+            }
+        }
+    }
 
 
 def test_what_the_server_was_started_with_is_in_the_schema() -> None:
@@ -267,13 +355,16 @@ def test_what_the_server_was_started_with_is_in_the_schema() -> None:
     # A server with a parser, on a harmony model, with embeddings on: the schema as vLLM's.
     full = _tool_schema()
     declare_server_features(full, tool_parsing=True, harmony=True, prompt_embeds=True, multimodal=True)
-    with_parser = jsonschema.Draft202012Validator({"allOf": full["components"]["schemas"]["ChatCompletionRequest"].pop(
-        "allOf")})
+    with_parser = jsonschema.Draft202012Validator(
+        {"allOf": full["components"]["schemas"]["ChatCompletionRequest"].pop("allOf")}
+    )
     assert full == _tool_schema()
     # With a parser the tool rule is the other way round: a tool_choice but none needs
     # tools (round 22, "When using `tool_choice`, `tools` must be set").
     assert not with_parser.is_valid({"tool_choice": "auto"}) and not with_parser.is_valid({"tool_choice": {"x": 1}})
-    assert with_parser.is_valid({"tool_choice": "auto", "tools": [{}]}) and with_parser.is_valid({"tool_choice": "none"})
+    assert with_parser.is_valid({"tool_choice": "auto", "tools": [{}]}) and with_parser.is_valid(
+        {"tool_choice": "none"}
+    )
     assert with_parser.is_valid({"tools": [{}]}) and with_parser.is_valid({})
 
 
@@ -286,17 +377,30 @@ def test_rules_between_fields_found_by_the_eleventh_round_are_in_the_schema() ->
     from app.vllm_routes.schema import declare_model_limits
 
     text_or_list = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
-    schema: dict[str, Any] = {"components": {"schemas": {
-        "ChatCompletionRequest": {"properties": {"response_format": {"anyOf": [{"$ref": "#/R"}, {"type": "null"}]}}},
-        "BatchChatCompletionRequest": {"properties": {"response_format": {"anyOf": [{}, {"type": "null"}]}}},
-        "CompletionRequest": {"properties": {}},
-        "ResponsesCreateRequest": {"properties": {"stop": copy.deepcopy(text_or_list)}},
-        "CustomChatCompletionContentSimpleAudioParam": {"properties": {"audio_url": {"type": "string"}}},
-        "CustomToolParam": {"properties": {"format": {"anyOf": [{"$ref": "#/T"}, {"$ref": "#/components/schemas/Grammar"}]}}},
-        "AnthropicMessagesRequest": {"properties": {"system": {"anyOf": [
-            {"type": "string"}, {"type": "array", "items": {"$ref": "#/B"}}]}}},
-        "GenerativeScoringRequest": {"properties": {"label_token_ids": {"type": "array", "items": {"type": "integer"}}}},
-    }}}
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "ChatCompletionRequest": {
+                    "properties": {"response_format": {"anyOf": [{"$ref": "#/R"}, {"type": "null"}]}}
+                },
+                "BatchChatCompletionRequest": {"properties": {"response_format": {"anyOf": [{}, {"type": "null"}]}}},
+                "CompletionRequest": {"properties": {}},
+                "ResponsesCreateRequest": {"properties": {"stop": copy.deepcopy(text_or_list)}},
+                "CustomChatCompletionContentSimpleAudioParam": {"properties": {"audio_url": {"type": "string"}}},
+                "CustomToolParam": {
+                    "properties": {"format": {"anyOf": [{"$ref": "#/T"}, {"$ref": "#/components/schemas/Grammar"}]}}
+                },
+                "AnthropicMessagesRequest": {
+                    "properties": {
+                        "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"$ref": "#/B"}}]}
+                    }
+                },
+                "GenerativeScoringRequest": {
+                    "properties": {"label_token_ids": {"type": "array", "items": {"type": "integer"}}}
+                },
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     declare_model_limits(schema, 732, 2048)
     components = schema["components"]["schemas"]
@@ -309,13 +413,17 @@ def test_rules_between_fields_found_by_the_eleventh_round_are_in_the_schema() ->
     assert valid("ChatCompletionRequest", {"stream_options": {}})  # vLLM reads {} as unset
     assert not valid("ChatCompletionRequest", {"logprob_token_ids": [1]})
     assert not valid("ChatCompletionRequest", {"top_logprobs": 2, "logprobs": False})
-    assert valid("ChatCompletionRequest", {"top_logprobs": 0}) and valid("ChatCompletionRequest", {"logprob_token_ids": []})
+    assert valid("ChatCompletionRequest", {"top_logprobs": 0}) and valid(
+        "ChatCompletionRequest", {"logprob_token_ids": []}
+    )
     assert not valid("BatchChatCompletionRequest", {"logprob_token_ids": [1], "logprobs": False})
     assert not valid("CompletionRequest", {"logprob_token_ids": [1]})
     assert valid("CompletionRequest", {"logprob_token_ids": [1], "logprobs": 0})
     assert not valid("CompletionRequest", {"suffix": "x", "truncate_prompt_tokens": 5})
     assert not valid("CompletionRequest", {"suffix": "x", "echo": True})
-    assert valid("CompletionRequest", {"suffix": "x", "echo": False}) and valid("CompletionRequest", {"suffix": None, "echo": True})
+    assert valid("CompletionRequest", {"suffix": "x", "echo": False}) and valid(
+        "CompletionRequest", {"suffix": None, "echo": True}
+    )
     # A batch's response format is a chat request's; a part without a type carries its key.
     assert components["BatchChatCompletionRequest"]["properties"]["response_format"]["anyOf"][0] == {"$ref": "#/R"}
     assert components["CustomChatCompletionContentSimpleAudioParam"]["required"] == ["audio_url"]
@@ -338,8 +446,19 @@ def test_logit_bias_names_token_ids_below_the_vocabulary() -> None:
         pattern = re.compile(decimal_below(vocab))
         assert [i for i in range(vocab * 2 + 20) if pattern.match(str(i))] == list(range(vocab))
         assert not pattern.match("x") and not pattern.match("-1") and not pattern.match("")
-    schema: dict[str, Any] = {"components": {"schemas": {"BatchChatCompletionRequest": {"properties": {
-        "logit_bias": {"anyOf": [{"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}]}}}}}}
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "BatchChatCompletionRequest": {
+                    "properties": {
+                        "logit_bias": {
+                            "anyOf": [{"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}]
+                        }
+                    }
+                }
+            }
+        }
+    }
     declare_model_limits(schema, 732, 2048)
     bias = schema["components"]["schemas"]["BatchChatCompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]
     assert bias["propertyNames"] == {"pattern": decimal_below(732)}
@@ -354,18 +473,31 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
 
     from app.vllm_routes.schema import declare_filled_in_fields
 
-    file_part, custom_call = ({"$ref": "#/components/schemas/File"},
-                              {"$ref": "#/components/schemas/ChatCompletionMessageCustomToolCallParam"})
-    schema: dict[str, Any] = {"components": {"schemas": {
-        "CompletionRequest": {"properties": {"logprobs": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
-        "ChatCompletionRequest": {"properties": {"top_logprobs": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
-        "ChatCompletionUserMessageParam": {"properties": {"content": {"items": {"anyOf": [{"$ref": "#/T"}, file_part]}}}},
-        "ChatCompletionAssistantMessageParam": {"properties": {"tool_calls": {"items": {"anyOf": [
-            {"$ref": "#/F"}, custom_call]}}}},
-        "ResponsesCreateRequest": {"properties": {}},
-        "CustomThinkCompletionContentParam": {"required": ["thinking", "type"],
-                                              "properties": {"closed": {"type": "boolean"}}},
-    }}}
+    file_part, custom_call = (
+        {"$ref": "#/components/schemas/File"},
+        {"$ref": "#/components/schemas/ChatCompletionMessageCustomToolCallParam"},
+    )
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "CompletionRequest": {"properties": {"logprobs": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+                "ChatCompletionRequest": {
+                    "properties": {"top_logprobs": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}
+                },
+                "ChatCompletionUserMessageParam": {
+                    "properties": {"content": {"items": {"anyOf": [{"$ref": "#/T"}, file_part]}}}
+                },
+                "ChatCompletionAssistantMessageParam": {
+                    "properties": {"tool_calls": {"items": {"anyOf": [{"$ref": "#/F"}, custom_call]}}}
+                },
+                "ResponsesCreateRequest": {"properties": {}},
+                "CustomThinkCompletionContentParam": {
+                    "required": ["thinking", "type"],
+                    "properties": {"closed": {"type": "boolean"}},
+                },
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     declare_filled_in_fields(schema)
     components = schema["components"]["schemas"]
@@ -376,19 +508,27 @@ def test_the_twelfth_rounds_findings_are_in_the_schema() -> None:
 
     declare_model_limits(schema, 732, 2048, max_logprobs=20)
     assert components["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0] == {
-        "type": "integer", "minimum": 0, "maximum": 20}
+        "type": "integer",
+        "minimum": 0,
+        "maximum": 20,
+    }
     assert components["ChatCompletionUserMessageParam"]["properties"]["content"]["items"]["anyOf"] == [{"$ref": "#/T"}]
     assert components["ChatCompletionAssistantMessageParam"]["properties"]["tool_calls"]["items"]["anyOf"] == [
-        {"$ref": "#/F"}]
+        {"$ref": "#/F"}
+    ]
     # A thinking part is as its model says: the strict pass now refuses one that is not
     # (app.vllm_routes.routes.typed_part_errors), where vLLM's union of parts took any object.
     assert components["CustomThinkCompletionContentParam"]["required"] == ["thinking", "type"]
     assert components["CustomThinkCompletionContentParam"]["properties"]["closed"] == {"type": "boolean"}
     chat = jsonschema.Draft202012Validator({"allOf": components["ChatCompletionRequest"]["allOf"]})
-    assert not chat.is_valid({"stream": True, "prompt_logprobs": 2}) and chat.is_valid({"stream": True, "prompt_logprobs": 0})
+    assert not chat.is_valid({"stream": True, "prompt_logprobs": 2}) and chat.is_valid(
+        {"stream": True, "prompt_logprobs": 0}
+    )
     responses = jsonschema.Draft202012Validator({"allOf": components["ResponsesCreateRequest"]["allOf"]})
     assert not responses.is_valid({"tool_choice": "required", "tools": []})
-    assert responses.is_valid({"tool_choice": "required", "tools": [{}]}) and responses.is_valid({"tool_choice": "auto"})
+    assert responses.is_valid({"tool_choice": "required", "tools": [{}]}) and responses.is_valid(
+        {"tool_choice": "auto"}
+    )
 
 
 def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
@@ -400,26 +540,50 @@ def test_the_thirteenth_rounds_findings_are_in_the_schema() -> None:
     from app.vllm_routes.schema import declare_model_limits
 
     integer = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
-    schema: dict[str, Any] = {"components": {"schemas": {
-        "ChatCompletionRequest": {"properties": {"max_completion_tokens": copy.deepcopy(integer),
-                                                 "min_p": {"anyOf": [{"type": "number"}, {"type": "null"}]}}},
-        "BatchChatCompletionRequest": {"properties": {"n": copy.deepcopy(integer)}},
-        "CompletionRequest": {"properties": {"max_tokens": copy.deepcopy(integer), "prompt": {"anyOf": [
-            {"type": "array", "items": {"type": "string"}}, {"type": "string"}]}}},
-        "TokenizeChatRequest": {"properties": {}},
-    }}}
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "ChatCompletionRequest": {
+                    "properties": {
+                        "max_completion_tokens": copy.deepcopy(integer),
+                        "min_p": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+                    }
+                },
+                "BatchChatCompletionRequest": {"properties": {"n": copy.deepcopy(integer)}},
+                "CompletionRequest": {
+                    "properties": {
+                        "max_tokens": copy.deepcopy(integer),
+                        "prompt": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]},
+                    }
+                },
+                "TokenizeChatRequest": {"properties": {}},
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     declare_model_limits(schema, 732, 2048)
     components = schema["components"]["schemas"]
     assert components["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0] == {
-        "type": "integer", "minimum": 1, "maximum": 2048}
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 2048,
+    }
     assert components["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0] == {
-        "type": "integer", "minimum": 0, "maximum": 2048}  # round 24: "cannot be greater than max_model_len"
+        "type": "integer",
+        "minimum": 0,
+        "maximum": 2048,
+    }  # round 24: "cannot be greater than max_model_len"
     assert components["BatchChatCompletionRequest"]["properties"]["n"]["anyOf"][0] == {
-        "type": "integer", "minimum": 1, "maximum": 1}
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 1,
+    }
     # Round 16: min_p in [0, 1]; a prompt of strings holds no empty one (no tokens).
     assert components["ChatCompletionRequest"]["properties"]["min_p"]["anyOf"][0] == {
-        "type": "number", "minimum": 0, "maximum": 1}
+        "type": "number",
+        "minimum": 0,
+        "maximum": 1,
+    }
     strings = components["CompletionRequest"]["properties"]["prompt"]["anyOf"][0]
     assert strings["items"] == {"type": "string", "minLength": 1}
     completion = jsonschema.Draft202012Validator({"allOf": components["CompletionRequest"]["allOf"]})
@@ -437,33 +601,95 @@ def _responses_schema(tool_parsing: bool) -> dict[str, Any]:
     anything = {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]}
     schema: dict[str, Any] = {
         "paths": {"/v1/responses": {"post": {"requestBody": {"content": {"application/json": {"schema": {}}}}}}},
-        "components": {"schemas": {
-            "ResponsesCreateRequest": {"type": "object", "properties": {
-                "stop": string_or_list, "input": anything, "tools": copy.deepcopy(anything),
-                "store": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
-                "background": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}},
-            # vLLM's input item types, as its schema has them (a multimodal model's parts).
-            "EasyInputMessageParam": {"type": "object", "required": ["role", "content"], "properties": {
-                "role": {"type": "string"}, "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
-                    "anyOf": [{"$ref": "#/components/schemas/ResponseInputTextParam"}, {"$ref": "#/I"}]}}]}}},
-            "ResponseInputTextParam": {"type": "object", "required": ["type", "text"], "properties": {
-                "type": {"const": "input_text"}, "text": {"type": "string"}}},
-            "ResponseFunctionToolCallParam": {"type": "object", "required": ["type"], "properties": {
-                "type": {"const": "function_call"}, "status": {"enum": ["completed"]}}},
-            # ... and the SDK's output model, as a response returned the call (status null).
-            "ResponseFunctionToolCall": {"type": "object", "required": ["type"], "properties": {
-                "type": {"const": "function_call"}, "status": {"anyOf": [{"enum": ["completed"]}, {"type": "null"}]}}},
-            "FunctionCallOutput": {"type": "object", "required": ["type", "output"], "properties": {
-                "type": {"const": "function_call_output"}, "call_id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-                "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
-                    {"$ref": "#/components/schemas/ResponseInputTextParam"}, {"$ref": "#/I"}]}}]}}},
-            "I": {"type": "object", "properties": {"type": {"const": "input_image"}}, "required": ["type"]},
-            "FunctionTool": {"type": "object", "properties": {"type": {"const": "function"}}, "required": ["type"]},
-            **{name: {"type": "object", "properties": {
-                "type": {"const": "reasoning"},
-                "encrypted_content": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
-               for name in ("ResponseReasoningItemParam", "ResponseReasoningItem")},
-        }},
+        "components": {
+            "schemas": {
+                "ResponsesCreateRequest": {
+                    "type": "object",
+                    "properties": {
+                        "stop": string_or_list,
+                        "input": anything,
+                        "tools": copy.deepcopy(anything),
+                        "store": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                        "background": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                    },
+                },
+                # vLLM's input item types, as its schema has them (a multimodal model's parts).
+                "EasyInputMessageParam": {
+                    "type": "object",
+                    "required": ["role", "content"],
+                    "properties": {
+                        "role": {"type": "string"},
+                        "content": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {
+                                    "type": "array",
+                                    "items": {
+                                        "anyOf": [
+                                            {"$ref": "#/components/schemas/ResponseInputTextParam"},
+                                            {"$ref": "#/I"},
+                                        ]
+                                    },
+                                },
+                            ]
+                        },
+                    },
+                },
+                "ResponseInputTextParam": {
+                    "type": "object",
+                    "required": ["type", "text"],
+                    "properties": {"type": {"const": "input_text"}, "text": {"type": "string"}},
+                },
+                "ResponseFunctionToolCallParam": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {"type": {"const": "function_call"}, "status": {"enum": ["completed"]}},
+                },
+                # ... and the SDK's output model, as a response returned the call (status null).
+                "ResponseFunctionToolCall": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {
+                        "type": {"const": "function_call"},
+                        "status": {"anyOf": [{"enum": ["completed"]}, {"type": "null"}]},
+                    },
+                },
+                "FunctionCallOutput": {
+                    "type": "object",
+                    "required": ["type", "output"],
+                    "properties": {
+                        "type": {"const": "function_call_output"},
+                        "call_id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                        "output": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {
+                                    "type": "array",
+                                    "items": {
+                                        "anyOf": [
+                                            {"$ref": "#/components/schemas/ResponseInputTextParam"},
+                                            {"$ref": "#/I"},
+                                        ]
+                                    },
+                                },
+                            ]
+                        },
+                    },
+                },
+                "I": {"type": "object", "properties": {"type": {"const": "input_image"}}, "required": ["type"]},
+                "FunctionTool": {"type": "object", "properties": {"type": {"const": "function"}}, "required": ["type"]},
+                **{
+                    name: {
+                        "type": "object",
+                        "properties": {
+                            "type": {"const": "reasoning"},
+                            "encrypted_content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                        },
+                    }
+                    for name in ("ResponseReasoningItemParam", "ResponseReasoningItem")
+                },
+            }
+        },
     }
     declare_stored_response_rules(schema, tool_parsing=tool_parsing)
     return schema
@@ -545,25 +771,38 @@ def test_the_seventeenth_rounds_findings_are_in_the_schema() -> None:
 
     number = {"anyOf": [{"type": "number"}, {"type": "null"}]}
     output = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}
-    schema: dict[str, Any] = {"components": {"schemas": {
-        "ChatCompletionRequest": {"properties": {"frequency_penalty": copy.deepcopy(number)}},
-        "RepetitionDetectionParams": {"properties": {"max_pattern_size": {"type": "integer"},
-                                                     "min_pattern_size": {"type": "integer"},
-                                                     "min_count": {"type": "integer"}}},
-        "ResponsesCreateRequest": {"properties": {"max_output_tokens": copy.deepcopy(output)}},
-        "StatelessResponsesCreateRequest": {"properties": {"max_output_tokens": copy.deepcopy(output)}},
-    }}}
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "ChatCompletionRequest": {"properties": {"frequency_penalty": copy.deepcopy(number)}},
+                "RepetitionDetectionParams": {
+                    "properties": {
+                        "max_pattern_size": {"type": "integer"},
+                        "min_pattern_size": {"type": "integer"},
+                        "min_count": {"type": "integer"},
+                    }
+                },
+                "ResponsesCreateRequest": {"properties": {"max_output_tokens": copy.deepcopy(output)}},
+                "StatelessResponsesCreateRequest": {"properties": {"max_output_tokens": copy.deepcopy(output)}},
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     declare_model_limits(schema, 732, 2048)
     declare_bounds(schema, vocab_size=732, max_output_tokens=16, max_chunk_tokens=256)
     components = schema["components"]["schemas"]
     assert components["ChatCompletionRequest"]["properties"]["frequency_penalty"]["anyOf"][0] == {
-        "type": "number", "minimum": -2, "maximum": 2}
+        "type": "number",
+        "minimum": -2,
+        "maximum": 2,
+    }
     detection = jsonschema.Draft202012Validator(components["RepetitionDetectionParams"])
     assert not detection.is_valid({"max_pattern_size": -1}) and not detection.is_valid({"max_pattern_size": 3})
     assert detection.is_valid({"max_pattern_size": 3, "min_count": 2}) and detection.is_valid({})
     assert components["ResponsesCreateRequest"]["properties"]["max_output_tokens"]["anyOf"][0]["maximum"] == 16
-    assert components["StatelessResponsesCreateRequest"]["properties"]["max_output_tokens"]["anyOf"][0]["maximum"] == 2048
+    assert (
+        components["StatelessResponsesCreateRequest"]["properties"]["max_output_tokens"]["anyOf"][0]["maximum"] == 2048
+    )
 
 
 def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
@@ -578,13 +817,31 @@ def test_the_eighteenth_rounds_findings_are_in_the_schema() -> None:
 
     file_part = {"$ref": "#/components/schemas/ResponseInputFileParam"}
     output_file = {"$ref": "#/components/schemas/ResponseInputFileContentParam"}
-    schema: dict[str, Any] = {"components": {"schemas": {
-        "ChatCompletionRequest": {"properties": {"min_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
-        "BatchChatCompletionRequest": {"properties": {"max_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
-        "EasyInputMessageParam": {"properties": {"content": {"items": {"anyOf": [{"$ref": "#/T"}, file_part]}}}},
-        "ResponseCustomToolCallOutputParam": {"properties": {"output": {"anyOf": [
-            {"type": "string"}, {"type": "array", "items": {"anyOf": [{"$ref": "#/T"}, output_file]}}]}}},
-    }}}
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "ChatCompletionRequest": {
+                    "properties": {"min_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}
+                },
+                "BatchChatCompletionRequest": {
+                    "properties": {"max_tokens": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}
+                },
+                "EasyInputMessageParam": {
+                    "properties": {"content": {"items": {"anyOf": [{"$ref": "#/T"}, file_part]}}}
+                },
+                "ResponseCustomToolCallOutputParam": {
+                    "properties": {
+                        "output": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {"type": "array", "items": {"anyOf": [{"$ref": "#/T"}, output_file]}},
+                            ]
+                        }
+                    }
+                },
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     declare_model_limits(schema, 732, 2048)
     components = schema["components"]["schemas"]
@@ -621,19 +878,35 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
     from app.vllm_routes.schema import declare_server_features
 
     number = {"anyOf": [{"type": "number"}, {"type": "null"}]}
-    parts = {"anyOf": [{"$ref": "#/components/schemas/ResponseInputText"},
-                       {"$ref": "#/components/schemas/ResponseInputImage"},
-                       {"$ref": "#/components/schemas/ResponseInputFile"}]}
-    schema: dict[str, Any] = {"components": {"schemas": {
-        **{name: {"properties": {"temperature": copy.deepcopy(number),
-                                 "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
-                                 "top_k": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
-                                 "stop_sequences": {"anyOf": [{"type": "array", "items": {"type": "string"}},
-                                                              {"type": "null"}]},
-                                 "suffix": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
-           for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest")},
-        "ResponseFunctionToolCallOutputItem": {"properties": {"output": {"type": "array", "items": parts}}},
-        "ChatCompletionNamedFunction": {"properties": {"name": {"type": "string"}}}}}}
+    parts = {
+        "anyOf": [
+            {"$ref": "#/components/schemas/ResponseInputText"},
+            {"$ref": "#/components/schemas/ResponseInputImage"},
+            {"$ref": "#/components/schemas/ResponseInputFile"},
+        ]
+    }
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                **{
+                    name: {
+                        "properties": {
+                            "temperature": copy.deepcopy(number),
+                            "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                            "top_k": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                            "stop_sequences": {
+                                "anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]
+                            },
+                            "suffix": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                        }
+                    }
+                    for name in ("AnthropicMessagesRequest", "ChatCompletionRequest", "CompletionRequest")
+                },
+                "ResponseFunctionToolCallOutputItem": {"properties": {"output": {"type": "array", "items": parts}}},
+                "ChatCompletionNamedFunction": {"properties": {"name": {"type": "string"}}},
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     declare_server_features(schema, tool_parsing=True, harmony=False, prompt_embeds=False, multimodal=False)
     components = schema["components"]["schemas"]
@@ -642,7 +915,8 @@ def test_the_twentieth_rounds_findings_are_in_the_schema() -> None:
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         assert components[name]["properties"]["n"]["anyOf"][0]["maximum"] == vllm.envs.VLLM_MAX_N_SEQUENCES
     assert components["ResponseFunctionToolCallOutputItem"]["properties"]["output"]["items"]["anyOf"] == [
-        {"$ref": "#/components/schemas/ResponseInputText"}]
+        {"$ref": "#/components/schemas/ResponseInputText"}
+    ]
     # Round 23: a named tool choice names a function ("Invalid `name`" for "").
     assert components["ChatCompletionNamedFunction"]["properties"]["name"]["minLength"] == 1
     # Round 28: no suffix where the model renders no fill-in-the-middle (the tiny model's).
@@ -676,11 +950,13 @@ def test_a_structured_outputs_json_object_is_true_or_absent() -> None:
 
     assert "json_object is False" in inspect.getsource(SamplingParams)
     flag = {"anyOf": [{"type": "boolean"}, {"type": "null"}]}
-    schema: dict[str, Any] = {"components": {"schemas": {
-        "StructuredOutputsParams": {"properties": {"json_object": copy.deepcopy(flag)}}}}}
+    schema: dict[str, Any] = {
+        "components": {"schemas": {"StructuredOutputsParams": {"properties": {"json_object": copy.deepcopy(flag)}}}}
+    }
     declare_vllm_input_rules(schema)
     json_object = jsonschema.Draft202012Validator(
-        schema["components"]["schemas"]["StructuredOutputsParams"]["properties"]["json_object"])
+        schema["components"]["schemas"]["StructuredOutputsParams"]["properties"]["json_object"]
+    )
     assert json_object.is_valid(True) and json_object.is_valid(None)
     assert not json_object.is_valid(False)
 
@@ -701,10 +977,30 @@ def test_numbers_vllm_sends_its_engine_core_in_extra_args_fit_messagepack() -> N
 
     free = {"anyOf": [{"type": "object", "additionalProperties": True}, {"type": "null"}]}
     scalar = [{"type": "string"}, {"type": "integer"}, {"type": "number"}]
-    xargs = {"anyOf": [{"type": "object", "additionalProperties": {"anyOf": [
-        *copy.deepcopy(scalar), {"type": "array", "items": {"anyOf": copy.deepcopy(scalar)}}]}}, {"type": "null"}]}
-    schema: dict[str, Any] = {"components": {"schemas": {"ChatCompletionRequest": {"properties": {
-        "kv_transfer_params": copy.deepcopy(free), "ec_transfer_params": free, "vllm_xargs": xargs}}}}}
+    xargs = {
+        "anyOf": [
+            {
+                "type": "object",
+                "additionalProperties": {
+                    "anyOf": [*copy.deepcopy(scalar), {"type": "array", "items": {"anyOf": copy.deepcopy(scalar)}}]
+                },
+            },
+            {"type": "null"},
+        ]
+    }
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "ChatCompletionRequest": {
+                    "properties": {
+                        "kv_transfer_params": copy.deepcopy(free),
+                        "ec_transfer_params": free,
+                        "vllm_xargs": xargs,
+                    }
+                }
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     valid = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/ChatCompletionRequest", **schema}).is_valid
     for value in (2**64 - 1, -(2**63), 2**64, -(2**63) - 1, 2**70, [1, {"a": 2**64}], {"b": "x", "c": [True, None]}):
@@ -744,8 +1040,19 @@ def test_free_form_transfer_params_nest_as_deep_as_the_schema_says() -> None:
 
     from app.vllm_routes.sampling import FREE_FORM_DEPTH, check_sampling
 
-    schema: dict[str, Any] = {"components": {"schemas": {"TransferRequest": {"properties": {
-        "kv_transfer_params": {"anyOf": [{"type": "object", "additionalProperties": True}, {"type": "null"}]}}}}}}
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "TransferRequest": {
+                    "properties": {
+                        "kv_transfer_params": {
+                            "anyOf": [{"type": "object", "additionalProperties": True}, {"type": "null"}]
+                        }
+                    }
+                }
+            }
+        }
+    }
     declare_vllm_input_rules(schema)
     assert "$ref" not in json.dumps(schema["components"]["schemas"]["TransferRequest"])
     valid = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/TransferRequest", **schema}).is_valid
@@ -776,21 +1083,42 @@ def test_anthropics_thinking_budget_only_with_a_reasoning_parser() -> None:
     assert "thinking_token_budget is set but reasoning_config is " in inspect.getsource(input_processor)
     kinds = {"enabled": "AnthropicThinkingConfigEnabled", "disabled": "AnthropicThinkingConfigDisabled"}
     for reasoning in (False, True):
-        schema: dict[str, Any] = {"components": {"schemas": {
-            "AnthropicMessagesRequest": {"properties": {"thinking": {"anyOf": [{
-                "oneOf": [{"$ref": f"#/components/schemas/{name}"} for name in kinds.values()],
-                "discriminator": {"propertyName": "type",
-                                  "mapping": {kind: f"#/components/schemas/{name}" for kind, name in kinds.items()}}},
-                {"type": "null"}]}}},
-            **{name: {"type": "object", "properties": {"type": {"const": kind}}, "required": ["type"]}
-               for kind, name in kinds.items()}}}}
+        schema: dict[str, Any] = {
+            "components": {
+                "schemas": {
+                    "AnthropicMessagesRequest": {
+                        "properties": {
+                            "thinking": {
+                                "anyOf": [
+                                    {
+                                        "oneOf": [{"$ref": f"#/components/schemas/{name}"} for name in kinds.values()],
+                                        "discriminator": {
+                                            "propertyName": "type",
+                                            "mapping": {
+                                                kind: f"#/components/schemas/{name}" for kind, name in kinds.items()
+                                            },
+                                        },
+                                    },
+                                    {"type": "null"},
+                                ]
+                            }
+                        }
+                    },
+                    **{
+                        name: {"type": "object", "properties": {"type": {"const": kind}}, "required": ["type"]}
+                        for kind, name in kinds.items()
+                    },
+                }
+            }
+        }
         declare_vllm_input_rules(schema, reasoning=reasoning)
         thinking = schema["components"]["schemas"]["AnthropicMessagesRequest"]["properties"]["thinking"]
         valid = jsonschema.Draft202012Validator({**thinking, **schema}).is_valid
         assert valid({"type": "enabled", "budget_tokens": 2048}) is reasoning
         assert valid({"type": "disabled"}) and valid(None)
         mapping = schema["components"]["schemas"]["AnthropicMessagesRequest"]["properties"]["thinking"]["anyOf"][0][
-            "discriminator"]["mapping"]
+            "discriminator"
+        ]["mapping"]
         assert ("enabled" in mapping) is reasoning  # no mapping to a variant the union lost
 
 
@@ -803,14 +1131,36 @@ def test_the_stateless_body_offers_the_input_items_vllm_converts() -> None:
 
     def schema() -> dict[str, Any]:
         kinds = {"Mcp": "mcp_approval_response", "Call": "function_call", "Reasoning": "reasoning"}
-        return {"paths": {"/v1/responses": {"post": {"requestBody": {"content": {"application/json": {"schema": {}}}}}}},
-                "components": {"schemas": {
-                    "ResponsesCreateRequest": {"type": "object", "properties": {"stop": {"type": "null"}, "input": {
-                        "anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [
-                            {"$ref": f"#/components/schemas/{name}"} for name in (*kinds, "Reference", "Tools")]}}]}}},
+        return {
+            "paths": {"/v1/responses": {"post": {"requestBody": {"content": {"application/json": {"schema": {}}}}}}},
+            "components": {
+                "schemas": {
+                    "ResponsesCreateRequest": {
+                        "type": "object",
+                        "properties": {
+                            "stop": {"type": "null"},
+                            "input": {
+                                "anyOf": [
+                                    {"type": "string"},
+                                    {
+                                        "type": "array",
+                                        "items": {
+                                            "anyOf": [
+                                                {"$ref": f"#/components/schemas/{name}"}
+                                                for name in (*kinds, "Reference", "Tools")
+                                            ]
+                                        },
+                                    },
+                                ]
+                            },
+                        },
+                    },
                     **{name: {"properties": {"type": {"const": kind}}} for name, kind in kinds.items()},
                     "Reference": {"properties": {"type": {"anyOf": [{"const": "item_reference"}, {"type": "null"}]}}},
-                    "Tools": {"properties": {"type": {"const": "additional_tools"}}, "required": ["role"]}}}}
+                    "Tools": {"properties": {"type": {"const": "additional_tools"}}, "required": ["role"]},
+                }
+            },
+        }
 
     def offered(harmony: bool) -> list[str]:
         raw = schema()
@@ -843,7 +1193,8 @@ def rule_disagreements(request_model: Any, component: str, bodies: Any) -> list[
             request = request_model.model_validate(body)
             check_sampling(dict(body), 4096)
             (request.to_beam_search_params if body["use_beam_search"] else request.to_sampling_params)(
-                body["max_tokens"], {})
+                body["max_tokens"], {}
+            )
             accepted = True
         except (ValidationError, VLLMValidationError, APIError, ValueError):
             accepted = False
@@ -864,10 +1215,20 @@ def test_a_completions_rules_between_logprobs_echo_and_beam_search_are_vllms() -
 
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    bodies = ({"model": "m", "prompt": "hi", "use_beam_search": beam, "echo": echo, "logprobs": logprobs,
-               "logprob_token_ids": ids, "max_tokens": max_tokens}
-              for beam, echo, logprobs, ids, max_tokens in itertools.product(
-                  (False, True), (False, True), (None, 1), (None, [], [5]), (0, 4)))
+    bodies = (
+        {
+            "model": "m",
+            "prompt": "hi",
+            "use_beam_search": beam,
+            "echo": echo,
+            "logprobs": logprobs,
+            "logprob_token_ids": ids,
+            "max_tokens": max_tokens,
+        }
+        for beam, echo, logprobs, ids, max_tokens in itertools.product(
+            (False, True), (False, True), (None, 1), (None, [], [5]), (0, 4)
+        )
+    )
     disagreements = rule_disagreements(CompletionRequest, "CompletionRequest", bodies)
     assert not disagreements, disagreements
 
@@ -887,8 +1248,13 @@ def test_a_completions_beam_width_is_bounded_by_half_the_engines_logprobs() -> N
     from app.vllm_routes.schema_rules import CROSS_FIELD_RULES
 
     assert "logprobs_num = 2 * beam_width" in inspect.getsource(online)
-    schema: dict[str, Any] = {"components": {"schemas": {
-        "CompletionRequest": {"properties": {}, "allOf": copy.deepcopy(CROSS_FIELD_RULES["CompletionRequest"])}}}}
+    schema: dict[str, Any] = {
+        "components": {
+            "schemas": {
+                "CompletionRequest": {"properties": {}, "allOf": copy.deepcopy(CROSS_FIELD_RULES["CompletionRequest"])}
+            }
+        }
+    }
     declare_model_limits(schema, vocab_size=1000, max_model_len=2048, max_logprobs=20)
     valid = jsonschema.Draft202012Validator(schema["components"]["schemas"]["CompletionRequest"]).is_valid
     assert valid({"use_beam_search": True, "n": 10}) and not valid({"use_beam_search": True, "n": 11})
@@ -907,13 +1273,34 @@ def test_a_chats_rules_between_fields_are_vllms_but_beam_searchs() -> None:
 
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    bodies = ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream,
-               "stream_options": options, "prompt_logprobs": prompt_logprobs, "logprobs": logprobs,
-               "top_logprobs": top, "logprob_token_ids": ids, "use_beam_search": beam,
-               "continue_final_message": cont, "add_generation_prompt": prompt}
-              for stream, options, prompt_logprobs, logprobs, top, ids, beam, cont, prompt in itertools.product(
-                  (False, True), (None, {"include_usage": True}), (None, 1), (False, True), (None, 0, 2), (None, [5]),
-                  (False, True), (False, True), (True, False)))
+    bodies = (
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": stream,
+            "stream_options": options,
+            "prompt_logprobs": prompt_logprobs,
+            "logprobs": logprobs,
+            "top_logprobs": top,
+            "logprob_token_ids": ids,
+            "use_beam_search": beam,
+            "continue_final_message": cont,
+            "add_generation_prompt": prompt,
+        }
+        for stream, options, prompt_logprobs, logprobs, top, ids, beam, cont, prompt in itertools.product(
+            (False, True),
+            (None, {"include_usage": True}),
+            (None, 1),
+            (False, True),
+            (None, 0, 2),
+            (None, [5]),
+            (False, True),
+            (False, True),
+            (True, False),
+        )
+    )
     disagreements = [body for body, _ in rule_disagreements(ChatCompletionRequest, "ChatCompletionRequest", bodies)]
-    assert disagreements and all(
-        body["use_beam_search"] and body["logprob_token_ids"] for body in disagreements), disagreements
+    assert disagreements and all(body["use_beam_search"] and body["logprob_token_ids"] for body in disagreements), (
+        disagreements
+    )

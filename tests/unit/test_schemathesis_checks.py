@@ -33,8 +33,9 @@ def test_token_limits_missing_objects_and_prompt_bounds_are_accepted() -> None:
     assert refusal_no_schema_can_prevent(error("No tool call found", "input", "tool_call_not_found"), {})
     unmatched = "The tool specified in `tool_choice` does not match any of the specified `tools`"
     assert refusal_no_schema_can_prevent(error(unmatched, "tool_choice", "invalid_request"), {})
-    assert refusal_no_schema_can_prevent(error("bad_words entries must tokenize to at least one token.", "bad_words",
-                                               "400"), {})
+    assert refusal_no_schema_can_prevent(
+        error("bad_words entries must tokenize to at least one token.", "bad_words", "400"), {}
+    )
     assert refusal_no_schema_can_prevent(error("No item with id '0' in this list.", "after", "invalid_value"), None)
     assert refusal_no_schema_can_prevent(error("must be within the prompt", "routed_experts_prompt_start", "400"), {})
     # Anthropic's error shape: no param, no code.
@@ -46,7 +47,8 @@ def test_token_limits_missing_objects_and_prompt_bounds_are_accepted() -> None:
 
 def test_rules_inside_strings_or_between_fields_are_accepted() -> None:
     assert refusal_no_schema_can_prevent(
-        error("Invalid structured_outputs structural_tag specification.", "structured_outputs"), {})
+        error("Invalid structured_outputs structural_tag specification.", "structured_outputs"), {}
+    )
     assert refusal_no_schema_can_prevent(error("Value error, thinking.budget_tokens must be less than max_tokens"), {})
     # Fuzzing (2026-12-04, EPYC), seven of nine no-parser seeds: a batch's structured output with its json
     # as a string that is no JSON Schema (the schema takes a string there: vLLM does).
@@ -59,7 +61,8 @@ def test_every_other_refusal_still_fails_the_check() -> None:
     assert not refusal_no_schema_can_prevent(error("Model is required", "model"), {"model": ""})
     # A rule the schema now states is no exception (it was, until the eleventh round).
     assert not refusal_no_schema_can_prevent(
-        error("when using `logprob_token_ids`, `logprobs` must be set to true.", "logprob_token_ids"), {})
+        error("when using `logprob_token_ids`, `logprobs` must be set to true.", "logprob_token_ids"), {}
+    )
 
 
 def test_a_negative_case_whose_body_fits_the_schema_is_judged_as_sent() -> None:
@@ -69,10 +72,18 @@ def test_a_negative_case_whose_body_fits_the_schema_is_judged_as_sent() -> None:
 
     from tests.http.schemathesis_checks import body_fits_schema
 
-    raw = {"components": {"schemas": {"Part": {"type": "object", "properties": {"type": {"enum": ["text"]}},
-                                               "required": ["type"]}}}}
-    definition = {"requestBody": {"content": {"application/json": {"schema": {
-        "type": "array", "items": {"$ref": "#/components/schemas/Part"}}}}}}
+    raw = {
+        "components": {
+            "schemas": {"Part": {"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"]}}
+        }
+    }
+    definition = {
+        "requestBody": {
+            "content": {
+                "application/json": {"schema": {"type": "array", "items": {"$ref": "#/components/schemas/Part"}}}
+            }
+        }
+    }
     operation = SimpleNamespace(definition=SimpleNamespace(raw=definition), schema=SimpleNamespace(raw_schema=raw))
     assert body_fits_schema(SimpleNamespace(operation=operation, body=[{"type": "text"}]))
     assert not body_fits_schema(SimpleNamespace(operation=operation, body=[{"type": "image"}]))
@@ -91,8 +102,10 @@ def test_the_fuzz_summary_groups_findings_over_runs(tmp_path: Path) -> None:
     spec.loader.exec_module(summary)
 
     def case(check: str, status: int, body: str) -> str:
-        return (f"1. Test Case ID: x\n\n- {check}\n\n    Valid data should have been accepted\n\n"
-                f"[{status}] Bad Request:\n\n    `{body}`\n\nReproduce with:\n\n    curl ...")
+        return (
+            f"1. Test Case ID: x\n\n- {check}\n\n    Valid data should have been accepted\n\n"
+            f"[{status}] Bad Request:\n\n    `{body}`\n\nReproduce with:\n\n    curl ..."
+        )
 
     for seed, value in (("11", "4.6e+16"), ("22", "-7.5")):
         run = tmp_path / f"seed-{seed}"
@@ -101,12 +114,14 @@ def test_the_fuzz_summary_groups_findings_over_runs(tmp_path: Path) -> None:
         accepted = case("ST201 Schema-violating request accepted", 200, f'{{"id": "resp_{seed}"}}')
         (run / "junit-1.xml").write_text(
             '<testsuites><testsuite><testcase name="POST /invocations"><failure type="failure" message="ST202">'
-            f"{refused}</failure></testcase><testcase name=\"POST /v1/responses\"><failure>{accepted}</failure>"
-            "</testcase></testsuite></testsuites>")
+            f'{refused}</failure></testcase><testcase name="POST /v1/responses"><failure>{accepted}</failure>'
+            "</testcase></testsuite></testsuites>"
+        )
     (tmp_path / "seed-33").mkdir()
     (tmp_path / "seed-33" / "junit-2.xml").write_text("")  # stopped before its report was written
     found = summary.findings(tmp_path)
-    assert found[("POST /invocations", "ST202 Schema-valid request rejected",
-                  "[400] {\"message\": \"got #\", \"param\": '…'}")] == {"11", "22"}
+    assert found[
+        ("POST /invocations", "ST202 Schema-valid request rejected", '[400] {"message": "got #", "param": \'…\'}')
+    ] == {"11", "22"}
     assert found[("POST /v1/responses", "ST201 Schema-violating request accepted", "[200] ")] == {"11", "22"}
     assert [key for key in found if key[0] == "(no report)"] and len(found) == 3

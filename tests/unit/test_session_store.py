@@ -49,8 +49,17 @@ async def store(store_url: str) -> AsyncIterator[SQLSessionStore]:
 def record(session_id: str, owner: str = "alice") -> SessionRecord:
     now = time.time()
     return SessionRecord(
-        id=session_id, owner=owner, model="m", defaults={"temperature": 0.0}, metadata={"k": "v"},
-        status="active", close_reason=None, num_chunks=0, num_tokens=0, created=now, last_activity=now,
+        id=session_id,
+        owner=owner,
+        model="m",
+        defaults={"temperature": 0.0},
+        metadata={"k": "v"},
+        status="active",
+        close_reason=None,
+        num_chunks=0,
+        num_tokens=0,
+        created=now,
+        last_activity=now,
     )
 
 
@@ -260,7 +269,9 @@ async def test_only_lease_writes_skip_the_flush(store: SQLSessionStore, monkeypa
     assert await store.commit_chunk(session_id, "a", 0, [1, 2, 3], time.time())
     assert opened[-1] is True
     assert (await store.durability())["synchronous" if store.dialect == "sqlite" else "synchronous_commit"] in (
-        "full", "on")
+        "full",
+        "on",
+    )
 
 
 async def test_negative_control_sqlite_without_synchronous_full_is_seen(

@@ -83,8 +83,11 @@ def test_the_cpu_worker_runs_in_the_engine_core_unless_asked_otherwise() -> None
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     assert build_engine_args(Settings(_env_file=None)).distributed_executor_backend is UniProcExecutor
-    for kept in ({"cpu_worker_in_engine_core": False}, {"engine_args": '{"tensor_parallel_size": 2}'},
-                 {"engine_args": '{"distributed_executor_backend": "mp"}'}):
+    for kept in (
+        {"cpu_worker_in_engine_core": False},
+        {"engine_args": '{"tensor_parallel_size": 2}'},
+        {"engine_args": '{"distributed_executor_backend": "mp"}'},
+    ):
         backend = build_engine_args(Settings(_env_file=None, **kept)).distributed_executor_backend
         assert backend in (None, "mp"), (kept, backend)
 
@@ -124,7 +127,7 @@ def test_our_routes_come_first_and_shadow_none_of_vllms() -> None:
     ours = {(route.path, frozenset(getattr(route, "methods", None) or ())) for route in api_router.routes}
     first = {(route.path, frozenset(getattr(route, "methods", None) or ())) for route in routes[: len(ours)]}
     assert first == ours
-    vllm_paths = {getattr(route, "path", None) for route in routes[len(ours):]}
+    vllm_paths = {getattr(route, "path", None) for route in routes[len(ours) :]}
     assert not {path for path, _ in ours} & vllm_paths
 
 
@@ -141,7 +144,11 @@ def test_vllms_routes_get_the_tool_and_reasoning_parsers_and_the_chat_template(t
     assert not off.enable_auto_tool_choice
     template = tmp_path / "template.jinja"
     template.write_text("{{ messages[0]['content'] }}")
-    chosen = vllm_server_args(Settings(model="/models/x", tool_call_parser="llama3_json", reasoning_parser="qwen3",
-                                       chat_template=str(template)), "/models/x")
+    chosen = vllm_server_args(
+        Settings(
+            model="/models/x", tool_call_parser="llama3_json", reasoning_parser="qwen3", chat_template=str(template)
+        ),
+        "/models/x",
+    )
     assert (chosen.tool_call_parser, chosen.reasoning_parser) == ("llama3_json", "qwen3")
     assert chosen.chat_template == "{{ messages[0]['content'] }}"

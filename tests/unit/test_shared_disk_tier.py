@@ -45,7 +45,7 @@ def read_as_the_worker_does(index: DiskIndex, number: int) -> bytes:
     """The load that follows a hit: the file read by its name (DiskTierWorker._read)."""
     data = Path(index.path(key(number))).read_bytes()
     assert data[:8] == MAGIC and whole_file(data)
-    return data[HEADER.size:]
+    return data[HEADER.size :]
 
 
 def on_disk(root: Path) -> int:
@@ -148,8 +148,9 @@ def writer_and_reader(root: str, seed: int, results: multiprocessing.Queue) -> N
         index.unpin([key(number)])
     writer.stop()
     index.sweep(wait=True)
-    results.put({**counts, "vanished": index.counts["vanished"],
-                 "checksum_failures": index.counts["checksum_failures"]})
+    results.put(
+        {**counts, "vanished": index.counts["vanished"], "checksum_failures": index.counts["checksum_failures"]}
+    )
 
 
 def evictor(root: str, seed: int, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]

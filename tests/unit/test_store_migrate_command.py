@@ -29,8 +29,13 @@ def newest_revision() -> str:
 
 def test_migrate_brings_a_new_database_to_the_newest_schema(tmp_path: Path) -> None:
     database = tmp_path / "sessions.db"
-    done = subprocess.run([sys.executable, "-m", "app.store", "migrate", f"sqlite:///{database}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "app.store", "migrate", f"sqlite:///{database}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     with sqlite3.connect(database) as connection:
         (version,) = connection.execute("SELECT version_num FROM alembic_version").fetchone()
@@ -38,6 +43,12 @@ def test_migrate_brings_a_new_database_to_the_newest_schema(tmp_path: Path) -> N
 
 
 def test_migrate_without_a_url_says_so(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "app.store", "migrate"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-m", "app.store", "migrate"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 2 and "STREAMSESS_STORE_URL" in done.stderr

@@ -42,22 +42,34 @@ CASES = [  # tools, tool_choice, parallel calls, the opening
     (TOOLS, "required", True, '<tool_call>\n{"name": "'),
     (TOOLS, "required", False, '<tool_call>\n{"name": "'),
 ]
-OUTPUTS = [hermes(PARIS), hermes(CET), hermes(PARIS, CET).replace("\n<tool_call>", "<tool_call>"),
-           hermes(("get_weather", {"city": 3})), hermes(("nope", {})), "Paris is sunny."]
+OUTPUTS = [
+    hermes(PARIS),
+    hermes(CET),
+    hermes(PARIS, CET).replace("\n<tool_call>", "<tool_call>"),
+    hermes(("get_weather", {"city": 3})),
+    hermes(("nope", {})),
+    "Paris is sunny.",
+]
 
 
 @pytest.mark.parametrize(("tools", "choice", "parallel", "opening"), CASES)
 def test_the_rest_of_the_grammar_admits_what_vllms_admits_after_the_opening(
-        tokenizer: Any, compiler: Any, tools: list[dict[str, Any]], choice: Any, parallel: bool,  # noqa: F811
-        opening: str) -> None:
+    tokenizer: Any,  # noqa: F811
+    compiler: Any,
+    tools: list[dict[str, Any]],
+    choice: Any,
+    parallel: bool,
+    opening: str,
+) -> None:
     parser = OutputParser(tokenizer, "hermes", None, tools, choice, "parameter", parallel)
     ids, rest = parser.answer([7, 8])
     vllm_grammar = parser.structured_outputs().structural_tag
     assert ids == [7, 8, *tokenizer.encode(opening, add_special_tokens=False)]
     admitted = 0
     for output in OUTPUTS:
-        ours = output.startswith(opening) and admits(compiler, tokenizer.eos_token_id, rest.structural_tag,
-                                                       output[len(opening):])
+        ours = output.startswith(opening) and admits(
+            compiler, tokenizer.eos_token_id, rest.structural_tag, output[len(opening) :]
+        )
         assert ours == admits(compiler, tokenizer.eos_token_id, vllm_grammar, output), output
         admitted += ours
     assert admitted >= 1
@@ -69,11 +81,11 @@ def test_a_reply_after_its_opening_reads_as_the_whole_call(tokenizer: Any, step:
     parser = OutputParser(tokenizer, "hermes", None, TOOLS[:1], "required", "parameter")
     opening = tokenizer.decode(parser.answer([])[0])
     assert output.startswith(opening) and opening.endswith('"arguments":')
-    rest = output[len(opening):]
+    rest = output[len(opening) :]
     ids = tokenizer.encode(rest, add_special_tokens=False)
     names, arguments = [], ""
     for at in range(0, len(ids), step):
-        delta = parser.feed(tokenizer.decode(ids[at:at + step]), ids[at:at + step], finished=at + step >= len(ids))
+        delta = parser.feed(tokenizer.decode(ids[at : at + step]), ids[at : at + step], finished=at + step >= len(ids))
         assert delta.text == ""
         names += [call.name for call in delta.calls if call.name]
         arguments += "".join(call.arguments for call in delta.calls)
@@ -88,7 +100,9 @@ def test_a_reply_after_its_opening_reads_as_the_whole_call(tokenizer: Any, step:
 def test_grammars_that_force_no_opening_are_kept(tokenizer: Any) -> None:  # noqa: F811
     auto = OutputParser(tokenizer, "hermes", None, TOOLS, "auto", "parameter")
     ids, grammar = auto.answer([1])
-    assert ids == [1] and grammar is auto.structured_outputs() and grammar is not None  # triggered tags: text may come first
+    assert (
+        ids == [1] and grammar is auto.structured_outputs() and grammar is not None
+    )  # triggered tags: text may come first
     ids, grammar = OutputParser(tokenizer, "hermes", None, TOOLS, "none").answer([1])
     assert ids == [1] and grammar is None
     assert forced_opening(None) == (None, "")
@@ -111,6 +125,6 @@ def test_a_single_tag_grammar_opens_with_its_begin(tokenizer: Any, compiler: Any
     ids, rest = parser.answer([])
     opening = '{"name": "get_time", "parameters":'
     assert tokenizer.decode(ids) == opening
-    output = llama3(CET)[len("<|python_tag|>"):]
-    assert admits(compiler, tokenizer.eos_token_id, rest.structural_tag, output[len(opening):])
+    output = llama3(CET)[len("<|python_tag|>") :]
+    assert admits(compiler, tokenizer.eos_token_id, rest.structural_tag, output[len(opening) :])
     assert admits(compiler, tokenizer.eos_token_id, parser.structured_outputs().structural_tag, output)

@@ -22,10 +22,15 @@ from app.models.builder import ensure_model
 from app.tools.parsing import OutputParser, ParsedOutput, ReplyParsers, chat_tools
 
 TOOLS = [
-    {"type": "function", "name": "get_weather",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
-    {"type": "function", "function": {"name": "get_time",
-                                      "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+    },
 ]
 PARIS = ("get_weather", {"city": "Paris"})
 CET = ("get_time", {"zone": "CET"})
@@ -50,8 +55,9 @@ FORMATS = {"hermes": hermes, "llama3_json": llama3, "mistral": mistral}
 def tokenizer() -> Any:
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model("tiny")))
     # Each format's markers as the special tokens its models have.
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]})
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]}
+    )
     return tokenizer
 
 
@@ -62,9 +68,10 @@ def run(tokenizer: Any, parser_name: str, output: str, step: int = 1) -> tuple[s
     ids = tokenizer.encode(output, add_special_tokens=False)
     text, calls = "", {}
     for at in range(0, len(ids), step):
-        delta_ids = ids[at:at + step]
-        delta = parser.feed(tokenizer.decode(delta_ids, skip_special_tokens=False), delta_ids,
-                            finished=at + step >= len(ids))
+        delta_ids = ids[at : at + step]
+        delta = parser.feed(
+            tokenizer.decode(delta_ids, skip_special_tokens=False), delta_ids, finished=at + step >= len(ids)
+        )
         text += delta.text
         for call in delta.calls:
             name_and_arguments = calls.setdefault(call.index, ["", ""])
@@ -79,8 +86,7 @@ def as_written(parsed: ParsedOutput) -> list[tuple[str, dict[str, Any]]]:
 
 @pytest.mark.parametrize("step", [1, 3])
 @pytest.mark.parametrize("parser_name", FORMATS)
-def test_parallel_calls_stream_as_the_final_extraction_reads_them(tokenizer: Any, parser_name: str,
-                                                                   step: int) -> None:
+def test_parallel_calls_stream_as_the_final_extraction_reads_them(tokenizer: Any, parser_name: str, step: int) -> None:
     text, streamed, final = run(tokenizer, parser_name, FORMATS[parser_name](PARIS, CET), step)
     assert as_written(final) == [PARIS, CET]
     assert [(name, json.loads(arguments)) for name, arguments in streamed.values()] == [PARIS, CET]
@@ -119,7 +125,7 @@ def test_a_call_split_across_many_deltas_is_one_call(tokenizer: Any, parser_name
 @pytest.mark.parametrize("parser_name", FORMATS)
 def test_malformed_json_ends_as_text_never_an_exception(tokenizer: Any, parser_name: str) -> None:
     output = FORMATS[parser_name](PARIS)
-    cut = output[:output.index("Paris") + 3]  # the arguments' string never closes
+    cut = output[: output.index("Paris") + 3]  # the arguments' string never closes
     _, _, final = run(tokenizer, parser_name, cut)
     assert final.calls == [] and final.malformed
     assert "Par" in final.text
@@ -127,8 +133,11 @@ def test_malformed_json_ends_as_text_never_an_exception(tokenizer: Any, parser_n
 
 def test_without_a_parser_or_with_tool_choice_none_everything_is_text(tokenizer: Any) -> None:
     output = hermes(PARIS)
-    for parser in (OutputParser(tokenizer, None, None, TOOLS), OutputParser(tokenizer, "hermes", None, TOOLS, "none"),
-                   OutputParser(tokenizer, "hermes", None, None)):
+    for parser in (
+        OutputParser(tokenizer, None, None, TOOLS),
+        OutputParser(tokenizer, "hermes", None, TOOLS, "none"),
+        OutputParser(tokenizer, "hermes", None, None),
+    ):
         ids = tokenizer.encode(output, add_special_tokens=False)
         assert parser.feed(output, ids, finished=True).calls == []
         assert parser.final(output, ids) == ParsedOutput(output, None, [])
@@ -139,7 +148,9 @@ def test_required_and_named_calls_get_the_grammar_of_vllms_chat_completions(toke
     (the format with each tool's schema); tool_choice none gets no grammar."""
     for choice in ("required", {"type": "function", "name": "get_weather"}):
         grammar = OutputParser(tokenizer, "hermes", None, TOOLS, choice).structured_outputs()
-        assert grammar is not None and "get_weather" in grammar.structural_tag and "<tool_call>" in grammar.structural_tag
+        assert (
+            grammar is not None and "get_weather" in grammar.structural_tag and "<tool_call>" in grammar.structural_tag
+        )
     assert OutputParser(tokenizer, "hermes", None, TOOLS, "none").structured_outputs() is None
     assert OutputParser(tokenizer, None, None, TOOLS, "required").structured_outputs() is None
 
@@ -162,12 +173,21 @@ def test_a_tool_choice_a_reply_cannot_honour_is_refused_in_this_servers_shape(to
     vLLM's chat request refused it from inside a turn, in vLLM's error shape (an integer
     code, against the published one). Refused first, by name, as OpenAI's 400."""
     parsers = ReplyParsers(tokenizer, "hermes", None)
-    for choice in ("none", "auto", "required", None, {"type": "function", "name": "get_time"},
-                   {"type": "function", "function": {"name": "get_weather"}}):
+    for choice in (
+        "none",
+        "auto",
+        "required",
+        None,
+        {"type": "function", "name": "get_time"},
+        {"type": "function", "function": {"name": "get_weather"}},
+    ):
         assert isinstance(parsers.reply_parser(TOOLS, choice), OutputParser)
-    for choice, code in (({"type": "programmatic_tool_calling"}, "unsupported_parameter"), ("any", "unsupported_parameter"),
-                         ({"type": "function", "name": "nope"}, "invalid_value"),
-                         ({"type": "function", "function": None}, "invalid_value")):
+    for choice, code in (
+        ({"type": "programmatic_tool_calling"}, "unsupported_parameter"),
+        ("any", "unsupported_parameter"),
+        ({"type": "function", "name": "nope"}, "invalid_value"),
+        ({"type": "function", "function": None}, "invalid_value"),
+    ):
         with pytest.raises(APIError) as refused:
             parsers.reply_parser(TOOLS, choice)
         assert (refused.value.status, refused.value.code, refused.value.param) == (400, code, "tool_choice")

@@ -23,12 +23,23 @@ SMOLLM2_OWN = (
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello!"},
+    ],
     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
     [{"role": "system", "content": ""}, {"role": "user", "content": "x"}],
 ]
@@ -45,11 +56,13 @@ def render(tokenizer: Any, template: str, messages: list[dict[str, Any]], **kwar
 
 @pytest.mark.parametrize("generation_prompt", [True, False])
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
-def test_without_tools_it_renders_as_the_models_own(tokenizer: Any, conversation: list[dict[str, Any]],
-                                                    generation_prompt: bool) -> None:
+def test_without_tools_it_renders_as_the_models_own(
+    tokenizer: Any, conversation: list[dict[str, Any]], generation_prompt: bool
+) -> None:
     ours = CHAT_TEMPLATE.read_text()
-    assert render(tokenizer, ours, conversation, add_generation_prompt=generation_prompt) == \
-        render(tokenizer, SMOLLM2_OWN, conversation, add_generation_prompt=generation_prompt)
+    assert render(tokenizer, ours, conversation, add_generation_prompt=generation_prompt) == render(
+        tokenizer, SMOLLM2_OWN, conversation, add_generation_prompt=generation_prompt
+    )
 
 
 def test_tools_go_in_the_system_turn_and_calls_read_back_with_hermes(tokenizer: Any) -> None:

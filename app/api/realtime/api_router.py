@@ -21,15 +21,20 @@ router = APIRouter(tags=["realtime"])
 
 
 @router.websocket("/v1/realtime")
-async def realtime(websocket: WebSocket, realtime: RealtimeDep, limits: LimitsDep, owner: OwnerDep,
-                   route_key: RouteKeyDep) -> None:
+async def realtime(
+    websocket: WebSocket, realtime: RealtimeDep, limits: LimitsDep, owner: OwnerDep, route_key: RouteKeyDep
+) -> None:
     await websocket.accept()
     service = realtime.sessions
     query = websocket.query_params
     try:
         if "realtime=v1" in websocket.headers.get("openai-beta", ""):
-            raise APIError(400, "The Realtime beta protocol (OpenAI-Beta: realtime=v1) is not served; use the GA "
-                           "protocol (openai>=2: client.realtime.connect).", code="beta_protocol_unsupported")
+            raise APIError(
+                400,
+                "The Realtime beta protocol (OpenAI-Beta: realtime=v1) is not served; use the GA "
+                "protocol (openai>=2: client.realtime.connect).",
+                code="beta_protocol_unsupported",
+            )
         service.check_model(query.get("model"))
         if (session_id := query.get("session_id")) is not None:
             session = await service.attach_connection(owner, session_id)

@@ -21,8 +21,15 @@ from app.sessions.session import StreamingSession
 
 
 class RealtimeConnection(EventConnection):
-    def __init__(self, websocket: WebSocket, realtime: RealtimeService, limits: KeyLimits, owner: str,
-                 session: StreamingSession, owns_session: bool):
+    def __init__(
+        self,
+        websocket: WebSocket,
+        realtime: RealtimeService,
+        limits: KeyLimits,
+        owner: str,
+        session: StreamingSession,
+        owns_session: bool,
+    ):
         super().__init__(websocket, limits, owner)
         self.service = realtime.sessions
         self.limits = limits
@@ -38,8 +45,11 @@ class RealtimeConnection(EventConnection):
 
     async def opened(self) -> None:
         conversation = self.conversation
-        await self.send_model(rt.SessionCreatedEvent(type="session.created", event_id=conversation.event_id(),
-                                                     session=conversation.session_config()))
+        await self.send_model(
+            rt.SessionCreatedEvent(
+                type="session.created", event_id=conversation.event_id(), session=conversation.session_config()
+            )
+        )
 
     async def closed(self) -> None:
         conversation = self.conversation

@@ -28,8 +28,12 @@ CLIENT_EVENTS: dict[str, type[BaseModel]] = {
 SUPPORTED_EVENTS = tuple(CLIENT_EVENTS)
 # And those we refuse with an error event (the session goes on).
 APPEND_ONLY_EVENTS = ("conversation.item.delete", "conversation.item.truncate")
-AUDIO_EVENTS = ("input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
-                "output_audio_buffer.clear")
+AUDIO_EVENTS = (
+    "input_audio_buffer.append",
+    "input_audio_buffer.commit",
+    "input_audio_buffer.clear",
+    "output_audio_buffer.clear",
+)
 
 
 def new_id(prefix: str) -> str:
@@ -45,8 +49,13 @@ class ClientEventError(APIError):
 
 def error_event(error: APIError, event_id: str, about: str | None = None) -> rt.RealtimeErrorEvent:
     """The Realtime API's error event; ``about``: the client event it answers."""
-    return rt.RealtimeErrorEvent(type="error", event_id=event_id, error=rt.RealtimeError(
-        type=error.type, code=error.code, message=error.message, param=error.param, event_id=about))
+    return rt.RealtimeErrorEvent(
+        type="error",
+        event_id=event_id,
+        error=rt.RealtimeError(
+            type=error.type, code=error.code, message=error.message, param=error.param, event_id=about
+        ),
+    )
 
 
 def parse_client_event(data: Any) -> Any:
@@ -58,22 +67,28 @@ def parse_client_event(data: Any) -> Any:
     if kind in APPEND_ONLY_EVENTS:
         raise ClientEventError(
             f"{kind} is not supported: this conversation is a streaming session, append-only; its "
-            "items stay as they are.", "unsupported_on_session", "type", event_id,
+            "items stay as they are.",
+            "unsupported_on_session",
+            "type",
+            event_id,
         )
     if kind in AUDIO_EVENTS:
         raise ClientEventError(f"{kind}: this server is text only.", "audio_not_supported", "type", event_id)
     if kind not in SUPPORTED_EVENTS:
         raise ClientEventError(
             f"Unknown or unsupported event type {kind!r}; expected one of {', '.join(SUPPORTED_EVENTS)}.",
-            "invalid_event_type", "type", event_id,
+            "invalid_event_type",
+            "type",
+            event_id,
         )
     try:
         return CLIENT_EVENTS[kind].model_validate(data)
     except ValidationError as exc:
         first = most_specific(exc.errors())
         param = error_param(first.get("loc"))
-        raise ClientEventError(f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
-                               "invalid_event", param, event_id) from None
+        raise ClientEventError(
+            f"{param}: {first.get('msg')}" if param else str(first.get("msg")), "invalid_event", param, event_id
+        ) from None
 
 
 def dump(event: BaseModel) -> str:

@@ -128,10 +128,15 @@ class Conversation:
 
     def session_config(self) -> rt.RealtimeSessionCreateRequest:
         config = rt.RealtimeSessionCreateRequest(
-            type="realtime", model=self.session.model, instructions=self.config.instructions,
-            output_modalities=["text"], max_output_tokens=self.config.max_output_tokens or "inf",
-            audio=self.config.audio, tools=self.config.tools or None,
-            tool_choice=self.config.tool_choice, truncation=self.config.truncation,
+            type="realtime",
+            model=self.session.model,
+            instructions=self.config.instructions,
+            output_modalities=["text"],
+            max_output_tokens=self.config.max_output_tokens or "inf",
+            audio=self.config.audio,
+            tools=self.config.tools or None,
+            tool_choice=self.config.tool_choice,
+            truncation=self.config.truncation,
         )
         # Extension: the session's id, to attach to it again (?session_id=).
         config.id = self.session.id  # type: ignore[attr-defined]
@@ -141,25 +146,35 @@ class Conversation:
     async def update_session(self, event: rt.SessionUpdateEvent) -> None:
         update = event.session
         if not isinstance(update, rt.RealtimeSessionCreateRequest):
-            raise ClientEventError("Only session.type 'realtime' is served here.", "invalid_session_type",
-                                   "session.type", event.event_id)
+            raise ClientEventError(
+                "Only session.type 'realtime' is served here.", "invalid_session_type", "session.type", event.event_id
+            )
         if update.output_modalities is not None and update.output_modalities != ["text"]:
-            raise ClientEventError("This server answers in text only: output_modalities must be ['text'].",
-                                   "unsupported_modality", "session.output_modalities", event.event_id)
+            raise ClientEventError(
+                "This server answers in text only: output_modalities must be ['text'].",
+                "unsupported_modality",
+                "session.output_modalities",
+                event.event_id,
+            )
         tools = self._tools(update.tools, "session.tools", event.event_id)
         limit = self.service.max_chunk_output_tokens
         check_max_output_tokens(update.max_output_tokens, "session.max_output_tokens", event.event_id)
         if isinstance(update.max_output_tokens, int) and update.max_output_tokens > limit:
-            raise ClientEventError(f"max_output_tokens may be at most {limit}.", "max_tokens_too_large",
-                                   "session.max_output_tokens", event.event_id)
+            raise ClientEventError(
+                f"max_output_tokens may be at most {limit}.",
+                "max_tokens_too_large",
+                "session.max_output_tokens",
+                event.event_id,
+            )
         if update.instructions is not None:
             self.config.instructions = update.instructions  # they reach the model with the next turn
         if update.max_output_tokens is not None:
             # Kept as the session's default (in the store): a client that attaches again has it.
             explicit = None if update.max_output_tokens == "inf" else update.max_output_tokens
             try:
-                await self.service.update_defaults(self.owner, self.session.id,
-                                                   SessionDefaults(max_tokens=explicit or limit))
+                await self.service.update_defaults(
+                    self.owner, self.session.id, SessionDefaults(max_tokens=explicit or limit)
+                )
             except APIError as exc:
                 raise ClientEventError(exc.message, exc.code, exc.param, event.event_id) from None
             self.config.max_output_tokens = explicit
@@ -171,26 +186,36 @@ class Conversation:
             self.config.tool_choice = _plain(update.tool_choice)
         if update.truncation is not None:
             self.config.truncation = _truncation(update.truncation, event.event_id)
-        await self.emit(rt.SessionUpdatedEvent(type="session.updated", event_id=self.event_id(),
-                                               session=self.session_config()))
+        await self.emit(
+            rt.SessionUpdatedEvent(type="session.updated", event_id=self.event_id(), session=self.session_config())
+        )
 
     # ------------------------------------------------------------------ items
     async def add_item(self, event: rt.ConversationItemCreateEvent) -> None:
         item = event.item
         message = self._message_of(item, event.event_id)
         if item.id is not None and item.id in self.items:
-            raise ClientEventError(f"An item with id {item.id!r} exists already.", "item_exists", "item.id",
-                                   event.event_id)
+            raise ClientEventError(
+                f"An item with id {item.id!r} exists already.", "item_exists", "item.id", event.event_id
+            )
         context = (self.session.chat.messages if self.session.chat is not None else []) + self.pending
         previous = next(reversed(self.items), None)
         at_the_end = previous if previous is not None or context else "root"
         if event.previous_item_id not in (None, at_the_end):  # an insertion, not an append: never moved silently
-            raise ClientEventError("Items are added at the end of this conversation (a streaming session is "
-                                   f"append-only): previous_item_id must be {at_the_end!r} or left out.",
-                                   "unsupported_on_session", "previous_item_id", event.event_id)
+            raise ClientEventError(
+                "Items are added at the end of this conversation (a streaming session is "
+                f"append-only): previous_item_id must be {at_the_end!r} or left out.",
+                "unsupported_on_session",
+                "previous_item_id",
+                event.event_id,
+            )
         if (call_id := unanswered_output([*context, message], 1)) is not None:
-            raise ClientEventError(f"Tool call ID {call_id!r} not found in conversation.", "tool_call_not_found",
-                                   "item.call_id", event.event_id)
+            raise ClientEventError(
+                f"Tool call ID {call_id!r} not found in conversation.",
+                "tool_call_not_found",
+                "item.call_id",
+                event.event_id,
+            )
         item.id = item.id or new_id("item")
         item.object, item.status = "realtime.item", "completed"  # type: ignore[union-attr]  # (checked above)
         self.items[item.id] = item
@@ -198,57 +223,91 @@ class Conversation:
             self.pending[-1]["tool_calls"] += message["tool_calls"]  # parallel calls: one assistant turn
         else:
             self.pending.append(message)
-        await self.emit(rt.ConversationItemAdded(type="conversation.item.added", event_id=self.event_id(),
-                                                 item=item, previous_item_id=previous))
-        await self.emit(rt.ConversationItemDone(type="conversation.item.done", event_id=self.event_id(),
-                                                item=item, previous_item_id=previous))
+        await self.emit(
+            rt.ConversationItemAdded(
+                type="conversation.item.added", event_id=self.event_id(), item=item, previous_item_id=previous
+            )
+        )
+        await self.emit(
+            rt.ConversationItemDone(
+                type="conversation.item.done", event_id=self.event_id(), item=item, previous_item_id=previous
+            )
+        )
 
     async def retrieve_item(self, event: rt.ConversationItemRetrieveEvent) -> None:
         item = self.items.get(event.item_id)
         if item is None:
-            raise ClientEventError(f"No item with id {event.item_id!r} in this conversation.", "item_not_found",
-                                   "item_id", event.event_id)
-        await self.emit(rt.realtime_server_event.ConversationItemRetrieved(
-            type="conversation.item.retrieved", event_id=self.event_id(), item=item))
+            raise ClientEventError(
+                f"No item with id {event.item_id!r} in this conversation.", "item_not_found", "item_id", event.event_id
+            )
+        await self.emit(
+            rt.realtime_server_event.ConversationItemRetrieved(
+                type="conversation.item.retrieved", event_id=self.event_id(), item=item
+            )
+        )
 
     # ------------------------------------------------------------------ responses
     async def create_response(self, event: rt.ResponseCreateEvent) -> PlannedResponse:
         """Check a ``response.create`` and plan its turn, which takes the items added
         since the last; the connection's worker then runs it (``respond``)."""
         if self.responding:
-            raise ClientEventError("A response is in progress; cancel it or wait for response.done.",
-                                   "conversation_already_has_active_response", None, event.event_id)
+            raise ClientEventError(
+                "A response is in progress; cancel it or wait for response.done.",
+                "conversation_already_has_active_response",
+                None,
+                event.event_id,
+            )
         overrides = event.response
         max_tokens = self.config.max_output_tokens
         instructions: str | None = None
         if overrides is not None:
             if overrides.output_modalities is not None and overrides.output_modalities != ["text"]:
-                raise ClientEventError("This server answers in text only.", "unsupported_modality",
-                                       "response.output_modalities", event.event_id)
+                raise ClientEventError(
+                    "This server answers in text only.",
+                    "unsupported_modality",
+                    "response.output_modalities",
+                    event.event_id,
+                )
             if overrides.conversation == "none" or overrides.input is not None:
-                raise ClientEventError("Out-of-band responses (conversation 'none', input) are not supported: "
-                                       "a response continues the session.", "unsupported_response_field",
-                                       "response.conversation", event.event_id)
+                raise ClientEventError(
+                    "Out-of-band responses (conversation 'none', input) are not supported: "
+                    "a response continues the session.",
+                    "unsupported_response_field",
+                    "response.conversation",
+                    event.event_id,
+                )
             check_max_output_tokens(overrides.max_output_tokens, "response.max_output_tokens", event.event_id)
             if isinstance(overrides.max_output_tokens, int):
                 max_tokens = overrides.max_output_tokens
             instructions = overrides.instructions
         # A response's own tools and tool_choice apply to it alone, as its instructions do.
-        tools = self._tools(overrides.tools, "response.tools", event.event_id) \
-            if overrides is not None and overrides.tools is not None else self.config.tools
-        tool_choice = _plain(overrides.tool_choice) if overrides is not None and overrides.tool_choice is not None \
+        tools = (
+            self._tools(overrides.tools, "response.tools", event.event_id)
+            if overrides is not None and overrides.tools is not None
+            else self.config.tools
+        )
+        tool_choice = (
+            _plain(overrides.tool_choice)
+            if overrides is not None and overrides.tool_choice is not None
             else self.config.tool_choice
+        )
         try:
-            parser = self.parsers.reply_parser(tools, tool_choice,
-                                               overrides.parallel_tool_calls if overrides is not None else None)
+            parser = self.parsers.reply_parser(
+                tools, tool_choice, overrides.parallel_tool_calls if overrides is not None else None
+            )
         except (APIError, ValueError) as exc:
             raise ClientEventError(str(exc), "invalid_value", "response.tool_choice", event.event_id) from None
         in_force = (instructions if instructions is not None else self.config.instructions) or None
         options = SamplingOptions(max_tokens=max_tokens or self.service.max_chunk_output_tokens)
         messages = list(self.pending)
-        planned = PlannedResponse(event.event_id, self._turn_plan(messages, in_force, tools, parser,
-                                                                  options.max_tokens or 0),
-                                  options, parser, messages, self.sent_instructions)
+        planned = PlannedResponse(
+            event.event_id,
+            self._turn_plan(messages, in_force, tools, parser, options.max_tokens or 0),
+            options,
+            parser,
+            messages,
+            self.sent_instructions,
+        )
         # The turn takes the items sent so far (given back if it cannot start).
         self.responding, self.pending, self.sent_instructions = True, [], in_force
         return planned
@@ -266,13 +325,20 @@ class Conversation:
                 raise ClientEventError(exc.message, exc.code, exc.param, planned.event_id) from None
             if self.cancel_requested:
                 self.run.stop()
-            await RealtimeResponse(self.run, planned.parser, self.session.id, self.items, self.emit,
-                                   self.event_id).stream()
+            await RealtimeResponse(
+                self.run, planned.parser, self.session.id, self.items, self.emit, self.event_id
+            ).stream()
         finally:
             self.responding, self.run, self.cancel_requested = False, None, False
 
-    def _turn_plan(self, messages: Messages, instructions: str | None, tools: list[dict[str, Any]],
-                   parser: OutputParser, max_tokens: int) -> TurnPlan:
+    def _turn_plan(
+        self,
+        messages: Messages,
+        instructions: str | None,
+        tools: list[dict[str, Any]],
+        parser: OutputParser,
+        max_tokens: int,
+    ) -> TurnPlan:
         """The turn, planned against the session's context once its lock is held. The
         instructions in force head the conversation: where they differ from those its
         context renders (changed by ``session.update``, or a response's own), the
@@ -281,8 +347,11 @@ class Conversation:
         tokenizer = self.tokenizer
         # A context not built from chat messages: its turns are not known, so
         # instructions can only be added, as a system message, when they change.
-        head = [{"role": "system", "content": instructions}] if instructions and instructions != self.sent_instructions \
+        head = (
+            [{"role": "system", "content": instructions}]
+            if instructions and instructions != self.sent_instructions
             else []
+        )
 
         chat_tools = parser.tools  # checked by _tools already
 
@@ -298,8 +367,9 @@ class Conversation:
                 ids, grammar = parser.answer(ids)
                 return Turn(ids, start, None, structured_outputs=grammar, reply=reply)
             wanted = ChatState(instructions, conversation.messages + messages, chat_tools)
-            wanted, ids, start, earlier = continue_within(truncation, tokenizer, conversation, wanted, context_ids,
-                                                          len(messages), max_tokens)
+            wanted, ids, start, earlier = continue_within(
+                truncation, tokenizer, conversation, wanted, context_ids, len(messages), max_tokens
+            )
             ids, grammar = parser.answer(ids)
             return Turn(ids, start, wanted, earlier, structured_outputs=grammar, reply=reply)
 
@@ -322,12 +392,21 @@ class Conversation:
             call = ToolCall(item.call_id or new_id("call"), item.name, item.arguments)
             return {"role": "assistant", "content": "", "tool_calls": [call.as_message_call()]}
         if not isinstance(item, rt.RealtimeConversationItemUserMessage | rt.RealtimeConversationItemSystemMessage):
-            raise ClientEventError("Only user and system messages with input_text content, function calls and "
-                                   "function call outputs can be added.", "unsupported_item", "item", event_id)
+            raise ClientEventError(
+                "Only user and system messages with input_text content, function calls and "
+                "function call outputs can be added.",
+                "unsupported_item",
+                "item",
+                event_id,
+            )
         texts = [part.text for part in item.content if part.type == "input_text" and part.text is not None]
         if len(texts) != len(item.content) or not texts:
-            raise ClientEventError("A message's content must be input_text parts, with text.",
-                                   "unsupported_content", "item.content", event_id)
+            raise ClientEventError(
+                "A message's content must be input_text parts, with text.",
+                "unsupported_content",
+                "item.content",
+                event_id,
+            )
         return {"role": item.role, "content": "".join(texts)}
 
     async def cancel_response(self, event: rt.ResponseCancelEvent) -> None:
@@ -357,10 +436,18 @@ def _truncation(value: Any, event_id: str | None) -> Any:
     if value in ("auto", "disabled"):
         return value
     if isinstance(value, dict) and value.get("token_limits"):
-        raise ClientEventError("truncation.token_limits is not supported: the limit is the session's context.",
-                               "unsupported_value", "session.truncation.token_limits", event_id)
+        raise ClientEventError(
+            "truncation.token_limits is not supported: the limit is the session's context.",
+            "unsupported_value",
+            "session.truncation.token_limits",
+            event_id,
+        )
     ratio = value.get("retention_ratio") if isinstance(value, dict) else None
     if not isinstance(ratio, int | float) or not 0 < ratio <= 1:
-        raise ClientEventError("truncation is 'auto', 'disabled' or a retention_ratio in (0, 1].", "invalid_value",
-                               "session.truncation", event_id)
+        raise ClientEventError(
+            "truncation is 'auto', 'disabled' or a retention_ratio in (0, 1].",
+            "invalid_value",
+            "session.truncation",
+            event_id,
+        )
     return {"type": "retention_ratio", "retention_ratio": float(ratio)}

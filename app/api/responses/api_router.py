@@ -27,14 +27,18 @@ router = APIRouter(tags=["responses"])
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"description": description, "model": OpenAIErrorBody}
-    for status, description in {400: "Invalid request", 404: "Unknown response or conversation",
-                                409: "The conversation is answering another response"}.items()
+    for status, description in {
+        400: "Invalid request",
+        404: "Unknown response or conversation",
+        409: "The conversation is answering another response",
+    }.items()
 }
 
 
 @router.post("/v1/responses", responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}})
-async def create_response(body: ResponsesCreateRequest, request: Request, service: ResponsesDep,
-                          owner: OwnerDep, route_key: RouteKeyDep) -> Response:
+async def create_response(
+    body: ResponsesCreateRequest, request: Request, service: ResponsesDep, owner: OwnerDep, route_key: RouteKeyDep
+) -> Response:
     """Create a model response. Stored responses, ``previous_response_id`` and
     ``conversation`` run on sessions: each turn computes only its new input."""
     if body.store is False and body.previous_response_id is None and body.conversation is None and body.generate:
@@ -48,8 +52,9 @@ async def create_response(body: ResponsesCreateRequest, request: Request, servic
 
 
 @router.websocket("/v1/responses")
-async def responses_websocket(websocket: WebSocket, service: ResponsesDep, limits: LimitsDep, owner: OwnerDep,
-                              route_key: RouteKeyDep) -> None:
+async def responses_websocket(
+    websocket: WebSocket, service: ResponsesDep, limits: LimitsDep, owner: OwnerDep, route_key: RouteKeyDep
+) -> None:
     """The Responses API over a websocket (``client.responses.connect()``)."""
     await websocket.accept()
     await ResponsesConnection(websocket, service, limits, owner, route_key).run()
@@ -68,14 +73,22 @@ async def delete_response(response_id: str, service: ResponsesDep, owner: OwnerD
 @router.post("/v1/responses/{response_id}/cancel", responses=ERRORS)
 async def cancel_response(response_id: str, service: ResponsesDep, owner: OwnerDep) -> JSONResponse:
     await service.retrieve(owner, response_id)  # 404 for an unknown one
-    raise APIError(400, "Only background responses can be cancelled, and this server runs none.",
-                   code="invalid_request", param="response_id")
+    raise APIError(
+        400,
+        "Only background responses can be cancelled, and this server runs none.",
+        code="invalid_request",
+        param="response_id",
+    )
 
 
 @router.get("/v1/responses/{response_id}/input_items", responses=ERRORS)
 async def list_input_items(
-    response_id: str, service: ResponsesDep, owner: OwnerDep, after: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc",
+    response_id: str,
+    service: ResponsesDep,
+    owner: OwnerDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
 ) -> JSONResponse:
     return JSONResponse(page(await service.input_items(owner, response_id), after, limit, order))
 
@@ -87,7 +100,12 @@ def page(data: list[dict[str, Any]], after: str | None, limit: int, order: str) 
         ids = [item["id"] for item in ordered]
         if after not in ids:
             raise APIError(400, f"No item with id {after!r} in this list.", code="invalid_value", param="after")
-        ordered = ordered[ids.index(after) + 1:]
+        ordered = ordered[ids.index(after) + 1 :]
     shown = ordered[:limit]
-    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
-            "last_id": shown[-1]["id"] if shown else None, "has_more": len(ordered) > limit}
+    return {
+        "object": "list",
+        "data": shown,
+        "first_id": shown[0]["id"] if shown else None,
+        "last_id": shown[-1]["id"] if shown else None,
+        "has_more": len(ordered) > limit,
+    }

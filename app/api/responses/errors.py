@@ -10,8 +10,12 @@ def superseded() -> APIError:
 
 
 def previous_response_not_found(response_id: str) -> APIError:
-    return APIError(400, f"Previous response with id {response_id!r} not found.",
-                    code="previous_response_not_found", param="previous_response_id")
+    return APIError(
+        400,
+        f"Previous response with id {response_id!r} not found.",
+        code="previous_response_not_found",
+        param="previous_response_id",
+    )
 
 
 def response_not_found(response_id: str) -> APIError:
@@ -19,5 +23,6 @@ def response_not_found(response_id: str) -> APIError:
 
 
 def conversation_not_found(conversation_id: str) -> APIError:
-    return APIError(404, f"No conversation with id {conversation_id!r}.", code="conversation_not_found",
-                    param="conversation")
+    return APIError(
+        404, f"No conversation with id {conversation_id!r}.", code="conversation_not_found", param="conversation"
+    )

@@ -30,16 +30,25 @@ def new_id(prefix: str) -> str:
 
 def message_item(role: str, text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
     """A message item as OpenAI returns it: assistant text is ``output_text``."""
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": []} \
-        if role == "assistant" else {"type": "input_text", "text": text}
+    part: dict[str, Any] = (
+        {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        if role == "assistant"
+        else {"type": "input_text", "text": text}
+    )
     return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": role, "content": [part]}
 
 
 def function_call_item(call: ToolCall, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
     # The item's id follows from the call's: a stream announces it before the reply is read whole.
     item_id = item_id or "fc_" + call.call_id.removeprefix("call_")
-    return {"type": "function_call", "id": item_id, "call_id": call.call_id, "name": call.name,
-            "arguments": call.arguments, "status": status}
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.call_id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
 
 
 def output_items(parsed: ParsedOutput, message_id: str, status: str = "completed") -> list[dict[str, Any]]:
@@ -71,7 +80,9 @@ def as_messages(items: list[dict[str, Any]]) -> Messages:
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         else:
-            messages.append({"role": item["role"], "content": "".join(part.get("text", "") for part in item["content"])})
+            messages.append(
+                {"role": item["role"], "content": "".join(part.get("text", "") for part in item["content"])}
+            )
     return messages
 
 
@@ -96,36 +107,59 @@ def input_items(raw: Any, param: str = "input") -> list[dict[str, Any]]:
         elif kind == "message" and item.get("role") in ROLES:
             items.append(message_item(item["role"], _message_text(item.get("content"), where), item.get("id")))
         else:
-            raise APIError(400, f"Only message (roles {', '.join(ROLES)}), function_call and function_call_output "
-                           f"items are supported here; {where} is a {item.get('type', item.get('role'))!r} item.",
-                           code="unsupported_input_item", param=where)
+            raise APIError(
+                400,
+                f"Only message (roles {', '.join(ROLES)}), function_call and function_call_output "
+                f"items are supported here; {where} is a {item.get('type', item.get('role'))!r} item.",
+                code="unsupported_input_item",
+                param=where,
+            )
     return items
 
 
 def _message_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
-                                         and isinstance(p.get(TEXT_PARTS[p["type"]]), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get(TEXT_PARTS[p["type"]]), str)
+        for p in content
+    ):
         return "".join(p[TEXT_PARTS[p["type"]]] for p in content)  # an assistant's refusal is its text
-    raise APIError(400, f"{where}: a message's content must be a string or text parts.",
-                   code="unsupported_content", param=f"{where}.content")
+    raise APIError(
+        400,
+        f"{where}: a message's content must be a string or text parts.",
+        code="unsupported_content",
+        param=f"{where}.content",
+    )
 
 
 def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     for name in ("call_id", "name", "arguments"):
         if not isinstance(item.get(name), str):
-            raise APIError(400, f"{where}: a function_call item needs a string {name!r}.", code="invalid_value",
-                           param=f"{where}.{name}")
+            raise APIError(
+                400,
+                f"{where}: a function_call item needs a string {name!r}.",
+                code="invalid_value",
+                param=f"{where}.{name}",
+            )
     return function_call_item(ToolCall(item["call_id"], item["name"], item["arguments"]), item.get("id"))
 
 
 def _function_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
     output = item.get("output")
     if not isinstance(item.get("call_id"), str):
-        raise APIError(400, f"{where}: a function_call_output item needs a string 'call_id'.", code="invalid_value",
-                       param=f"{where}.call_id")
+        raise APIError(
+            400,
+            f"{where}: a function_call_output item needs a string 'call_id'.",
+            code="invalid_value",
+            param=f"{where}.call_id",
+        )
     if not isinstance(output, str):
         output = _message_text(output, where)  # text parts: their text
-    return {"type": "function_call_output", "id": item.get("id") or new_id("fco"), "call_id": item["call_id"],
-            "output": output, "status": "completed"}
+    return {
+        "type": "function_call_output",
+        "id": item.get("id") or new_id("fco"),
+        "call_id": item["call_id"],
+        "output": output,
+        "status": "completed",
+    }

@@ -50,15 +50,23 @@ _NOTHING = {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}
 # takes: text parts, a tool output's call_id, and a string id (vLLM's model keeps any id
 # on a message). A conversation's items (below) take more: they skip vLLM's model.
 # (Fresh-seed fuzzing found a "text" part in a tool output valid by the schema, refused.)
-STORED_ITEM_COPIES = {"EasyInputMessageParam": "StoredInputMessage",
-                      "openai__types__responses__response_input_item_param__Message": "StoredMessage",
-                      "FunctionCallOutput": "StoredFunctionCallOutput",
-                      "ResponseFunctionToolCallOutputItem": "StoredFunctionCallOutputItem"}
+STORED_ITEM_COPIES = {
+    "EasyInputMessageParam": "StoredInputMessage",
+    "openai__types__responses__response_input_item_param__Message": "StoredMessage",
+    "FunctionCallOutput": "StoredFunctionCallOutput",
+    "ResponseFunctionToolCallOutputItem": "StoredFunctionCallOutputItem",
+}
 # Items as a response returned them (the SDK's output models: a null status is one).
-STORED_ITEM_TYPES = ("ResponseOutputMessageParam", "ResponseOutputMessage", "ResponseFunctionToolCallParam",
-                     "ResponseFunctionToolCall")
-_TEXT_PARTS = tuple(f"#/components/schemas/{name}" for name in (
-    "ResponseInputTextParam", "ResponseInputTextContentParam", "ResponseInputText"))
+STORED_ITEM_TYPES = (
+    "ResponseOutputMessageParam",
+    "ResponseOutputMessage",
+    "ResponseFunctionToolCallParam",
+    "ResponseFunctionToolCall",
+)
+_TEXT_PARTS = tuple(
+    f"#/components/schemas/{name}"
+    for name in ("ResponseInputTextParam", "ResponseInputTextContentParam", "ResponseInputText")
+)
 
 
 def _declare_stored_items(components: dict[str, Any]) -> dict[str, Any]:
@@ -76,11 +84,16 @@ def _declare_stored_items(components: dict[str, Any]) -> dict[str, Any]:
         for field in ("content", "output"):
             for variant in property_variants(properties, field):
                 if variant.get("type") == "array":
-                    variant["items"] = {"anyOf": [ref for ref in variant["items"].get("anyOf", [])
-                                                  if ref.get("$ref") in _TEXT_PARTS]}
+                    variant["items"] = {
+                        "anyOf": [ref for ref in variant["items"].get("anyOf", []) if ref.get("$ref") in _TEXT_PARTS]
+                    }
         components[copy_name] = {**item, "title": copy_name}
-    return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": _refs(
-        *(STORED_ITEM_COPIES.get(name, name) for name in present))}}]}
+    return {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"anyOf": _refs(*(STORED_ITEM_COPIES.get(name, name) for name in present))}},
+        ]
+    }
 
 
 # What a stored response takes where it differs from vLLM's handler (check_supported,
@@ -93,35 +106,70 @@ STORED_PROPERTIES: dict[str, Any] = {
     "stop": {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0}]},
     "chat_template_kwargs": _NOTHING,
     "top_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]},
-    "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
-        "type": "object", "properties": {"type": {"const": "function"}, "name": {"type": "string", "minLength": 1}},
-        "required": ["type", "name"]}]},
-    "text": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"format": {"anyOf": [
-        {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}]}}}]},
+    "tool_choice": {
+        "anyOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "properties": {"type": {"const": "function"}, "name": {"type": "string", "minLength": 1}},
+                "required": ["type", "name"],
+            },
+        ]
+    },
+    "text": {
+        "anyOf": [
+            {"type": "null"},
+            {
+                "type": "object",
+                "properties": {
+                    "format": {
+                        "anyOf": [
+                            {"type": "null"},
+                            {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
+                        ]
+                    }
+                },
+            },
+        ]
+    },
 }
 # Who answers: vLLM's handler a request with store false, no previous response or
 # conversation and generate left on (app/api/responses/api_router.py); a session any other.
-STATELESS = {"required": ["store"], "properties": {
-    "store": {"const": False}, "previous_response_id": {"type": "null"}, "conversation": {"type": "null"},
-    "generate": {"const": True}}}
-STORED = {"anyOf": [
-    {"properties": {"store": {"not": {"const": False}}}},
-    {"properties": {"previous_response_id": {"type": "string"}}, "required": ["previous_response_id"]},
-    {"properties": {"conversation": {"not": {"type": "null"}}}, "required": ["conversation"]},
-    {"properties": {"generate": {"const": False}}, "required": ["generate"]},
-]}
+STATELESS = {
+    "required": ["store"],
+    "properties": {
+        "store": {"const": False},
+        "previous_response_id": {"type": "null"},
+        "conversation": {"type": "null"},
+        "generate": {"const": True},
+    },
+}
+STORED = {
+    "anyOf": [
+        {"properties": {"store": {"not": {"const": False}}}},
+        {"properties": {"previous_response_id": {"type": "string"}}, "required": ["previous_response_id"]},
+        {"properties": {"conversation": {"not": {"type": "null"}}}, "required": ["conversation"]},
+        {"properties": {"generate": {"const": False}}, "required": ["generate"]},
+    ]
+}
 # A chain or a conversation, never both ("Mutually exclusive parameters", as OpenAI's).
-ONE_THREAD = {"not": {"properties": {"previous_response_id": {"type": "string"}, "conversation": {"not": {"type": "null"}}},
-                      "required": ["previous_response_id", "conversation"]}}
+ONE_THREAD = {
+    "not": {
+        "properties": {"previous_response_id": {"type": "string"}, "conversation": {"not": {"type": "null"}}},
+        "required": ["previous_response_id", "conversation"],
+    }
+}
 STATELESS_BODY = "StatelessResponsesCreateRequest"
 # Either handler renders a conversation: the input, an earlier one's, or instructions
 # ("Cannot apply chat template to an empty conversation" for none of them).
-SOMETHING_TO_RENDER = {"anyOf": [
-    {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}}},
-    {"properties": {"previous_response_id": {"type": "string"}}, "required": ["previous_response_id"]},
-    {"properties": {"conversation": {"not": {"type": "null"}}}, "required": ["conversation"]},
-    {"properties": {"instructions": {"type": "string", "minLength": 1}}, "required": ["instructions"]},
-]}
+SOMETHING_TO_RENDER = {
+    "anyOf": [
+        {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}}},
+        {"properties": {"previous_response_id": {"type": "string"}}, "required": ["previous_response_id"]},
+        {"properties": {"conversation": {"not": {"type": "null"}}}, "required": ["conversation"]},
+        {"properties": {"instructions": {"type": "string", "minLength": 1}}, "required": ["instructions"]},
+    ]
+}
 
 
 def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = True, harmony: bool = False) -> None:
@@ -140,13 +188,19 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
     if body is None or operation is None or "stop" not in body.get("properties", {}):
         return
     body["properties"]["prompt"] = {"type": "null"}  # prompt templates: neither handler takes them
-    components[STATELESS_BODY] = {**copy.deepcopy(body), "title": STATELESS_BODY, "allOf": [STATELESS, SOMETHING_TO_RENDER]}
+    components[STATELESS_BODY] = {
+        **copy.deepcopy(body),
+        "title": STATELESS_BODY,
+        "allOf": [STATELESS, SOMETHING_TO_RENDER],
+    }
     if "background" in body["properties"]:
         # vLLM's handler: "background can only be used when `store` is true"; and it builds
         # its response with the value, a bool (null failed its response model's validation).
         components[STATELESS_BODY]["properties"]["background"] = {"type": "boolean", "const": False}
     tools = {"type": "array", "items": _refs("FunctionTool")[0]} if tool_parsing else {"type": "array", "maxItems": 0}
-    body["properties"].update(copy.deepcopy({**STORED_PROPERTIES, "tools": tools}))  # a list: vLLM's model takes no null
+    body["properties"].update(
+        copy.deepcopy({**STORED_PROPERTIES, "tools": tools})
+    )  # a list: vLLM's model takes no null
     body["properties"]["input"] = _declare_stored_items(components)
     body["allOf"] = [STORED, SOMETHING_TO_RENDER, ONE_THREAD]
     # vLLM's handler refuses an empty string in a stop list (found by the same fuzzing).
@@ -155,16 +209,18 @@ def declare_stored_response_rules(schema: dict[str, Any], tool_parsing: bool = T
             variant.setdefault("items", {})["minLength"] = 1
     if not harmony:
         _converted_items_only(components, components[STATELESS_BODY]["properties"].get("input", {}))
-    operation["requestBody"]["content"]["application/json"]["schema"] = {"anyOf": _refs(
-        "ResponsesCreateRequest", STATELESS_BODY)}
+    operation["requestBody"]["content"]["application/json"]["schema"] = {
+        "anyOf": _refs("ResponsesCreateRequest", STATELESS_BODY)
+    }
 
 
 # The input items vLLM's handler turns into chat messages on a model that is not
 # harmony's (its responses/utils.py): any other is "Unsupported input item type" (an
 # item that carries a role passes as a message only where pydantic left it a dict:
 # additional_tools was refused in round 25).
-CONVERTED_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "custom_tool_call",
-                                  "custom_tool_call_output", "reasoning"})
+CONVERTED_ITEM_TYPES = frozenset(
+    {"message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output", "reasoning"}
+)
 
 
 # Reasoning items it converts only without encrypted content ("Encrypted content is not
@@ -176,7 +232,9 @@ def _converted_items_only(components: dict[str, Any], input_schema: dict[str, An
     for variant in input_schema.get("anyOf", []):
         items = variant.get("items", {}) if variant.get("type") == "array" else {}
         if "anyOf" in items:
-            items["anyOf"] = [ref for ref in items["anyOf"] if _converted(components.get(ref.get("$ref", "").split("/")[-1]))]
+            items["anyOf"] = [
+                ref for ref in items["anyOf"] if _converted(components.get(ref.get("$ref", "").split("/")[-1]))
+            ]
     for name in REASONING_ITEMS:
         for variant in property_variants(components.get(name, {}).get("properties", {}), "encrypted_content"):
             if variant.get("type") == "string":
@@ -209,17 +267,22 @@ class ResponsesCreateRequest(ResponsesRequest):
     max_output_tokens: Annotated[int, Field(ge=1, le=SAFE_INTEGER_MAX)] | None = None
     stop_token_ids: StopTokenIds | None = Field(default_factory=list)
     conversation: str | ConversationRef | None = Field(
-        default=None, description="The conversation this response continues and is added to.")
+        default=None, description="The conversation this response continues and is added to."
+    )
     # Strict: vLLM's model, which the request middleware validates strictly, has no such
     # field, and this one's lax mode took 0 for false (fresh-seed fuzzing).
     generate: StrictBool = Field(
-        default=True, description="False: a warm-up, as over OpenAI's Responses websocket (accepted over HTTP "
+        default=True,
+        description="False: a warm-up, as over OpenAI's Responses websocket (accepted over HTTP "
         "too): the input is added to the response's session and computed, and nothing is generated. The "
         "response (no output) is continued with previous_response_id, whose turn then computes only its own "
-        "new input.")
+        "new input.",
+    )
     prompt_cache_options: dict[str, Any] | None = Field(
-        default=None, description="OpenAI's prompt cache options. prewarm true is generate false (a warm-up); the "
-        "others do not apply here (a session keeps its own KV: no breakpoints, no expiry but its own).")
+        default=None,
+        description="OpenAI's prompt cache options. prewarm true is generate false (a warm-up); the "
+        "others do not apply here (a session keeps its own KV: no breakpoints, no expiry but its own).",
+    )
 
     @field_validator("truncation", mode="after")
     @classmethod
@@ -295,7 +358,8 @@ def _item_type(value: Any) -> Any:
 
 
 ConversationItem = Annotated[
-    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
     Discriminator(_item_type),
 ]
@@ -338,21 +402,30 @@ _UNSUPPORTED: dict[str, str] = {
     "mm_processor_kwargs": "Per-request mm_processor_kwargs are not accepted by this server.",
     "media_io_kwargs": "Per-request media_io_kwargs are not accepted by this server.",
     "chat_template_kwargs": "chat_template_kwargs are not supported on stored responses (a session renders its "
-                            "conversation with the server's chat template).",
+    "conversation with the server's chat template).",
 }
 
 
 def check_supported(request: ResponsesCreateRequest) -> None:
     if request.previous_response_id is not None and request.conversation is not None:
-        raise APIError(400, "Mutually exclusive parameters: provide only one of 'previous_response_id' or "
-                       "'conversation'.", code="mutually_exclusive_parameters", param="conversation")
+        raise APIError(
+            400,
+            "Mutually exclusive parameters: provide only one of 'previous_response_id' or 'conversation'.",
+            code="mutually_exclusive_parameters",
+            param="conversation",
+        )
     for name, message in _UNSUPPORTED.items():
         if getattr(request, name, None):
             raise APIError(400, message, code="unsupported_parameter", param=name)
     text_format = getattr(getattr(request.text, "format", None), "type", "text")
     if text_format not in (None, "text"):
-        raise APIError(400, "Only text output is supported on stored responses.", code="unsupported_parameter",
-                       param="text.format")
+        raise APIError(
+            400, "Only text output is supported on stored responses.", code="unsupported_parameter", param="text.format"
+        )
     if request.top_logprobs:
-        raise APIError(400, "top_logprobs is not supported on stored responses.", code="unsupported_parameter",
-                       param="top_logprobs")
+        raise APIError(
+            400,
+            "top_logprobs is not supported on stored responses.",
+            code="unsupported_parameter",
+            param="top_logprobs",
+        )

@@ -34,8 +34,12 @@ from app.errors import APIError
 from app.sessions.chunk import ChunkDelta, ChunkResult
 from app.tools.parsing import ToolCall
 
-_CLOSING = {"completed": "response.completed", "incomplete": "response.incomplete",
-            "cancelled": "response.incomplete", "failed": "response.failed"}
+_CLOSING = {
+    "completed": "response.completed",
+    "incomplete": "response.incomplete",
+    "cancelled": "response.incomplete",
+    "failed": "response.failed",
+}
 _EMPTY_PART = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
 Event = tuple[str, dict[str, Any]]
 
@@ -46,8 +50,9 @@ async def sse_frames(events: AsyncGenerator[dict[str, Any], None]) -> AsyncItera
             yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
-async def response_events(service: ResponsesService, owner: str, pending: PendingResponse,
-                          numbers: Iterator[int] | None = None) -> AsyncGenerator[dict[str, Any], None]:
+async def response_events(
+    service: ResponsesService, owner: str, pending: PendingResponse, numbers: Iterator[int] | None = None
+) -> AsyncGenerator[dict[str, Any], None]:
     """``numbers``: the sequence numbers to use (a websocket numbers its events across responses)."""
     numbers = numbers if numbers is not None else itertools.count()
 
@@ -107,34 +112,54 @@ class _Rendering:
     def _events(self, step: Step, final: list[dict[str, Any]]) -> list[Event]:
         if isinstance(step, MessageOpened):
             item = {**items.message_item("assistant", "", self.message_id, status="in_progress"), "content": []}
-            return [("response.output_item.added", {"output_index": step.output_index, "item": item}),
-                    ("response.content_part.added", {"part": _EMPTY_PART, **self._where(step.output_index)})]
+            return [
+                ("response.output_item.added", {"output_index": step.output_index, "item": item}),
+                ("response.content_part.added", {"part": _EMPTY_PART, **self._where(step.output_index)}),
+            ]
         if isinstance(step, TextDelta):
-            return [("response.output_text.delta", {"delta": step.delta, "logprobs": [],
-                                                    **self._where(step.output_index)})]
+            return [
+                ("response.output_text.delta", {"delta": step.delta, "logprobs": [], **self._where(step.output_index)})
+            ]
         if isinstance(step, CallOpened):
             item = items.function_call_item(ToolCall(step.call.call_id, step.call.name, ""), status="in_progress")
             return [("response.output_item.added", {"output_index": step.call.output_index, "item": item})]
         if isinstance(step, ArgumentsDelta):
             item_id = items.function_call_item(ToolCall(step.call.call_id, step.call.name, ""))["id"]
-            return [("response.function_call_arguments.delta", {
-                "item_id": item_id, "output_index": step.call.output_index, "delta": step.delta})]
+            return [
+                (
+                    "response.function_call_arguments.delta",
+                    {"item_id": item_id, "output_index": step.call.output_index, "delta": step.delta},
+                )
+            ]
         if isinstance(step, MessageClosed):
-            done = next((item for item in final if item["type"] == "message"), None) \
-                or items.message_item("assistant", step.text, self.message_id, status=step.status)
+            done = next((item for item in final if item["type"] == "message"), None) or items.message_item(
+                "assistant", step.text, self.message_id, status=step.status
+            )
             text = done["content"][0]["text"]
             where = self._where(step.output_index)
-            return [("response.output_text.done", {"text": text, "logprobs": [], **where}),
-                    ("response.content_part.done", {"part": {**_EMPTY_PART, "text": text}, **where}),
-                    ("response.output_item.done", {"output_index": step.output_index, "item": done})]
+            return [
+                ("response.output_text.done", {"text": text, "logprobs": [], **where}),
+                ("response.content_part.done", {"part": {**_EMPTY_PART, "text": text}, **where}),
+                ("response.output_item.done", {"output_index": step.output_index, "item": done}),
+            ]
         assert isinstance(step, CallClosed)
         call = step.call
         if step.final is None:
-            item = {**items.function_call_item(ToolCall(call.call_id, call.name, call.arguments)),
-                    "status": "incomplete"}
+            item = {
+                **items.function_call_item(ToolCall(call.call_id, call.name, call.arguments)),
+                "status": "incomplete",
+            }
             return [("response.output_item.done", {"output_index": call.output_index, "item": item})]
         item = [item for item in final if item["type"] == "function_call"][call.number]
-        return [("response.function_call_arguments.done", {
-            "item_id": item["id"], "output_index": call.output_index, "name": item["name"],
-            "arguments": item["arguments"]}),
-            ("response.output_item.done", {"output_index": call.output_index, "item": item})]
+        return [
+            (
+                "response.function_call_arguments.done",
+                {
+                    "item_id": item["id"],
+                    "output_index": call.output_index,
+                    "name": item["name"],
+                    "arguments": item["arguments"],
+                },
+            ),
+            ("response.output_item.done", {"output_index": call.output_index, "item": item}),
+        ]

@@ -52,8 +52,14 @@ class _Lane:
 
 
 class ResponsesConnection(EventConnection):
-    def __init__(self, websocket: WebSocket, service: ResponsesService, limits: KeyLimits, owner: str,
-                 route_key: str | None = None) -> None:
+    def __init__(
+        self,
+        websocket: WebSocket,
+        service: ResponsesService,
+        limits: KeyLimits,
+        owner: str,
+        route_key: str | None = None,
+    ) -> None:
         super().__init__(websocket, limits, owner)
         self.service = service
         self.route_key = route_key  # the proxy's, for the chains this connection starts
@@ -70,8 +76,12 @@ class ResponsesConnection(EventConnection):
         return None  # an event refused before it reaches a lane is answered on none
 
     def error_frame(self, error: APIError, about: str | None) -> str:
-        event = {"type": "error", "sequence_number": next(self.numbers), "status": error.status,
-                 "error": {"type": error.type, "code": error.code, "message": error.message, "param": error.param}}
+        event = {
+            "type": "error",
+            "sequence_number": next(self.numbers),
+            "status": error.status,
+            "error": {"type": error.type, "code": error.code, "message": error.message, "param": error.param},
+        }
         if about is not None:
             event["stream_id"] = about
         return json.dumps(event)
@@ -84,27 +94,43 @@ class ResponsesConnection(EventConnection):
                 raise APIError(400, "stream_id is a string.", code="invalid_type", param="stream_id")
             body = {key: value for key, value in event.items() if key not in ("type", "stream_id")}
             if refused := [name for name in _NOT_ON_A_SOCKET if body.get(name)]:
-                raise APIError(400, f"{refused[0]} is not available over the websocket.",
-                               code="unsupported_parameter", param=refused[0])
+                raise APIError(
+                    400,
+                    f"{refused[0]} is not available over the websocket.",
+                    code="unsupported_parameter",
+                    param=refused[0],
+                )
             try:
                 request = ResponsesCreateRequest.model_validate(body)
             except ValidationError as invalid:
                 first = most_specific(invalid.errors())
-                raise APIError(400, f"Invalid response.create: {first['msg']}.", code="invalid_request",
-                               param=error_param(first["loc"])) from None
+                raise APIError(
+                    400,
+                    f"Invalid response.create: {first['msg']}.",
+                    code="invalid_request",
+                    param=error_param(first["loc"]),
+                ) from None
             self._lane(stream_id).worker.submit(request)
         elif kind == "response.steer":
             await self.steer(event)
         else:
-            raise APIError(400, f"Unknown client event type {kind!r}: send response.create or response.steer.",
-                           code="invalid_event", param="type")
+            raise APIError(
+                400,
+                f"Unknown client event type {kind!r}: send response.create or response.steer.",
+                code="invalid_event",
+                param="type",
+            )
 
     def _lane(self, stream_id: str | None) -> _Lane:
         lane = self.lanes.get(stream_id)
         if lane is None:
             if len(self.lanes) >= MAX_LANES:
-                raise APIError(400, f"A connection runs at most {MAX_LANES} lanes (stream_id values).",
-                               code="too_many_streams", param="stream_id")
+                raise APIError(
+                    400,
+                    f"A connection runs at most {MAX_LANES} lanes (stream_id values).",
+                    code="too_many_streams",
+                    param="stream_id",
+                )
 
             async def serve_turns(turn: ResponsesCreateRequest | None) -> None:
                 while turn is not None:  # a steered response's successor follows it at once
@@ -113,8 +139,9 @@ class ResponsesConnection(EventConnection):
             async def failed(turn: ResponsesCreateRequest, error: APIError) -> None:
                 await self.send_error(error, stream_id)
 
-            lane = self.lanes[stream_id] = _Lane(stream_id, self.worker(serve_turns, failed,
-                                                                       f"responses-ws-{stream_id}"))
+            lane = self.lanes[stream_id] = _Lane(
+                stream_id, self.worker(serve_turns, failed, f"responses-ws-{stream_id}")
+            )
         return lane
 
     async def _respond(self, lane: _Lane, request: ResponsesCreateRequest) -> ResponsesCreateRequest | None:
@@ -137,26 +164,35 @@ class ResponsesConnection(EventConnection):
         if not lane.steered or pending.point is None:
             return None
         # The successor: the same settings, continuing the steered response with the steered input.
-        return request.model_copy(update={"input": lane.steered, "previous_response_id": pending.id,
-                                          "conversation": None, "generate": True})
+        return request.model_copy(
+            update={"input": lane.steered, "previous_response_id": pending.id, "conversation": None, "generate": True}
+        )
 
     async def steer(self, event: dict[str, Any]) -> None:
         steer_id = items.new_id("steer")
         previous = event.get("previous_response_id")
-        lane = next((lane for lane in self.lanes.values()
-                     if lane.current is not None and lane.current.id == previous), None)
+        lane = next(
+            (lane for lane in self.lanes.values() if lane.current is not None and lane.current.id == previous), None
+        )
         stream_id = lane.stream_id if lane is not None else None
 
         async def failed(code: str, message: str) -> None:
-            await self.send_event({"type": "response.steer.failed", "sequence_number": next(self.numbers),
-                             "error": {"type": "invalid_request_error", "code": code, "message": message},
-                             "steer": {"id": steer_id, "previous_response_id": previous, "input": event.get("input")}},
-                            stream_id)
+            await self.send_event(
+                {
+                    "type": "response.steer.failed",
+                    "sequence_number": next(self.numbers),
+                    "error": {"type": "invalid_request_error", "code": code, "message": message},
+                    "steer": {"id": steer_id, "previous_response_id": previous, "input": event.get("input")},
+                },
+                stream_id,
+            )
 
         if lane is None or lane.current is None:
             ended = previous in self.latest
-            await failed("response_already_completed" if ended else "response_not_active",
-                         f"Response {previous!r} is not running on this connection.")
+            await failed(
+                "response_already_completed" if ended else "response_not_active",
+                f"Response {previous!r} is not running on this connection.",
+            )
             return
         current = lane.current
         if current.request.conversation is not None:
@@ -173,5 +209,11 @@ class ResponsesConnection(EventConnection):
         lane.steered.extend(steered)
         current.steered = True
         current.run.stop()  # at its next token; the session keeps what it generated
-        await self.send_event({"type": "response.steer.accepted", "sequence_number": next(self.numbers),
-                         "steer": {"id": steer_id, "previous_response_id": previous}}, stream_id)
+        await self.send_event(
+            {
+                "type": "response.steer.accepted",
+                "sequence_number": next(self.numbers),
+                "steer": {"id": steer_id, "previous_response_id": previous},
+            },
+            stream_id,
+        )

@@ -40,8 +40,15 @@ _client_events: TypeAdapter[Any] = TypeAdapter(ClientEvent)
 
 
 class SessionConnection(EventConnection):
-    def __init__(self, websocket: WebSocket, service: SessionService, limits: KeyLimits, owner: str,
-                 session: StreamingSession, owns_session: bool):
+    def __init__(
+        self,
+        websocket: WebSocket,
+        service: SessionService,
+        limits: KeyLimits,
+        owner: str,
+        session: StreamingSession,
+        owns_session: bool,
+    ):
         super().__init__(websocket, limits, owner)
         self.service = service
         self.limits = limits
@@ -87,7 +94,9 @@ class SessionConnection(EventConnection):
             except APIError as exc:
                 exc.event_id = event.event_id
                 raise
-            await self.send_event(SessionUpdatedEvent(event_id=self._event_id(), session=self.service.describe(session)))
+            await self.send_event(
+                SessionUpdatedEvent(event_id=self._event_id(), session=self.service.describe(session))
+            )
         elif isinstance(event, SessionCloseEvent):
             if not self.session.closed:
                 await self.service.close(self.owner, self.session.id, reason="closed_by_client")
@@ -98,12 +107,18 @@ class SessionConnection(EventConnection):
     async def _append_failed(self, event: InputAppendEvent, error: APIError) -> None:
         await self.send_error(error, event.event_id)
         if self.session.closed:
-            await self.send_event(SessionClosedEvent(event_id=self._event_id(),
-                                                     reason=self.session.close_reason or "closed"))
+            await self.send_event(
+                SessionClosedEvent(event_id=self._event_id(), reason=self.session.close_reason or "closed")
+            )
 
     async def _append(self, event: InputAppendEvent) -> None:
         run = await self.service.start_chunk(
-            self.owner, self.session.id, event.input, event, transport="websocket", wait=True,
+            self.owner,
+            self.session.id,
+            event.input,
+            event,
+            transport="websocket",
+            wait=True,
             generate=event.generate,
         )
         async with contextlib.aclosing(run.events()) as events:
@@ -130,8 +145,10 @@ class SessionConnection(EventConnection):
 
 def error_event(error: APIError, event_id: str, about: str | None = None) -> ErrorEvent:
     """The session protocol's error event; ``about``: the client event it answers."""
-    return ErrorEvent(event_id=event_id, error=ErrorDetail(type=error.type, code=error.code, message=error.message,
-                                                          param=error.param, event_id=about))
+    return ErrorEvent(
+        event_id=event_id,
+        error=ErrorDetail(type=error.type, code=error.code, message=error.message, param=error.param, event_id=about),
+    )
 
 
 def _parse(data: Any) -> Any:
@@ -142,9 +159,16 @@ def _parse(data: Any) -> Any:
         first = most_specific(exc.errors())
         param = error_param(first.get("loc"))
         if isinstance(data, dict) and first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
-            message = f"Unknown event type {data.get('type')!r}; expected session.update, input.append or session.close."
+            message = (
+                f"Unknown event type {data.get('type')!r}; expected session.update, input.append or session.close."
+            )
             param = "type"
         else:
             message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        raise APIError(400, message, code="invalid_event", param=param,
-                       event_id=client_event_id if isinstance(client_event_id, str) else None) from None
+        raise APIError(
+            400,
+            message,
+            code="invalid_event",
+            param=param,
+            event_id=client_event_id if isinstance(client_event_id, str) else None,
+        ) from None

@@ -31,9 +31,12 @@ class SessionDeleted(BaseModel):
     deleted: bool = True
 
 
-GENERATE = Field(default=True, description="False: append the chunk without an answer (it is computed now, "
-                 "and the next chunk's answer reads it); the answer has no output. Chat messages are then rendered "
-                 "without the assistant prefix, which the next chunk of messages adds.")
+GENERATE = Field(
+    default=True,
+    description="False: append the chunk without an answer (it is computed now, "
+    "and the next chunk's answer reads it); the answer has no output. Chat messages are then rendered "
+    "without the assistant prefix, which the next chunk of messages adds.",
+)
 
 
 class ChunkRequest(SamplingOptions):
@@ -116,9 +119,7 @@ class SessionCloseEvent(_ClientEvent):
     type: Literal["session.close"]
 
 
-ClientEvent = Annotated[
-    SessionUpdateEvent | InputAppendEvent | SessionCloseEvent, Field(discriminator="type")
-]
+ClientEvent = Annotated[SessionUpdateEvent | InputAppendEvent | SessionCloseEvent, Field(discriminator="type")]
 
 # -- websocket: server events ---------------------------------------------------------------
 

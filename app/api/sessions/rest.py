@@ -64,8 +64,7 @@ async def create_session(
     ] = None,
 ) -> SessionObject:
     """Open a streaming-input session. Optional body: per-session sampling defaults and metadata."""
-    session = await service.create(owner, body or SessionCreateRequest(), session_id=x_session_id,
-                                   route_key=route_key)
+    session = await service.create(owner, body or SessionCreateRequest(), session_id=x_session_id, route_key=route_key)
     return service.describe(session)
 
 
@@ -128,7 +127,12 @@ async def chunk_answer(
     service: SessionService, owner: str, session_id: str, body: ChunkRequest, receive: Receive
 ) -> Response:
     run = await service.start_chunk(
-        owner, session_id, body.input, body, transport="sse" if body.stream else "rest", wait=False,
+        owner,
+        session_id,
+        body.input,
+        body,
+        transport="sse" if body.stream else "rest",
+        wait=False,
         generate=body.generate,
     )
     chunk_id = f"chunk_{secrets.token_hex(12)}"
@@ -157,12 +161,17 @@ async def _chunk_frames(run: ChunkRun, chunk_id: str) -> AsyncIterator[str]:
                 payload: ChunkDoneEvent | ChunkDeltaEvent
                 if isinstance(event, ChunkResult):
                     payload = ChunkDoneEvent(
-                        id=chunk_id, session_id=session_id, index=event.index,
-                        finish_reason=event.finish_reason, usage=event.usage,
+                        id=chunk_id,
+                        session_id=session_id,
+                        index=event.index,
+                        finish_reason=event.finish_reason,
+                        usage=event.usage,
                     )
                 else:
                     payload = ChunkDeltaEvent(
-                        id=chunk_id, session_id=session_id, index=run.session.num_chunks,
+                        id=chunk_id,
+                        session_id=session_id,
+                        index=run.session.num_chunks,
                         delta=ChunkOutput(text=event.text, token_ids=event.token_ids),
                     )
                 yield f"data: {payload.model_dump_json()}\n\n"

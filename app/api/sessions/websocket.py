@@ -14,13 +14,15 @@ router = APIRouter(tags=["sessions"])
 
 
 @router.websocket("/v1/sessions/ws")
-async def new_session_ws(websocket: WebSocket, service: ServiceDep, limits: LimitsDep, owner: OwnerDep,
-                         route_key: RouteKeyDep) -> None:
+async def new_session_ws(
+    websocket: WebSocket, service: ServiceDep, limits: LimitsDep, owner: OwnerDep, route_key: RouteKeyDep
+) -> None:
     """Open a new session for this connection; it closes when the connection does."""
     await websocket.accept()
     try:
-        session = await service.create(owner, SessionCreateRequest(), session_id=websocket.headers.get("x-session-id"),
-                                       route_key=route_key)
+        session = await service.create(
+            owner, SessionCreateRequest(), session_id=websocket.headers.get("x-session-id"), route_key=route_key
+        )
     except APIError as exc:
         await _refuse(websocket, exc)
         return
@@ -28,8 +30,9 @@ async def new_session_ws(websocket: WebSocket, service: ServiceDep, limits: Limi
 
 
 @router.websocket("/v1/sessions/{session_id}/ws")
-async def attach_session_ws(websocket: WebSocket, session_id: str, service: ServiceDep, limits: LimitsDep,
-                            owner: OwnerDep) -> None:
+async def attach_session_ws(
+    websocket: WebSocket, session_id: str, service: ServiceDep, limits: LimitsDep, owner: OwnerDep
+) -> None:
     """Attach to an existing session; it stays open when the connection ends."""
     await websocket.accept()
     try:

@@ -30,9 +30,16 @@ pytestmark = pytest.mark.server
 
 SERVER_EVENTS: TypeAdapter[Any] = TypeAdapter(RealtimeServerEvent)
 RESPONSE_EVENTS = [
-    "response.created", "response.output_item.added", "conversation.item.added", "response.content_part.added",
-    "response.output_text.delta", "response.output_text.done", "response.content_part.done",
-    "response.output_item.done", "conversation.item.done", "response.done",
+    "response.created",
+    "response.output_item.added",
+    "conversation.item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "conversation.item.done",
+    "response.done",
 ]
 TURNS = ["Hello there, model.", "Tell me more about that.", "And one last thing?"]
 
@@ -72,8 +79,9 @@ async def close_sessions(server: str, *session_ids: str) -> None:
 
 @asynccontextmanager
 async def realtime(server: str, session_id: str | None = None) -> AsyncIterator[tuple[Any, Frames]]:
-    client = AsyncOpenAI(api_key=API_KEYS[0], base_url=f"{server}/v1",
-                         websocket_base_url=server.replace("http://", "ws://") + "/v1")
+    client = AsyncOpenAI(
+        api_key=API_KEYS[0], base_url=f"{server}/v1", websocket_base_url=server.replace("http://", "ws://") + "/v1"
+    )
     query = {"session_id": session_id} if session_id else {}
     async with client.realtime.connect(model="embedded-tiny", extra_query=query, max_retries=0) as connection:
         frames = Frames(connection)
@@ -117,15 +125,23 @@ async def test_three_turns_with_streamed_deltas_and_cached_earlier_turns(server:
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         session_id = await greedy_session(http)
     async with realtime(server, session_id) as (connection, frames):
-        await connection.session.update(session={"type": "realtime", "instructions": "Be brief.",
-                                                 "max_output_tokens": 8, "output_modalities": ["text"]})
+        await connection.session.update(
+            session={
+                "type": "realtime",
+                "instructions": "Be brief.",
+                "max_output_tokens": 8,
+                "output_modalities": ["text"],
+            }
+        )
         updated = await frames.next()
         assert updated["type"] == "session.updated"
         assert updated["session"]["instructions"] == "Be brief." and updated["session"]["max_output_tokens"] == 8
         # An audio block, as the Agents SDK's Realtime model always sends one: accepted with
         # text output (it changes nothing), echoed back.
-        audio = {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None},
-                 "output": {"voice": "alloy"}}
+        audio = {
+            "input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None},
+            "output": {"voice": "alloy"},
+        }
         await connection.session.update(session={"type": "realtime", "audio": audio})  # type: ignore[typeddict-item]
         echoed = await frames.next()
         assert echoed["type"] == "session.updated", echoed
@@ -187,7 +203,8 @@ async def test_cancel_mid_response_then_the_conversation_goes_on(server: str) ->
         session_id = await greedy_session(http)
         async with realtime(server, session_id) as (connection, frames):
             await connection.conversation.item.create(
-                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Go on."}]})
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Go on."}]}
+            )
             await frames.until("conversation.item.done")
             await connection.response.create(response={"max_output_tokens": 800})
             events = await frames.until("response.output_text.delta")
@@ -211,8 +228,9 @@ async def test_bad_events_get_error_events_and_the_conversation_goes_on(server: 
         first = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
 
         async def add(previous_item_id: str) -> dict[str, Any]:
-            await connection.send_raw(json.dumps({"type": "conversation.item.create", "item": first,
-                                                  "previous_item_id": previous_item_id}))
+            await connection.send_raw(
+                json.dumps({"type": "conversation.item.create", "item": first, "previous_item_id": previous_item_id})
+            )
             added = await frames.next()
             assert added["type"] == "conversation.item.added", added
             await frames.next()  # conversation.item.done
@@ -221,31 +239,65 @@ async def test_bad_events_get_error_events_and_the_conversation_goes_on(server: 
         head = (await add("root"))["item"]["id"]
         assert (await add(head))["previous_item_id"] == head
         ratio = {"type": "retention_ratio", "retention_ratio": 0.5}
-        await connection.send_raw(json.dumps({"type": "session.update", "session": {"type": "realtime",
-                                                                                      "truncation": ratio}}))
+        await connection.send_raw(
+            json.dumps({"type": "session.update", "session": {"type": "realtime", "truncation": ratio}})
+        )
         updated = await frames.next()
         assert updated["type"] == "session.updated" and updated["session"]["truncation"] == ratio, updated
         bad: list[tuple[Any, str]] = [
-            (json.dumps({"type": "conversation.item.create", "previous_item_id": "root", "item": first}),
-             "unsupported_on_session"),
+            (
+                json.dumps({"type": "conversation.item.create", "previous_item_id": "root", "item": first}),
+                "unsupported_on_session",
+            ),
             ("{not json", "invalid_json"),
             (json.dumps({"type": "no.such.event"}), "invalid_event_type"),
-            (json.dumps({"type": "conversation.item.delete", "item_id": "x", "event_id": "mine"}),
-             "unsupported_on_session"),
-            (json.dumps({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["audio"]}}),
-             "unsupported_modality"),
-            (json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user"}}),
-             "invalid_event"),
+            (
+                json.dumps({"type": "conversation.item.delete", "item_id": "x", "event_id": "mine"}),
+                "unsupported_on_session",
+            ),
+            (
+                json.dumps({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["audio"]}}),
+                "unsupported_modality",
+            ),
+            (
+                json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user"}}),
+                "invalid_event",
+            ),
             (json.dumps({"type": "response.cancel"}), "response_cancel_not_active"),
             (json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA"}), "audio_not_supported"),
-            (json.dumps({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": -1}}),
-             "invalid_value"),
+            (
+                json.dumps({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": -1}}),
+                "invalid_value",
+            ),
             (json.dumps({"type": "response.create", "response": {"max_output_tokens": -5}}), "invalid_value"),
-            (json.dumps({"type": "session.update", "session": {"type": "realtime", "truncation": {
-                "type": "retention_ratio", "retention_ratio": 0}}}), "invalid_value"),
-            (json.dumps({"type": "session.update", "session": {"type": "realtime", "truncation": {
-                "type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"post_instructions": 99}}}}),
-             "unsupported_value"),
+            (
+                json.dumps(
+                    {
+                        "type": "session.update",
+                        "session": {
+                            "type": "realtime",
+                            "truncation": {"type": "retention_ratio", "retention_ratio": 0},
+                        },
+                    }
+                ),
+                "invalid_value",
+            ),
+            (
+                json.dumps(
+                    {
+                        "type": "session.update",
+                        "session": {
+                            "type": "realtime",
+                            "truncation": {
+                                "type": "retention_ratio",
+                                "retention_ratio": 0.5,
+                                "token_limits": {"post_instructions": 99},
+                            },
+                        },
+                    }
+                ),
+                "unsupported_value",
+            ),
         ]
         for raw, code in bad:
             await connection.send_raw(raw)
@@ -254,8 +306,17 @@ async def test_bad_events_get_error_events_and_the_conversation_goes_on(server: 
             assert set(error["error"]) >= {"type", "code", "message"}
             if "mine" in raw:
                 assert error["error"]["event_id"] == "mine"  # the client event it answers
-        await connection.send_raw(json.dumps({"type": "conversation.item.truncate", "item_id": "x",
-                                              "content_index": 0, "audio_end_ms": 0, "event_id": "evt_client_1"}))
+        await connection.send_raw(
+            json.dumps(
+                {
+                    "type": "conversation.item.truncate",
+                    "item_id": "x",
+                    "content_index": 0,
+                    "audio_end_ms": 0,
+                    "event_id": "evt_client_1",
+                }
+            )
+        )
         truncate_error = await frames.next()
         assert truncate_error["error"]["event_id"] == "evt_client_1"  # the client's event, named
         events = await turn(connection, frames, "Still there?")

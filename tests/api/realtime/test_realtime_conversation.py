@@ -59,7 +59,9 @@ async def attached(server: str, session_id: str, instructions: str | None = None
         connection = Connection(ws)
         connection.created = await connection.until("session.created")
         if instructions is not None:
-            await connection.send({"type": "session.update", "session": {"type": "realtime", "instructions": instructions}})
+            await connection.send(
+                {"type": "session.update", "session": {"type": "realtime", "instructions": instructions}}
+            )
             await connection.until("session.updated")
         yield connection
 
@@ -86,8 +88,9 @@ class Oracle:
         at its head; records the reply. Returns the transcript's text."""
         self.messages.append({"role": "user", "content": user})
         head = [{"role": "system", "content": instructions}] if instructions else []
-        expected = self.tokenizer.apply_chat_template(head + self.messages, chat_template=self.tokenizer.chat_template,
-                                                      tokenize=False, add_generation_prompt=True)
+        expected = self.tokenizer.apply_chat_template(
+            head + self.messages, chat_template=self.tokenizer.chat_template, tokenize=False, add_generation_prompt=True
+        )
         transcript = (await self.http.get(f"/v1/sessions/{self.session_id}/transcript")).json()
         prompt_ids = transcript["token_ids"][: done["response"]["usage"]["input_tokens"]]
         assert self.clean(self.tokenizer.decode(prompt_ids)) == self.clean(expected)
@@ -173,10 +176,14 @@ async def test_a_template_that_rewrites_earlier_turns_holds_a_four_turn_conversa
         await http.delete(f"/v1/sessions/{session_id}")
 
 
-@pytest.mark.parametrize(("template", "items"), [
-    (GEMMA, [("system", "Be brief."), ("user", "Hi")]),
-    (MISTRAL, [("user", "Hi"), ("user", "again")]),
-], ids=["gemma-system-role", "mistral-alternation"])
+@pytest.mark.parametrize(
+    ("template", "items"),
+    [
+        (GEMMA, [("system", "Be brief."), ("user", "Hi")]),
+        (MISTRAL, [("user", "Hi"), ("user", "again")]),
+    ],
+    ids=["gemma-system-role", "mistral-alternation"],
+)
 async def test_a_template_that_refuses_the_conversation_is_an_error_event(
     server: str, tokenizer: Any, template: str, items: list[tuple[str, str]]
 ) -> None:
@@ -244,11 +251,14 @@ async def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(s
                 messages.append({"role": "user", "content": question})
                 usage = done["response"]["usage"]
                 transcript = (await http.get(f"/v1/sessions/{session_id}/transcript")).json()
-                prompt = Oracle.clean(tokenizer.decode(transcript["token_ids"][:usage["input_tokens"]]))
+                prompt = Oracle.clean(tokenizer.decode(transcript["token_ids"][: usage["input_tokens"]]))
                 kept = [messages[first:] for first in range(len(messages)) if messages[first]["role"] == "user"]
-                rendered = [tokenizer.apply_chat_template(head + suffix, chat_template=tokenizer.chat_template,
-                                                          tokenize=False, add_generation_prompt=True)
-                            for suffix in kept]
+                rendered = [
+                    tokenizer.apply_chat_template(
+                        head + suffix, chat_template=tokenizer.chat_template, tokenize=False, add_generation_prompt=True
+                    )
+                    for suffix in kept
+                ]
                 assert prompt in [Oracle.clean(text) for text in rendered]
                 prompts.append(usage["input_tokens"])
                 cached.append(usage["input_token_details"]["cached_tokens"])
@@ -257,5 +267,8 @@ async def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(s
         assert cuts and cuts[0] == refused_at, (prompts, refused_at)
         assert max(prompts) + 6 <= 4096
         # After a cut, the next turn appends: its earlier tokens come from cache.
-        assert any(turn + 1 < len(prompts) and cached[turn + 1] >= prompts[turn] - 32 for turn in cuts), (prompts, cached)
+        assert any(turn + 1 < len(prompts) and cached[turn + 1] >= prompts[turn] - 32 for turn in cuts), (
+            prompts,
+            cached,
+        )
         await http.delete(f"/v1/sessions/{session_id}")

@@ -21,8 +21,16 @@ import httpx
 import openai
 
 MODEL = "smollm2-135m-instruct"
-QUESTIONS = ["What is the capital of France?", "And of Germany?", "Name one river there.", "Thank you!",
-             "What is two plus two?", "Say it in French.", "Name a color.", "What did I ask first?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "And of Germany?",
+    "Name one river there.",
+    "Thank you!",
+    "What is two plus two?",
+    "Say it in French.",
+    "Name a color.",
+    "What did I ask first?",
+]
 MAX_OUTPUT = 24
 
 
@@ -34,9 +42,16 @@ class ConversationCheck:
         self.canonical = True
 
     def reference(self, messages: list[dict[str, str]]) -> str:
-        answer = self.http.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": messages, "max_tokens": MAX_OUTPUT, "temperature": 0,
-            "cache_salt": secrets.token_hex(8)})
+        answer = self.http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": messages,
+                "max_tokens": MAX_OUTPUT,
+                "temperature": 0,
+                "cache_salt": secrets.token_hex(8),
+            },
+        )
         assert answer.status_code == 200, answer.text
         return str(answer.json()["choices"][0]["message"]["content"])
 
@@ -46,14 +61,15 @@ class ConversationCheck:
         self.messages.append({"role": "user", "content": question})
         expected = self.reference(self.messages)
         if self.canonical:
-            answer = response.output_text[:len(expected)] if longer else response.output_text
+            answer = response.output_text[: len(expected)] if longer else response.output_text
             assert answer == expected, (self.label, len(self.messages), response.output_text, expected)
         self.messages.append({"role": "assistant", "content": response.output_text})
         transcript = self.http.get(f"/v1/sessions/{session_id}/transcript").json()["token_ids"]
         from app.sessions.chat import reply_close
 
-        closed = transcript + self.tokenizer.encode(reply_close(self.tokenizer, transcript[-1]),
-                                                    add_special_tokens=False)
+        closed = transcript + self.tokenizer.encode(
+            reply_close(self.tokenizer, transcript[-1]), add_special_tokens=False
+        )
         rendered = self.tokenizer.apply_chat_template(self.messages, tokenize=False)
         assert self.tokenizer.decode(closed) == rendered, (self.label, self.tokenizer.decode(closed), rendered)
         self.canonical = self.canonical and closed == self.tokenizer.encode(rendered, add_special_tokens=False)
@@ -75,8 +91,9 @@ def check_stateful_apis(base_url: str, tokenizer: Any) -> dict[str, bool]:
     check = ConversationCheck(base_url, tokenizer, "conversation")
     history = 0
     for question in QUESTIONS:
-        response = client.responses.create(model=MODEL, input=question, conversation=conversation.id,
-                                           max_output_tokens=MAX_OUTPUT, temperature=0)
+        response = client.responses.create(
+            model=MODEL, input=question, conversation=conversation.id, max_output_tokens=MAX_OUTPUT, temperature=0
+        )
         assert response.conversation is not None and response.conversation.id == conversation.id
         check.turn(question, response, conversation.id, history)
         history = response.usage.input_tokens + response.usage.output_tokens
@@ -89,8 +106,9 @@ def check_stateful_apis(base_url: str, tokenizer: Any) -> dict[str, bool]:
     chain: list[Any] = []
     history = 0
     for question in QUESTIONS:
-        response = client.responses.create(model=MODEL, input=question, previous_response_id=previous,
-                                           max_output_tokens=MAX_OUTPUT, temperature=0)
+        response = client.responses.create(
+            model=MODEL, input=question, previous_response_id=previous, max_output_tokens=MAX_OUTPUT, temperature=0
+        )
         check.turn(question, response, chain[0].id if chain else response.id, history)
         chain.append(response)
         previous, history = response.id, response.usage.input_tokens + response.usage.output_tokens
@@ -98,12 +116,16 @@ def check_stateful_apis(base_url: str, tokenizer: Any) -> dict[str, bool]:
 
     # Turn 3 continued again: a new session whose context is turns 1-3, from the cache.
     fork_question = "Name a mountain there."
-    fork = client.responses.create(model=MODEL, input=fork_question, previous_response_id=chain[2].id,
-                                   max_output_tokens=MAX_OUTPUT, temperature=0)
+    fork = client.responses.create(
+        model=MODEL, input=fork_question, previous_response_id=chain[2].id, max_output_tokens=MAX_OUTPUT, temperature=0
+    )
     history = chain[2].usage.input_tokens + chain[2].usage.output_tokens
     check = ConversationCheck(base_url, tokenizer, "fork")
-    check.messages = [m for q, r in zip(QUESTIONS[:3], chain[:3], strict=True)
-                      for m in ({"role": "user", "content": q}, {"role": "assistant", "content": r.output_text})]
+    check.messages = [
+        m
+        for q, r in zip(QUESTIONS[:3], chain[:3], strict=True)
+        for m in ({"role": "user", "content": q}, {"role": "assistant", "content": r.output_text})
+    ]
     expected = check.reference([*check.messages, {"role": "user", "content": fork_question}])
     if results["chain"]:
         assert fork.output_text == expected, (fork.output_text, expected)
@@ -116,8 +138,9 @@ def check_stateful_apis(base_url: str, tokenizer: Any) -> dict[str, bool]:
     check = ConversationCheck(base_url, tokenizer, "streamed chain")
     previous, history, first = None, 0, None
     for question in QUESTIONS:
-        with client.responses.stream(model=MODEL, input=question, previous_response_id=previous,
-                                     max_output_tokens=MAX_OUTPUT, temperature=0) as stream:
+        with client.responses.stream(
+            model=MODEL, input=question, previous_response_id=previous, max_output_tokens=MAX_OUTPUT, temperature=0
+        ) as stream:
             events = list(stream)
         # An answer cut at max_output_tokens ends with response.incomplete, as at OpenAI.
         assert events[-1].type in ("response.completed", "response.incomplete"), events[-1]
@@ -141,6 +164,7 @@ def _over_the_websocket(client: openai.OpenAI, base_url: str, tokenizer: Any) ->
     previous: str | None = None
     first, history = None, 0
     with client.responses.connect() as connection:
+
         def until(*kinds: str) -> Any:
             for event in connection:
                 assert event.type != "error", event
@@ -149,8 +173,14 @@ def _over_the_websocket(client: openai.OpenAI, base_url: str, tokenizer: Any) ->
             raise AssertionError("the connection closed")
 
         for number, question in enumerate(QUESTIONS):
-            turn = {"type": "response.create", "model": MODEL, "store": False, "previous_response_id": previous,
-                    "max_output_tokens": MAX_OUTPUT, "temperature": 0}
+            turn = {
+                "type": "response.create",
+                "model": MODEL,
+                "store": False,
+                "previous_response_id": previous,
+                "max_output_tokens": MAX_OUTPUT,
+                "temperature": 0,
+            }
             if number == 2:
                 # generate: false: the question computed now, answered by the next turn (no input of its
                 # own), which computes only the assistant prefix.
@@ -170,8 +200,17 @@ def _over_the_websocket(client: openai.OpenAI, base_url: str, tokenizer: Any) ->
                 assert details.computed_tokens == len(prefix), details
             previous, history = response.id, response.usage.input_tokens + response.usage.output_tokens
         long_question, steer = "Write a long story about a dragon.", "Stop. What is the capital of Spain?"
-        connection.send({"type": "response.create", "model": MODEL, "input": long_question, "store": False,
-                         "previous_response_id": previous, "max_output_tokens": 400, "temperature": 0})
+        connection.send(
+            {
+                "type": "response.create",
+                "model": MODEL,
+                "input": long_question,
+                "store": False,
+                "previous_response_id": previous,
+                "max_output_tokens": 400,
+                "temperature": 0,
+            }
+        )
         running = until("response.created").response.id
         for _ in range(8):
             until("response.output_text.delta")
@@ -183,6 +222,9 @@ def _over_the_websocket(client: openai.OpenAI, base_url: str, tokenizer: Any) ->
         assert successor.previous_response_id == running
         done = until("response.completed", "response.incomplete").response
     # The context: the conversation with the steered answer as far as it went, the steer, the answer.
-    check.messages += [{"role": "user", "content": long_question}, {"role": "assistant", "content": steered.output_text}]
+    check.messages += [
+        {"role": "user", "content": long_question},
+        {"role": "assistant", "content": steered.output_text},
+    ]
     check.turn(steer, done, first, 0, longer=True)  # the successor inherits max_output_tokens
     return check.canonical

@@ -31,8 +31,12 @@ from tests.http.test_schema_fuzz import operations_not_generated
 pytestmark = pytest.mark.server
 
 MODEL = "embedded-tiny"
-CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-        "required": ["city"], "additionalProperties": False}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": CITY}
 STREAM_EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 
@@ -57,8 +61,11 @@ async def sse_events(http: httpx.AsyncClient, body: dict[str, Any]) -> list[dict
 
 def calls_streamed(events: list[dict[str, Any]]) -> dict[str, str]:
     """Each function call item's arguments as its deltas add them up."""
-    added = {e["item"]["id"]: "" for e in events if e["type"] == "response.output_item.added"
-             and e["item"]["type"] == "function_call"}
+    added = {
+        e["item"]["id"]: ""
+        for e in events
+        if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call"
+    }
     for event in events:
         if event["type"] == "response.function_call_arguments.delta":
             added[event["item_id"]] += event["delta"]
@@ -67,8 +74,14 @@ def calls_streamed(events: list[dict[str, Any]]) -> dict[str, str]:
 
 async def test_a_responses_tool_round_trip_streams_sdk_events(tool_server: str) -> None:
     async with httpx.AsyncClient(base_url=tool_server, headers=auth(), timeout=120) as http:
-        body = {"model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER], "tool_choice": "required",
-                "max_output_tokens": 160, "temperature": 0}
+        body = {
+            "model": MODEL,
+            "input": "Weather in Paris?",
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "max_output_tokens": 160,
+            "temperature": 0,
+        }
         events = await sse_events(http, body)
         final = events[-1]
         assert final["type"] == "response.completed", final
@@ -81,11 +94,20 @@ async def test_a_responses_tool_round_trip_streams_sdk_events(tool_server: str) 
         assert done == streamed
         # The round trip: the tool's output is all that is appended.
         output = "It is sunny."
-        second = await http.post("/v1/responses", json={
-            "model": MODEL, "previous_response_id": final["response"]["id"], "tools": [WEATHER], "tool_choice": "none",
-            "max_output_tokens": 4, "temperature": 0,
-            "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": output}
-                      for call in calls]})
+        second = await http.post(
+            "/v1/responses",
+            json={
+                "model": MODEL,
+                "previous_response_id": final["response"]["id"],
+                "tools": [WEATHER],
+                "tool_choice": "none",
+                "max_output_tokens": 4,
+                "temperature": 0,
+                "input": [
+                    {"type": "function_call_output", "call_id": call["call_id"], "output": output} for call in calls
+                ],
+            },
+        )
         assert second.status_code == 200, second.text
         usage = second.json()["usage"]
         first_usage = final["response"]["usage"]
@@ -106,17 +128,22 @@ async def test_a_realtime_tool_round_trip_streams_sdk_events(tool_server: str) -
         created = await http.post("/v1/sessions", json={"defaults": {"temperature": 0}})
         assert created.status_code == 201, created.text
         session_id = created.json()["id"]
-    client = AsyncOpenAI(api_key=API_KEYS[0], base_url=f"{tool_server}/v1",
-                         websocket_base_url=tool_server.replace("http://", "ws://") + "/v1")
-    async with client.realtime.connect(model=MODEL, extra_query={"session_id": session_id},
-                                       max_retries=0) as connection:
+    client = AsyncOpenAI(
+        api_key=API_KEYS[0],
+        base_url=f"{tool_server}/v1",
+        websocket_base_url=tool_server.replace("http://", "ws://") + "/v1",
+    )
+    async with client.realtime.connect(
+        model=MODEL, extra_query={"session_id": session_id}, max_retries=0
+    ) as connection:
         frames = Frames(connection)  # every server event validated with the SDK's union, strictly
         assert (await frames.next())["session"]["id"] == session_id
         await connection.session.update(session={"type": "realtime", "tools": [WEATHER], "tool_choice": "required"})
         updated = await frames.next()
         assert updated["type"] == "session.updated" and updated["session"]["tools"][0]["name"] == "get_weather"
-        await connection.conversation.item.create(item={"type": "message", "role": "user",
-                                                        "content": [{"type": "input_text", "text": "Weather?"}]})
+        await connection.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}
+        )
         await frames.until("conversation.item.done")
         # One call (greedy, this model would go on adding calls until the token limit).
         await connection.response.create(response={"max_output_tokens": 160, "parallel_tool_calls": False})
@@ -125,20 +152,28 @@ async def test_a_realtime_tool_round_trip_streams_sdk_events(tool_server: str) -
         assert response["status"] == "completed", response
         calls = [item for item in response["output"] if item["type"] == "function_call"]
         assert len(calls) == 1 and all(json.loads(call["arguments"])["city"] in ("Paris", "Rome") for call in calls)
-        streamed = {call["id"]: "".join(e["delta"] for e in events if e.get("item_id") == call["id"]
-                                        and e["type"] == "response.function_call_arguments.delta") for call in calls}
+        streamed = {
+            call["id"]: "".join(
+                e["delta"]
+                for e in events
+                if e.get("item_id") == call["id"] and e["type"] == "response.function_call_arguments.delta"
+            )
+            for call in calls
+        }
         assert streamed == {call["id"]: call["arguments"] for call in calls}
         kinds = [e["type"] for e in events]
         assert kinds.count("conversation.item.added") == kinds.count("conversation.item.done") == len(calls)
         # An output for no call is refused (as OpenAI checks call_id against the conversation);
         # the call's own output back, and an answer in words (this response's tool_choice: none).
-        await connection.conversation.item.create(item={"type": "function_call_output", "call_id": "call_nope",
-                                                        "output": "Sunny."})
+        await connection.conversation.item.create(
+            item={"type": "function_call_output", "call_id": "call_nope", "output": "Sunny."}
+        )
         error = await frames.next()
         assert error["type"] == "error" and error["error"]["code"] == "tool_call_not_found", error
         for call in calls:
-            await connection.conversation.item.create(item={"type": "function_call_output", "call_id": call["call_id"],
-                                                            "output": "Sunny."})
+            await connection.conversation.item.create(
+                item={"type": "function_call_output", "call_id": call["call_id"], "output": "Sunny."}
+            )
             await frames.until("conversation.item.done")
         await connection.response.create(response={"tool_choice": "none", "max_output_tokens": 4})
         answer = (await frames.until("response.done"))[-1]["response"]
@@ -158,27 +193,58 @@ async def test_chat_completions_and_conversations_carry_tool_calls(tool_server: 
     client = AsyncOpenAI(api_key=API_KEYS[0], base_url=f"{tool_server}/v1", max_retries=0)
     chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
     messages: Any = [{"role": "user", "content": "Weather?"}]
-    completion = await client.chat.completions.create(model=MODEL, messages=messages, tools=[chat_tool],
-                                                      tool_choice="required", max_tokens=160, temperature=0,
-                                                      parallel_tool_calls=False)
+    completion = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[chat_tool],
+        tool_choice="required",
+        max_tokens=160,
+        temperature=0,
+        parallel_tool_calls=False,
+    )
     (call,) = completion.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
-    stream = await client.chat.completions.create(model=MODEL, messages=messages, tools=[chat_tool],
-                                                  tool_choice="required", max_tokens=160, temperature=0, stream=True,
-                                                  parallel_tool_calls=False)
-    streamed = "".join([tc.function.arguments or "" async for chunk in stream for tc in
-                        (chunk.choices[0].delta.tool_calls or []) if chunk.choices and tc.function])
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[chat_tool],
+        tool_choice="required",
+        max_tokens=160,
+        temperature=0,
+        stream=True,
+        parallel_tool_calls=False,
+    )
+    streamed = "".join(
+        [
+            tc.function.arguments or ""
+            async for chunk in stream
+            for tc in (chunk.choices[0].delta.tool_calls or [])
+            if chunk.choices and tc.function
+        ]
+    )
     assert json.loads(streamed) == json.loads(call.function.arguments)
 
     conversation = await client.conversations.create()
-    response = await client.responses.create(model=MODEL, input="Weather?", conversation=conversation.id,
-                                             tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
-                                             parallel_tool_calls=False, max_output_tokens=160, temperature=0)
+    response = await client.responses.create(
+        model=MODEL,
+        input="Weather?",
+        conversation=conversation.id,
+        tools=[WEATHER],
+        tool_choice="required",  # type: ignore[list-item]
+        parallel_tool_calls=False,
+        max_output_tokens=160,
+        temperature=0,
+    )
     (function_call,) = [item for item in response.output if item.type == "function_call"]
-    await client.responses.create(model=MODEL, conversation=conversation.id, tools=[WEATHER],  # type: ignore[list-item]
-                                  tool_choice="none", max_output_tokens=4, temperature=0,
-                                  input=[{"type": "function_call_output", "call_id": function_call.call_id,
-                                          "output": "Sunny."}])
+    await client.responses.create(
+        model=MODEL,
+        conversation=conversation.id,
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="none",
+        max_output_tokens=4,
+        temperature=0,
+        input=[{"type": "function_call_output", "call_id": function_call.call_id, "output": "Sunny."}],
+    )
     kinds = [item.type for item in (await client.conversations.items.list(conversation.id, order="asc")).data]
     assert kinds == ["message", "function_call", "function_call_output", "message"], kinds
     await close_sessions(tool_server, conversation.id)
@@ -190,14 +256,19 @@ async def test_a_batch_conversation_with_a_tool_call_is_answered(tool_server: st
     messages: every conversation with a tool call was refused (400; fresh-seed fuzzing
     with a parser). app/vllm_routes/fixes.py renders from a copy. Oracle: one answer each."""
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    conversation = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}]
+    conversation = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."},
+    ]
     # As the openai SDK sends a call back: content null, which pydantic reads into a lazy
     # iterator of calls (it cannot be copied: a 400 "cannot pickle", fresh seeds again).
     sent_back = [conversation[0], {**conversation[1], "content": None}, conversation[2]]
     async with httpx.AsyncClient(base_url=tool_server, headers=auth(), timeout=60) as http:
-        response = await http.post("/v1/chat/completions/batch", json={
-            "model": MODEL, "messages": [conversation, conversation[:1], sent_back], "max_completion_tokens": 2})
+        response = await http.post(
+            "/v1/chat/completions/batch",
+            json={"model": MODEL, "messages": [conversation, conversation[:1], sent_back], "max_completion_tokens": 2},
+        )
         assert response.status_code == 200, response.text
         assert [choice["index"] for choice in response.json()["choices"]] == [0, 1, 2]
 

@@ -57,7 +57,8 @@ async def raw_post_and_hang_up(server: str, path: str, body: dict[str, Any]) -> 
     payload = json.dumps(body).encode()
     writer.write(
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: {auth()['Authorization']}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
     )
     await writer.drain()
     hang_up(writer.transport)
@@ -89,8 +90,11 @@ async def sse_hang_up(server: str, session_id: str) -> None:
     )
 
 
-@pytest.mark.parametrize("hang_up", [realtime_burst, websocket_burst, rest_hang_up, sse_hang_up],
-                         ids=["realtime", "websocket", "rest", "sse"])
+@pytest.mark.parametrize(
+    "hang_up",
+    [realtime_burst, websocket_burst, rest_hang_up, sse_hang_up],
+    ids=["realtime", "websocket", "rest", "sse"],
+)
 async def test_a_client_that_hangs_up_at_once_leaves_the_session_usable(
     server: str, hang_up: Callable[[str, str], Awaitable[None]]
 ) -> None:

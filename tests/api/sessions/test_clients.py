@@ -66,9 +66,13 @@ async def test_async_client(server: str, transport: str) -> None:
 
 
 def _sync_session(server: str, transport: str) -> list[list[int]]:
-    with SessionsClient(server, API_KEYS[0]) as client, client.sessions.create(
-        defaults=DEFAULTS, transport=transport  # type: ignore[arg-type]
-    ) as session:
+    with (
+        SessionsClient(server, API_KEYS[0]) as client,
+        client.sessions.create(
+            defaults=DEFAULTS,
+            transport=transport,  # type: ignore[arg-type]
+        ) as session,
+    ):
         first = session.send(CHUNKS[0])
         streamed = [t for delta in session.stream(CHUNKS[1]) for t in delta.token_ids]
         assert session.last_reply is not None and session.last_reply.token_ids == streamed
@@ -128,19 +132,33 @@ EXAMPLE_PAGES = ("README.md", "docs/sessions.md", "docs/openai.md")
 
 
 def readme_python_blocks() -> list[str]:
-    blocks = [block for page in EXAMPLE_PAGES
-              for block in re.findall(r"```python\n(.*?)```", (REPO / page).read_text(), flags=re.DOTALL)]
+    blocks = [
+        block
+        for page in EXAMPLE_PAGES
+        for block in re.findall(r"```python\n(.*?)```", (REPO / page).read_text(), flags=re.DOTALL)
+    ]
     return list(dict.fromkeys(blocks))
 
 
-async def run_python(code: str, server: str, *args: str, stdin: bytes | None = None,
-                     model: str = "embedded-tiny") -> tuple[int, str, str]:
-    env = {**os.environ, "STREAMSESS_BASE_URL": server, "STREAMSESS_API_KEY": API_KEYS[0],
-           "STREAMSESS_MODEL": model, "PYTHONPATH": str(REPO)}
+async def run_python(
+    code: str, server: str, *args: str, stdin: bytes | None = None, model: str = "embedded-tiny"
+) -> tuple[int, str, str]:
+    env = {
+        **os.environ,
+        "STREAMSESS_BASE_URL": server,
+        "STREAMSESS_API_KEY": API_KEYS[0],
+        "STREAMSESS_MODEL": model,
+        "PYTHONPATH": str(REPO),
+    }
     process = await asyncio.create_subprocess_exec(
-        sys.executable, *(("-c", code) if code else ()), *args,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=env, cwd=REPO,
+        sys.executable,
+        *(("-c", code) if code else ()),
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        cwd=REPO,
     )
     out, err = await asyncio.wait_for(process.communicate(stdin), 300)
     assert process.returncode is not None
@@ -180,8 +198,9 @@ async def _run_readme_blocks(blocks: list[str], server: str) -> None:
 async def test_cli(server: str, tmp_path: Path) -> None:
     transcript = tmp_path / "meeting.txt"
     transcript.write_text("first line of the meeting\n\nsecond line\nthird line\n")
-    code, out, err = await run_python("", server, "-m", "clients.cli", "run", str(transcript), "--max-tokens", "3", "--keep",
-                                     "--temperature", "0")
+    code, out, err = await run_python(
+        "", server, "-m", "clients.cli", "run", str(transcript), "--max-tokens", "3", "--keep", "--temperature", "0"
+    )
     assert code == 0, err
     assert len(out.splitlines()) == 3  # one answer per non-empty line
     assert re.search(r"\[3/3 100%\] ttft \d+ ms, 3 tokens .*device \d+, cpu tier \d+, computed \d+", err), err
@@ -190,7 +209,18 @@ async def test_cli(server: str, tmp_path: Path) -> None:
     code, out, _ = await run_python("", server, "-m", "clients.cli", "list")
     assert code == 0 and session_id in out
     code, out, _ = await run_python(
-        "", server, "-m", "clients.cli", "run", "--session", session_id, "--transport", "websocket", "--quiet", "--temperature", "0",
+        "",
+        server,
+        "-m",
+        "clients.cli",
+        "run",
+        "--session",
+        session_id,
+        "--transport",
+        "websocket",
+        "--quiet",
+        "--temperature",
+        "0",
         stdin=b"a live line\nanother\n",
     )
     assert code == 0 and len(out.splitlines()) == 2

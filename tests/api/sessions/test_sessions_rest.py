@@ -21,8 +21,12 @@ async def metric(http: httpx.AsyncClient, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = (await http.get("/metrics")).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and labels.items() <= sample.labels.items())
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 async def open_session(http: httpx.AsyncClient, **defaults: Any) -> str:
@@ -52,7 +56,10 @@ async def test_session_chunks_equal_one_shot_requests(server: str, engine: Any) 
             details = usage["prompt_tokens_details"]
             assert usage["prompt_tokens"] == len(context) + len(chunk)
             assert usage["completion_tokens"] == 6
-            assert details["device_tokens"] + details["cpu_tier_tokens"] + details["computed_tokens"] == usage["prompt_tokens"]
+            assert (
+                details["device_tokens"] + details["cpu_tier_tokens"] + details["computed_tokens"]
+                == usage["prompt_tokens"]
+            )
             if index > 0:
                 # A resumed chunk attends over the session's own context on the device,
                 # but for the last token of the previous answer, which vLLM discards on
@@ -67,7 +74,9 @@ async def test_session_chunks_equal_one_shot_requests(server: str, engine: Any) 
         state = (await http.get(f"/v1/sessions/{session_id}")).json()
         assert state["num_chunks"] == 3 and state["num_tokens"] == len(context)
         assert (await http.delete(f"/v1/sessions/{session_id}")).json() == {
-            "id": session_id, "object": "session.deleted", "deleted": True,
+            "id": session_id,
+            "object": "session.deleted",
+            "deleted": True,
         }
 
 
@@ -85,8 +94,9 @@ async def test_a_chunk_without_an_answer_is_computed_and_read_by_the_next(server
         context: list[int] = []
         for index, chunk in enumerate(chunks):
             answer = index in (0, 3)
-            response = await http.post(f"/v1/sessions/{session_id}/chunks",
-                                       json={"input": chunk, "max_tokens": 6, "generate": answer})
+            response = await http.post(
+                f"/v1/sessions/{session_id}/chunks", json={"input": chunk, "max_tokens": 6, "generate": answer}
+            )
             assert response.status_code == 200, response.text
             body = response.json()
             details = body["usage"]["prompt_tokens_details"]
@@ -109,14 +119,16 @@ async def test_a_chunk_without_an_answer_is_computed_and_read_by_the_next(server
 async def test_text_input_and_streaming(server: str) -> None:
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
         session_id = await open_session(http)
-        plain = await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": "The quick brown fox", "max_tokens": 4})
+        plain = await http.post(
+            f"/v1/sessions/{session_id}/chunks", json={"input": "The quick brown fox", "max_tokens": 4}
+        )
         assert plain.status_code == 200
         async with http.stream(
             "POST", f"/v1/sessions/{session_id}/chunks", json={"input": " jumps over", "max_tokens": 5, "stream": True}
         ) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
-            events = [line[len("data: "):] async for line in response.aiter_lines() if line.startswith("data: ")]
+            events = [line[len("data: ") :] async for line in response.aiter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         import json
 
@@ -235,8 +247,10 @@ async def test_chat_messages_as_a_chunk_are_the_templates_next_turn(server: str,
     from app.sessions.chat import render_turn
 
     tokenizer = engine.get_tokenizer()
-    turns = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
-             [{"role": "user", "content": "And again"}]]
+    turns = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+        [{"role": "user", "content": "And again"}],
+    ]
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=120) as http:
         chat, twin = await open_session(http, ignore_eos=True), await open_session(http, ignore_eos=True)
         for messages in turns:
@@ -262,7 +276,7 @@ CHUNK_BODIES = [
     b'{"input": [5, 6], "max_tokens": 0}',  # out of range
     b'{"input": [5, 6], "unknown_field": 1}',
     b'{"input": [5, 6]',  # not JSON
-    b'[5, 6]',
+    b"[5, 6]",
     b'{"max_tokens": 2}',  # no input
     b'{"input": [5, 6], "max_tokens": 2, "stream": true}',  # answered as SSE
 ]
@@ -304,8 +318,11 @@ async def test_chunk_answers_are_the_same_through_fastapi(server: str, monkeypat
         for body in CHUNK_BODIES:
             answers = []
             for extra in ({}, {"origin": "http://example.com"}):
-                response = await http.post(f"/v1/sessions/{session_id}/chunks", content=body,
-                                           headers={"content-type": "application/json", **extra})
+                response = await http.post(
+                    f"/v1/sessions/{session_id}/chunks",
+                    content=body,
+                    headers={"content-type": "application/json", **extra},
+                )
                 answers.append(_comparable(response))
             assert answers[0] == answers[1], body
             answered += answers[0][0] == 200

@@ -79,8 +79,16 @@ async def test_bad_events_leave_connection_and_session_usable(server: str) -> No
             ("not json", "invalid_json", None),
             (json.dumps({"type": "input.explode", "event_id": "e1"}), "invalid_event", "e1"),
             (json.dumps({"type": "input.append", "event_id": "e2"}), "invalid_event", "e2"),
-            (json.dumps({"type": "input.append", "input": [1], "max_tokens": 0, "event_id": "e3"}), "invalid_event", "e3"),
-            (json.dumps({"type": "input.append", "input": [1], "max_tokens": 10**6, "event_id": "e4"}), "max_tokens_too_large", "e4"),
+            (
+                json.dumps({"type": "input.append", "input": [1], "max_tokens": 0, "event_id": "e3"}),
+                "invalid_event",
+                "e3",
+            ),
+            (
+                json.dumps({"type": "input.append", "input": [1], "max_tokens": 10**6, "event_id": "e4"}),
+                "max_tokens_too_large",
+                "e4",
+            ),
             (json.dumps([1, 2]), "invalid_event", None),
         ]
         for raw, code, event_id in bad_events:
@@ -144,10 +152,14 @@ async def test_attached_websocket_disconnect_mid_chunk_undoes_the_chunk_and_keep
     chunk only (the engine request aborted, the session parked before it)."""
     async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
         session_id = (await http.post("/v1/sessions", json={"defaults": {"temperature": 0}})).json()["id"]
-        assert (await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": [7, 7], "max_tokens": 2})).status_code == 200
+        assert (
+            await http.post(f"/v1/sessions/{session_id}/chunks", json={"input": [7, 7], "max_tokens": 2})
+        ).status_code == 200
         async with websockets.connect(ws_url(server, f"/v1/sessions/{session_id}/ws"), additional_headers=auth()) as ws:
             assert (await recv(ws))["type"] == "session.updated"
-            await ws.send(json.dumps({"type": "input.append", "input": [4] * 10, "max_tokens": 1000, "ignore_eos": True}))
+            await ws.send(
+                json.dumps({"type": "input.append", "input": [4] * 10, "max_tokens": 1000, "ignore_eos": True})
+            )
             assert (await recv(ws))["type"] == "response.output.delta"
             assert session_id in live_request_ids(engine)
         assert await wait_until_gone(engine, session_id)
