@@ -505,7 +505,10 @@ def streamed(server: RunningServer, path: str, body: dict[str, Any]) -> tuple[li
 
 def decode_speed(server: RunningServer, model: str, prompt: str | list[int], tokens: int) -> dict[str, float]:
     """One stream on /v1/completions, greedy, ``ignore_eos``: seconds to its first token,
-    and decode tokens/s from the first token to the last."""
+    and decode tokens/s from the first token to the last. The tokens are the usage's (or,
+    where a server reports none, the ``tokens`` that ``ignore_eos`` makes it generate): a
+    streamed event is not a token, since a token that ends inside a character carries no
+    text and its event may be left out."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -513,13 +516,15 @@ def decode_speed(server: RunningServer, model: str, prompt: str | list[int], tok
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    stamps, _, _ = streamed(server, "/v1/completions", body)
+    stamps, _, last = streamed(server, "/v1/completions", body)
+    generated = int((last.get("usage") or {}).get("completion_tokens") or tokens)
     return {
         "ttft_s": stamps[0] - start,
-        "tokens": len(stamps),
-        "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+        "tokens": generated,
+        "decode_tokens_per_s": (generated - 1) / (stamps[-1] - stamps[0]),
     }
 
 
