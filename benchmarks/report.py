@@ -77,7 +77,8 @@ def table(title: str, value: Any) -> list[str]:
     if isinstance(value, list) and value and all(isinstance(row, dict) for row in value):
         rows = [flatten(row) for row in value]
         columns = union(rows)
-        return [heading, "", *markdown(columns, [[row.get(c) for c in columns] for row in rows]), ""]
+        head = [heading, ""] if heading else []
+        return [*head, *markdown(columns, [[row.get(c) for c in columns] for row in rows]), ""]
     if isinstance(value, dict):
         scalars = {k: v for k, v in value.items() if not (isinstance(v, dict) and v) and k not in LEFT_OUT}
         nested = {k: flatten(v) for k, v in value.items() if isinstance(v, dict) and v and k not in LEFT_OUT}
