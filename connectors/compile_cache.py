@@ -24,6 +24,8 @@ import functools
 import inspect
 import logging
 import os
+import shutil
+import sysconfig
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -82,3 +84,16 @@ def register() -> str:
     done = "compiled functions without finalize_loading load from the compile cache"
     logger.debug("%s: %s (pid %d)", PLUGIN_NAME, done, os.getpid())
     return done
+
+
+def can_compile() -> bool:
+    """Whether Inductor can build a CPU model here: a C++ compiler (``$CXX``, else ``g++``, as
+    Inductor looks) and Python's headers. ``./scripts/serve`` serves compiled only then: a
+    compiled start without them fails in the model's warm-up."""
+    compiler = os.environ.get("CXX") or "g++"
+    headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    return shutil.which(compiler) is not None and os.path.exists(headers)
+
+
+if __name__ == "__main__":
+    print("true" if can_compile() else "false")

@@ -18,9 +18,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from connectors.compile_cache import can_compile
 from tests.harness.servers import app_server
 
-pytestmark = pytest.mark.server
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(not can_compile(), reason="no C++ compiler or Python headers: Inductor cannot compile here"),
+]
 
 LOADED = "Directly load AOT compilation"
 COMPILED_AGAIN = "Compiling model again due to a load failure"

@@ -43,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.models.builder import ensure_model
 from app.settings import Settings
+from connectors.compile_cache import can_compile
 from connectors.cpu_platform import cpu_has_amx
 from tests.api.responses.openai_stateful import check_stateful_apis
 from tests.api.responses.openai_tools import check_tool_round_trip
@@ -124,6 +125,12 @@ def test_the_default_server_answers_short_first_requests_and_in_words(
     server = servers["default"]
     models = httpx.get(f"{server.base_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    # ./scripts/serve serves the model compiled where Inductor can build it, and says so.
+    log = (log_dir / "default.log").read_text(errors="replace")
+    if can_compile():
+        assert "serve: compiled model" in log and "saved AOT compiled function" in log
+    else:
+        assert "serve: eager model" in log
     responses = first_chunks(server)
     assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
     assert [r.json()["index"] for r in responses] == [0, 1]
@@ -289,7 +296,9 @@ def test_negative_control_without_the_plugin_the_engine_dies(tmp_path: Path) -> 
             "crash, and this negative control cannot show anything"
         )
     # VLLM_PLUGINS lists the general plugins vLLM may load; empty loads none of them.
-    with scripts_serve("no-plugin", tmp_path, VLLM_PLUGINS="") as server:
+    # Eager, as this control was made: a compiled start's warm-up would run the model before
+    # the first request this control is about.
+    with scripts_serve("no-plugin", tmp_path, VLLM_PLUGINS="", STREAMSESS_ENFORCE_EAGER="true") as server:
         responses = first_chunks(server)
         assert responses[0].status_code >= 500, responses[0].text
         assert httpx.get(f"{server.base_url}/health").status_code == 503
