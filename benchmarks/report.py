@@ -17,8 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+from benchmarks.common import REPO, RESULTS
+
 PAGE = REPO / "docs" / "benchmarks.md"
 PLOTS = REPO / "docs" / "results"
 

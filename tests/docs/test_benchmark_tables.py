@@ -32,4 +32,5 @@ def test_a_changed_result_makes_the_page_stale(tmp_path: Path, monkeypatch: pyte
     (tmp_path / "resume.json").write_text(json.dumps(changed))
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     text = PAGE.read_text()
-    assert "| 9.99 |" in render_page(text) and text != render_page(text)
+    rendered = render_page(text)
+    assert "| 9.99 |" in rendered and text != rendered

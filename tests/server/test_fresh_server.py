@@ -47,7 +47,7 @@ from connectors.compile_cache import can_compile
 from connectors.cpu_platform import cpu_has_amx
 from tests.api.responses.openai_stateful import check_stateful_apis
 from tests.api.responses.openai_tools import check_tool_round_trip
-from tests.api.sessions.test_clients import is_tool_example, readme_python_blocks, run_python
+from tests.api.sessions.test_clients import documented_python_blocks, is_tool_example, run_python
 from tests.harness.servers import RunningServer, enter_together, free_port, serve
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,7 +175,7 @@ def test_the_default_model_answers_in_words_in_float32(fresh_servers: tuple[Path
     # A tool round trip on a Responses chain (issue 28): tests/api/responses/openai_tools.py.
     check_tool_round_trip(server.base_url, tokenizer)
     # The README's tool calling example, on the model it is written for.
-    (example,) = [block for block in readme_python_blocks() if is_tool_example(block)]
+    (example,) = [block for block in documented_python_blocks() if is_tool_example(block)]
     code, out, err = asyncio.run(run_python(example, server.base_url, model=MODEL))
     assert code == 0 and "get_weather" in out, err
 

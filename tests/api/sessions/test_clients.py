@@ -131,7 +131,7 @@ async def test_errors_are_typed(server: str) -> None:
 EXAMPLE_PAGES = ("README.md", "docs/sessions.md", "docs/openai.md")
 
 
-def readme_python_blocks() -> list[str]:
+def documented_python_blocks() -> list[str]:
     blocks = [
         block
         for page in EXAMPLE_PAGES
@@ -165,19 +165,19 @@ async def run_python(
     return process.returncode, out.decode(), err.decode()
 
 
-async def test_readme_examples_run(server: str) -> None:
+async def test_documented_examples_run(server: str) -> None:
     """Every example of the README and the manual but the tool calling one, which needs a
     model that can call tools (test_fresh_server runs it on the default model)."""
-    blocks = [block for block in readme_python_blocks() if not is_tool_example(block)]
+    blocks = [block for block in documented_python_blocks() if not is_tool_example(block)]
     assert len(blocks) == 4  # Realtime, Responses, the async and the sync client
-    await _run_readme_blocks(blocks, server)
+    await _run_documented_blocks(blocks, server)
 
 
 def is_tool_example(block: str) -> bool:
     return "tool_choice=" in block
 
 
-async def _run_readme_blocks(blocks: list[str], server: str) -> None:
+async def _run_documented_blocks(blocks: list[str], server: str) -> None:
     outputs = []
     try:
         for block in blocks:
