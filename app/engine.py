@@ -34,6 +34,9 @@ from connectors.compat import (
     TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY,
     UPSTREAM_SYNC_LOAD_BUDGET_KEY,
 )
+from connectors.cpu_linear import CONFIG_KEY as CPU_LINEAR_KEY
+from connectors.cpu_linear import PACKED as PACKED_LINEAR
+from connectors.cpu_linear import packed_kernel_helps
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -129,6 +132,10 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
         "seed": settings.seed,
         "kv_transfer_config": KVTransferConfig(**transfer) if transfer else None,
     }
+    if uses_packed_linear(settings):
+        # In the engine's config, which vLLM hashes into its compile cache's key: a graph
+        # compiled for one kernel is not loaded for the other.
+        args["additional_config"] = {CPU_LINEAR_KEY: PACKED_LINEAR}
     if settings.disk_tier_gib and transfer:
         # Files are named by block hash: a hash that is the same in every process and
         # Python version (vLLM's default sha256 pickles its input).
@@ -150,6 +157,14 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
     # Pass-through last: an operator's explicit engine argument wins.
     args.update(settings.engine_args)
     return AsyncEngineArgs(**args)
+
+
+def uses_packed_linear(settings: Settings) -> bool:
+    """Whether the engine asks for vLLM's packed bf16 linear kernel (connectors/cpu_linear.py;
+    it takes bf16 weights only, so a float32 engine computes as before)."""
+    from vllm.platforms import current_platform
+
+    return settings.cpu_linear == "auto" and current_platform.is_cpu() and packed_kernel_helps()
 
 
 def worker_in_engine_core(settings: Settings) -> bool:

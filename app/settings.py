@@ -97,6 +97,12 @@ class Settings(BaseSettings):
         description="Skip torch.compile. Compiled (false), a CPU engine decodes about a third faster; its first "
         "start compiles (about a minute more), later ones load the compile cache kept in state_dir.",
     )
+    cpu_linear: Literal["auto", "onednn"] = Field(
+        default="auto",
+        description="bf16 linear layers on a CPU: auto, vLLM's packed kernel on AVX-512-BF16 CPUs without AMX "
+        "(about 1.6x oneDNN's speed at decode there; connectors/cpu_linear.py), vLLM's own choice elsewhere; "
+        "onednn, vLLM's own choice everywhere.",
+    )
     max_model_len: int = Field(
         default=8192,
         gt=0,

@@ -325,6 +325,12 @@ class _CopyThread:
             self._cond.notify_all()
 
     def wait_for_loads(self, tensor_idx: int | None) -> None:
+        if tensor_idx is not None and not self._loads_pending[tensor_idx]:
+            # Every layer of every step asks, and nearly always nothing is pending: no lock.
+            # Loads are submitted by this (the forward pass's) thread, so a count read as 0
+            # cannot grow before this layer reads its tensor; the copy thread only lowers it,
+            # after its copy has landed.
+            return
         with self._cond:
             if tensor_idx is None:
                 self._cond.wait_for(lambda: not any(self._loads_pending.values()) or self._error is not None)

@@ -44,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.models.builder import ensure_model
 from app.settings import Settings
 from connectors.compile_cache import can_compile
+from connectors.cpu_linear import packed_kernel_helps
 from connectors.cpu_platform import cpu_has_amx
 from tests.api.responses.openai_stateful import check_stateful_apis
 from tests.api.responses.openai_tools import check_tool_round_trip
@@ -160,6 +161,9 @@ def test_the_default_server_answers_short_first_requests_and_in_words(
     assert "(no conversion)" in log, log[-3000:]
     if cpu_has_amx():
         assert "requested AMX tile state" in log, log[-3000:]
+    # On an AVX-512-BF16 CPU without AMX its linear layers run vLLM's packed kernel
+    # (connectors/cpu_linear.py), and the answers above came from it.
+    assert ("use vLLM's packed kernel" in log) == packed_kernel_helps(), log[-3000:]
 
 
 def test_the_default_model_answers_in_words_in_float32(fresh_servers: tuple[Path, dict[str, RunningServer]]) -> None:
