@@ -1,13 +1,16 @@
-"""Benchmark: one stream's decode speed on this CPU, by what the server is started with.
+"""Benchmark: one stream's decode speed on this CPU, step by step of what the server is started with.
 
-Our server on the same model and engine settings, started four ways: eager (vLLM's
-``enforce_eager``, our default), with vLLM's recommended CPU runtime preloaded (tcmalloc
-and Intel OpenMP, ``connectors.cpu_preload``; what ``./scripts/serve`` does), compiled
-(``--no-enforce-eager``: torch.compile and vLLM's CPU graph mode), and both. Each server
-starts alone (its start to ``/health`` timed; a compiled one with an empty compile cache,
-then once more with the cache its first start filled: a warm start), then the rounds run
-side after side: one request of a short prompt generating N tokens (``ignore_eos``,
-greedy), streamed, timed from its first token to its last.
+Our server on the same model and engine settings, started five ways, each adding one step:
+eager with vLLM's own linear kernels (``enforce_eager``, ``cpu_linear=onednn``: what
+vLLM does by itself); with vLLM's packed bf16 linear kernel (``cpu_linear=auto``,
+``connectors/cpu_linear.py``: on an AVX-512-BF16 CPU without AMX; elsewhere the same as
+without); compiled (``--no-enforce-eager``: torch.compile and vLLM's CPU graph mode)
+without, then with the packed kernel; and with vLLM's recommended CPU runtime preloaded
+(tcmalloc and Intel OpenMP, ``connectors.cpu_preload``): the last is what ``./scripts/serve``
+serves. Each server starts alone (its start to ``/health`` timed; a compiled one with an
+empty compile cache, then once more with the cache its first start filled: a warm start),
+then the rounds run side after side: one request of a short prompt generating N tokens
+(``ignore_eos``, greedy), streamed, timed from its first token to its last.
 
     python -m benchmarks.cpu_decode                  # default model, bf16, 256 tokens, 4 rounds
     python -m benchmarks.cpu_decode --quick          # tiny model (the suite's smoke run)
@@ -43,14 +46,16 @@ from benchmarks.common import (
     random_tokens,
     served_model,
 )
+from connectors.cpu_linear import packed_kernel_helps
 from connectors.cpu_preload import preload_value
 from tests.helpers import environment
 
-SIDES: dict[str, tuple[bool, bool]] = {  # name: (compiled, preloaded)
-    "eager": (False, False),
-    "eager+preload": (False, True),
-    "compiled": (True, False),
-    "compiled+preload": (True, True),
+SIDES: dict[str, tuple[bool, bool, bool]] = {  # name: (compiled, packed linear kernel, preloaded)
+    "eager": (False, False, False),
+    "eager+packed": (False, True, False),
+    "compiled": (True, False, False),
+    "compiled+packed": (True, True, False),
+    "compiled+packed+preload": (True, True, True),
 }
 
 
@@ -60,6 +65,7 @@ def start_side(
     log_dir: Path,
     name: str,
     compiled: bool,
+    packed: bool,
     preloaded: bool,
     cache_root: Path,
 ) -> tuple[RunningServer, float]:
@@ -68,7 +74,13 @@ def start_side(
     started = time.perf_counter()
     with environment(**env):
         server = stack.enter_context(
-            our_server(setup, log_dir, name=name.replace("+", "-"), enforce_eager=str(not compiled).lower())
+            our_server(
+                setup,
+                log_dir,
+                name=name.replace("+", "-"),
+                enforce_eager=str(not compiled).lower(),
+                cpu_linear="auto" if packed else "onednn",
+            )
         )
     return server, time.perf_counter() - started
 
@@ -89,13 +101,13 @@ def run(args: Any) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         servers: dict[str, RunningServer] = {}
         for side in sides:
-            compiled, preloaded = SIDES[side]
+            compiled, packed, preloaded = SIDES[side]
             cache_root = log_dir / f"cache-{side}"
-            servers[side], seconds = start_side(stack, setup, log_dir, side, compiled, preloaded, cache_root)
+            servers[side], seconds = start_side(stack, setup, log_dir, side, compiled, packed, preloaded, cache_root)
             starts[side] = {"cold_s": seconds}
             if compiled:  # the same start again, on the compile cache the first one filled
                 with contextlib.ExitStack() as again:
-                    _, warm = start_side(again, setup, log_dir, f"{side}-warm", compiled, preloaded, cache_root)
+                    _, warm = start_side(again, setup, log_dir, f"{side}-warm", compiled, packed, preloaded, cache_root)
                 starts[side]["warm_s"] = warm
             print(f"{side}: started in {starts[side]}")
         models = {side: served_model(server) for side, server in servers.items()}
@@ -122,6 +134,7 @@ def run(args: Any) -> dict[str, Any]:
         "machine": machine(),
         "engine": setup.describe(),
         "preloaded": preload_value("").split(":"),
+        "packed_kernel_applies": packed_kernel_helps(),
         "prompt_tokens": args.prompt,
         "decode_tokens": args.tokens,
         "rounds": rounds,
@@ -149,7 +162,7 @@ def main() -> None:
     if args.quick:
         quick_engine(args)
         args.rounds, args.tokens = 2, 16
-        args.sides = args.sides or ["eager", "eager+preload"]
+        args.sides = args.sides or ["eager", "eager+packed"]
     finish("cpu_decode-quick" if args.quick else "cpu_decode", run(args), args.out, plot)
 
 

