@@ -19,13 +19,18 @@ side by side and the workloads run side after side, the order alternating:
   with 8 tokens, streamed. Ours appends each turn to a session (REST, SSE); llama.cpp gets
   the whole conversation so far on ``/completion`` with ``cache_prompt`` (its slot keeps
   the KV of the common prefix). Time to first token and whole turn, median of the last
-  nine turns; each side's own count of the prompt tokens it computed.
+  nine turns; each side's own count of the prompt tokens it computed;
+- decode on a ~1B model, where reading the weights dominates a step: TinyLlama's shape
+  (hidden 2048, 22 layers, 32 heads, 4 KV heads; 1.2B parameters with this vocabulary),
+  random weights (seeded), the default model's tokenizer; ours serves its bf16 directory,
+  llama.cpp the GGUF its own ``convert_hf_to_gguf.py --outtype bf16`` makes of that
+  directory. Both built once into the cache above.
 
-Not built yet (issue 57): more conversations than slots, resume after a restart against
-llama.cpp's slot save and restore, and the ~1B model.
+Not built yet: more conversations than slots, and resume after a restart against
+llama.cpp's slot save and restore.
 
-    python -m benchmarks.llama_cpp                # 4 decode rounds, 48 turns
-    python -m benchmarks.llama_cpp --quick        # 2 rounds of 16 tokens, 6 turns
+    python -m benchmarks.llama_cpp                # 4 decode rounds, 48 turns, the ~1B model
+    python -m benchmarks.llama_cpp --quick        # 2 rounds of 16 tokens, 6 turns, no ~1B model
 
 Writes benchmarks/results/llama_cpp.json and .png.
 """
@@ -72,7 +77,6 @@ from tests.helpers import environment
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp (commit 0c1e570, 2026-10-01)
 PEERS = Path.home() / ".cache" / "streaming-sessions" / "peers"
-SIDES = ("ours", "llama.cpp-bf16", "llama.cpp-q4_1")
 
 
 def llama_cpp_build() -> Path:
@@ -149,6 +153,74 @@ def gguf_files(binaries: Path) -> dict[str, Path]:
     return {"llama.cpp-bf16": bf16, "llama.cpp-q4_1": shipped}
 
 
+# A ~1B model both sides serve from one bf16 directory: TinyLlama's shape (hidden 2048, 22
+# layers, 32 heads, 4 KV heads) with the default model's tokenizer, random weights, seeded.
+ONE_B_SHAPE: dict[str, int] = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+}
+ONE_B_SEED = 0
+
+
+def one_b_model(source: Path) -> tuple[Path, Path]:
+    """The ~1B model's bf16 directory (ours) and its GGUF that llama.cpp's own converter
+    made from that directory (theirs), both built once into the peers' cache."""
+    directory = PEERS / f"llama-1b-random-seed{ONE_B_SEED}"
+    gguf = PEERS / f"llama-1b-random-seed{ONE_B_SEED}.BF16.gguf"
+    if not (directory / "config.json").exists():
+        print(f"building the ~1B random-weight model in {directory} (once)", flush=True)
+        staging = Path(tempfile.mkdtemp(prefix=".llama-1b-", dir=PEERS))
+        build_one_b(staging)
+        staging.rename(directory)
+    if not gguf.exists():
+        partial = gguf.with_suffix(".partial")
+        subprocess.run(
+            [
+                sys.executable,
+                str(source / "convert_hf_to_gguf.py"),
+                str(directory),
+                "--outtype",
+                "bf16",
+                "--outfile",
+                str(partial),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        partial.rename(gguf)
+    return directory, gguf
+
+
+def build_one_b(out_dir: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from app.models.builder import ensure_model
+
+    default_model = ensure_model("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    config = LlamaConfig.from_pretrained(default_model)  # its vocabulary, special tokens and rope
+    for key, value in ONE_B_SHAPE.items():
+        setattr(config, key, value)
+    config.head_dim = ONE_B_SHAPE["hidden_size"] // ONE_B_SHAPE["num_attention_heads"]
+    config.tie_word_embeddings = False
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").bfloat16()
+    generator = torch.Generator().manual_seed(ONE_B_SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
 def llama_server(binaries: Path, gguf: Path, name: str, log_dir: Path) -> contextlib.AbstractContextManager[Any]:
     port = free_port()
     command = [
@@ -178,7 +250,7 @@ class Side:
 
     def __init__(self, name: str, server: RunningServer):
         self.name, self.server = name, server
-        self.ours = name == "ours"
+        self.ours = name.startswith("ours")
         self.model = served_model(server)
 
     def decode(self, prompt: str, tokens: int) -> dict[str, float]:
@@ -225,6 +297,26 @@ class Side:
         }
 
 
+def ours_as_served(setup: EngineSetup, log_dir: Path, name: str, **settings: str) -> Any:
+    """Our server as ``./scripts/serve`` serves it on a CPU (its compile cache in ``log_dir``)."""
+    with environment(LD_PRELOAD=preload_value(""), VLLM_CACHE_ROOT=str(log_dir / "vllm-cache")):
+        return our_server(setup, log_dir, name=name, enforce_eager="false", cpu_linear="auto", **settings)
+
+
+def decode_rounds(sides: dict[str, Side], rounds: int, tokens: int, rng: random.Random) -> dict[str, list[dict]]:
+    """One stream's decode on each side, round after round, the order alternating."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
+    for side in sides.values():
+        side.decode(word_text(rng, 120), 8)  # warm-up: first steps are slow
+    for index in range(rounds):
+        prompt = word_text(rng, 120)  # about 32 of this tokenizer's tokens
+        for name in alternated(list(sides), index):
+            time.sleep(SWITCH_SETTLE_S)
+            results[name].append(sides[name].decode(prompt, tokens))
+            print(f"decode round {index} {name}: {results[name][-1]}", flush=True)
+    return results
+
+
 def run(args: Any) -> dict[str, Any]:
     binaries = llama_cpp_build()
     ggufs = gguf_files(binaries)
@@ -237,46 +329,50 @@ def run(args: Any) -> dict[str, Any]:
     )
     rng = random.Random(args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-llama-cpp-"))
-    decode: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     transcript: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
-        with environment(LD_PRELOAD=preload_value(""), VLLM_CACHE_ROOT=str(log_dir / "vllm-cache")):
-            ours = stack.enter_context(our_server(setup, log_dir, enforce_eager="false", cpu_linear="auto"))
-        sides = {"ours": Side("ours", ours)}
+        sides = {"ours": Side("ours", stack.enter_context(ours_as_served(setup, log_dir, "ours")))}
         for name, gguf in ggufs.items():
             sides[name] = Side(name, stack.enter_context(llama_server(binaries, gguf, name, log_dir)))
-        order = list(sides)
-        for side in sides.values():
-            side.decode(word_text(rng, 120), 8)  # warm-up: first steps are slow
-        for index in range(args.rounds):
-            prompt = word_text(rng, 120)  # about 32 of this tokenizer's tokens
-            for name in alternated(order, index):
-                time.sleep(SWITCH_SETTLE_S)
-                decode[name].append(sides[name].decode(prompt, args.tokens))
-                print(f"decode round {index} {name}: {decode[name][-1]}", flush=True)
+        decode = decode_rounds(sides, args.rounds, args.tokens, rng)
         # The live transcript: the same turns to each side, turn by turn, the order alternating.
         turns = [word_text(rng, 60) for _ in range(args.turns)]  # about 16 tokens each
         conversations = {name: side.open_conversation() for name, side in sides.items()}
         transcript = {name: [] for name in sides}
         for index, text in enumerate(turns):
-            for name in alternated(order, index):
+            for name in alternated(list(sides), index):
                 transcript[name].append(sides[name].turn(conversations[name], text))
         print({name: transcript[name][-1] for name in sides}, flush=True)
+    if args.one_b_tokens:
+        directory, gguf = one_b_model(binaries.parent.parent)
+        with contextlib.ExitStack() as stack:
+            one_b = {
+                "ours-1b": Side(
+                    "ours-1b", stack.enter_context(ours_as_served(setup, log_dir, "ours-1b", model=str(directory)))
+                ),
+                "llama.cpp-1b-bf16": Side(
+                    "llama.cpp-1b-bf16", stack.enter_context(llama_server(binaries, gguf, "llama.cpp-1b-bf16", log_dir))
+                ),
+            }
+            decode.update(decode_rounds(one_b, args.rounds, args.one_b_tokens, rng))
     last = max(1, min(9, args.turns // 2))
     summary: dict[str, Any] = {}
-    for name in SIDES:
-        tail = transcript[name][-last:]
-        summary[name] = {
-            "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in decode[name]), 2),
-            "transcript_ttft_p50_s": round(statistics.median(t["ttft_s"] for t in tail), 4),
-            "transcript_turn_p50_s": round(statistics.median(t["turn_s"] for t in tail), 4),
-            "transcript_computed_prompt_tokens": sum(t["computed_prompt_tokens"] for t in transcript[name]),
-        }
-    for peer in ("llama.cpp-bf16", "llama.cpp-q4_1"):
-        summary[f"ours/{peer}"] = {
-            key: round(summary["ours"][key] / summary[peer][key], 3)
-            for key in ("decode_tokens_per_s", "transcript_ttft_p50_s", "transcript_turn_p50_s")
-        }
+    for name, rounds in decode.items():
+        summary[name] = {"decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in rounds), 2)}
+        if name in transcript:
+            tail = transcript[name][-last:]
+            summary[name].update(
+                transcript_ttft_p50_s=round(statistics.median(t["ttft_s"] for t in tail), 4),
+                transcript_turn_p50_s=round(statistics.median(t["turn_s"] for t in tail), 4),
+                transcript_computed_prompt_tokens=sum(t["computed_prompt_tokens"] for t in transcript[name]),
+            )
+    for ours, peer in (("ours", "llama.cpp-bf16"), ("ours", "llama.cpp-q4_1"), ("ours-1b", "llama.cpp-1b-bf16")):
+        if peer in summary:
+            summary[f"{ours}/{peer}"] = {
+                key: round(summary[ours][key] / summary[peer][key], 3)
+                for key in ("decode_tokens_per_s", "transcript_ttft_p50_s", "transcript_turn_p50_s")
+                if key in summary[peer]
+            }
     return {
         "benchmark": "llama_cpp",
         "machine": machine(),
@@ -287,6 +383,7 @@ def run(args: Any) -> dict[str, Any]:
             "packed_linear_kernel": packed_kernel_helps(),
             "preloaded": preload_value("").split(":"),
         },
+        "one_b_model": {**ONE_B_SHAPE, "seed": ONE_B_SEED, "tokens": args.one_b_tokens} if args.one_b_tokens else None,
         "workload": {
             "decode_prompt_words": 32,
             "decode_tokens": args.tokens,
@@ -306,7 +403,7 @@ def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
     figure, (decode, turns) = plt.subplots(1, 2, figsize=(11, 4))
     plot_decode_rounds(decode, result["decode"])
-    for side in SIDES:
+    for side in result["transcript"]:
         turns.plot([t["ttft_s"] * 1000 for t in result["transcript"][side]], label=f"{side} TTFT")
         turns.plot([t["turn_s"] * 1000 for t in result["transcript"][side]], linestyle=":", label=f"{side} turn")
     turns.set_xlabel("turn")
@@ -321,10 +418,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256, help="tokens decoded a round")
     parser.add_argument("--turns", type=int, default=48)
+    parser.add_argument("--one-b-tokens", type=int, default=128, help="tokens a round on the ~1B model; 0: skip it")
     parser.set_defaults(cpu_tier_gib=1.0)
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.tokens, args.turns = 2, 16, 6
+        args.rounds, args.tokens, args.turns, args.one_b_tokens = 2, 16, 6, 0
     finish("llama_cpp-quick" if args.quick else "llama_cpp", run(args), args.out, plot)
 
 
