@@ -29,6 +29,10 @@ from typing import Any, TypeVar
 
 import httpx
 
+from connectors.cpu_linear import CONFIG_KEY as CPU_LINEAR_KEY
+from connectors.cpu_linear import PACKED as PACKED_LINEAR
+from connectors.cpu_linear import packed_kernel_helps
+
 # The server harness is the tests' (tests/harness); re-exported for the benchmark scripts.
 from tests.harness.servers import REPO as REPO
 from tests.harness.servers import RESERVED_CPUS as RESERVED_CPUS
@@ -167,7 +171,10 @@ def vllm_server(
 ) -> contextlib.AbstractContextManager[RunningServer]:
     """vLLM's own OpenAI server, as a user would run it, with the same engine settings
     (``extra_args``: more of its flags, e.g. a --kv-transfer-config; ``env``: more of
-    its environment, e.g. VLLM_ENABLE_RESPONSES_API_STORE)."""
+    its environment, e.g. VLLM_ENABLE_RESPONSES_API_STORE). Where ours computes with vLLM's
+    packed linear kernel by default (connectors/cpu_linear.py), this one is asked to as well:
+    the plugin is installed in the same environment, and a comparison of servers must not be
+    one of matmul kernels."""
     port = port or free_port()
     name = f"embedded-{setup.preset}"
     command = [
@@ -191,6 +198,7 @@ def vllm_server(
         "--dtype",
         setup.dtype,
         "--disable-log-stats",
+        *(["--additional-config", json.dumps({CPU_LINEAR_KEY: PACKED_LINEAR})] if packed_kernel_helps() else []),
         *(extra_args or []),
     ]
     label = label or f"vllm-prefix-{'on' if prefix_caching else 'off'}"
