@@ -26,8 +26,13 @@ side by side and the workloads run side after side, the order alternating:
   llama.cpp the GGUF its own ``convert_hf_to_gguf.py --outtype bf16`` makes of that
   directory. Both built once into the cache above.
 
-Not built yet: more conversations than slots, and resume after a restart against
-llama.cpp's slot save and restore.
+- more conversations than slots: 16 conversations of 8 such turns, 8 at a time, a 1 s
+  pause between a conversation's turns, on servers of 4 slots each (ours
+  ``max_num_seqs=4``: it parks idle sessions; llama.cpp ``-np 4`` with its host-memory
+  prompt cache, ``--cache-ram``, on by default). Time to first token over turns 2 to 8,
+  p50 and p99, and each side's count of the prompt tokens it computed.
+
+Not built yet: resume after a restart against llama.cpp's slot save and restore.
 
     python -m benchmarks.llama_cpp                # 4 decode rounds, 48 turns, the ~1B model
     python -m benchmarks.llama_cpp --quick        # 2 rounds of 16 tokens, 6 turns, no ~1B model
@@ -37,7 +42,9 @@ Writes benchmarks/results/llama_cpp.json and .png.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import random
 import shutil
@@ -75,6 +82,7 @@ from connectors.cpu_preload import preload_value
 from tests.harness.servers import engine_env, free_port, serve
 from tests.helpers import environment
 
+SLOTS = 4  # each side's slots in the workload of more conversations than slots
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp (commit 0c1e570, 2026-10-01)
 PEERS = Path.home() / ".cache" / "streaming-sessions" / "peers"
 
@@ -221,7 +229,10 @@ def build_one_b(out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def llama_server(binaries: Path, gguf: Path, name: str, log_dir: Path) -> contextlib.AbstractContextManager[Any]:
+def llama_server(
+    binaries: Path, gguf: Path, name: str, log_dir: Path, slots: int = 1
+) -> contextlib.AbstractContextManager[Any]:
+    """llama.cpp's server with ``slots`` slots of 4,096 positions each (``-c`` is their sum)."""
     port = free_port()
     command = [
         str(binaries / "llama-server"),
@@ -236,9 +247,9 @@ def llama_server(binaries: Path, gguf: Path, name: str, log_dir: Path) -> contex
         "-tb",
         "1",
         "-c",
-        "4096",
+        str(4096 * slots),
         "-np",
-        "1",
+        str(slots),
         "--alias",
         name,
     ]
@@ -317,6 +328,23 @@ def decode_rounds(sides: dict[str, Side], rounds: int, tokens: int, rng: random.
     return results
 
 
+def many_conversations(side: Side, texts: list[list[str]], concurrency: int, pause_s: float) -> list[dict[str, Any]]:
+    """Every conversation of ``texts`` (one list of turns each), ``concurrency`` at a time, a
+    pause between a conversation's turns: each turn's figures, with its conversation and index."""
+
+    def conversation(index: int) -> list[dict[str, Any]]:
+        opened = side.open_conversation()
+        turns = []
+        for number, text in enumerate(texts[index]):
+            if number:
+                time.sleep(pause_s)
+            turns.append({"conversation": index, "turn": number, **side.turn(opened, text)})
+        return turns
+
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        return [turn for turns in pool.map(conversation, range(len(texts))) for turn in turns]
+
+
 def run(args: Any) -> dict[str, Any]:
     binaries = llama_cpp_build()
     ggufs = gguf_files(binaries)
@@ -343,6 +371,19 @@ def run(args: Any) -> dict[str, Any]:
             for name in alternated(list(sides), index):
                 transcript[name].append(sides[name].turn(conversations[name], text))
         print({name: transcript[name][-1] for name in sides}, flush=True)
+    slots: dict[str, list[dict[str, Any]]] = {}
+    if args.slot_conversations:
+        # More conversations than slots: 4 slots a side, one side at a time, the same turns.
+        texts = [[word_text(rng, 60) for _ in range(args.slot_turns)] for _ in range(args.slot_conversations)]
+        four_slots = dataclasses.replace(setup, max_num_seqs=SLOTS)
+        with contextlib.ExitStack() as stack:
+            many = {"ours": Side("ours", stack.enter_context(ours_as_served(four_slots, log_dir, "ours-slots")))}
+            for name, gguf in ggufs.items():
+                server = llama_server(binaries, gguf, f"{name}-slots", log_dir, slots=SLOTS)
+                many[name] = Side(name, stack.enter_context(server))
+            for name, side in many.items():
+                slots[name] = many_conversations(side, texts, args.slot_concurrency, args.slot_pause)
+                print(f"{name}: {len(slots[name])} turns of {args.slot_conversations} conversations", flush=True)
     if args.one_b_tokens:
         directory, gguf = one_b_model(binaries.parent.parent)
         with contextlib.ExitStack() as stack:
@@ -366,11 +407,24 @@ def run(args: Any) -> dict[str, Any]:
                 transcript_turn_p50_s=round(statistics.median(t["turn_s"] for t in tail), 4),
                 transcript_computed_prompt_tokens=sum(t["computed_prompt_tokens"] for t in transcript[name]),
             )
+    for name, answered in slots.items():
+        later = sorted(t["ttft_s"] for t in answered if t["turn"] > 0)
+        summary[name].update(
+            slots_ttft_p50_s=round(statistics.median(later), 4),
+            slots_ttft_p99_s=round(statistics.quantiles(later, n=100)[98], 4),
+            slots_computed_prompt_tokens=sum(t["computed_prompt_tokens"] for t in answered),
+        )
     for ours, peer in (("ours", "llama.cpp-bf16"), ("ours", "llama.cpp-q4_1"), ("ours-1b", "llama.cpp-1b-bf16")):
         if peer in summary:
             summary[f"{ours}/{peer}"] = {
                 key: round(summary[ours][key] / summary[peer][key], 3)
-                for key in ("decode_tokens_per_s", "transcript_ttft_p50_s", "transcript_turn_p50_s")
+                for key in (
+                    "decode_tokens_per_s",
+                    "transcript_ttft_p50_s",
+                    "transcript_turn_p50_s",
+                    "slots_ttft_p50_s",
+                    "slots_ttft_p99_s",
+                )
                 if key in summary[peer]
             }
     return {
@@ -392,7 +446,13 @@ def run(args: Any) -> dict[str, Any]:
             "turn_tokens": 16,
             "answer_tokens": 8,
             "summarized_turns": last,
+            "slots": SLOTS,
+            "slot_conversations": args.slot_conversations,
+            "slot_turns": args.slot_turns,
+            "slot_concurrency": args.slot_concurrency,
+            "slot_pause_s": args.slot_pause,
         },
+        "slots": slots,
         "decode": decode,
         "transcript": transcript,
         "summary": summary,
@@ -418,11 +478,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256, help="tokens decoded a round")
     parser.add_argument("--turns", type=int, default=48)
+    parser.add_argument("--slot-conversations", type=int, default=16, help="more conversations than slots; 0: skip")
+    parser.add_argument("--slot-turns", type=int, default=8)
+    parser.add_argument("--slot-concurrency", type=int, default=8, help="conversations at a time")
+    parser.add_argument("--slot-pause", type=float, default=1.0, help="seconds between a conversation's turns")
     parser.add_argument("--one-b-tokens", type=int, default=128, help="tokens a round on the ~1B model; 0: skip it")
     parser.set_defaults(cpu_tier_gib=1.0)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.tokens, args.turns, args.one_b_tokens = 2, 16, 6, 0
+        args.slot_conversations, args.slot_turns, args.slot_concurrency, args.slot_pause = 3, 2, 2, 0.1
     finish("llama_cpp-quick" if args.quick else "llama_cpp", run(args), args.out, plot)
 
 
