@@ -32,7 +32,13 @@ side by side and the workloads run side after side, the order alternating:
   prompt cache, ``--cache-ram``, on by default). Time to first token over turns 2 to 8,
   p50 and p99, and each side's count of the prompt tokens it computed.
 
-Not built yet: resume after a restart against llama.cpp's slot save and restore.
+- resume after a restart: a conversation of about 2,000 tokens (two turns), its server
+  stopped, the page cache dropped (where this process may: root), the server started
+  again, then one more turn; time to its first token from the restarted server's first
+  call. Ours with the disk tier (``disk_tier_gib``; it resumes by itself) and without (it
+  recomputes the transcript); llama.cpp with its slot saved before the stop and restored
+  after (``--slot-save-path``, ``/slots/0?action=save`` and ``restore``: calls a client must
+  make, naming a file; the restore counts in its time) and without (it recomputes).
 
     python -m benchmarks.llama_cpp                # 4 decode rounds, 48 turns, the ~1B model
     python -m benchmarks.llama_cpp --quick        # 2 rounds of 16 tokens, 6 turns, no ~1B model
@@ -54,6 +60,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +84,7 @@ from benchmarks.common import (
     streamed,
     word_text,
 )
+from benchmarks.disk_tier import drop_page_cache
 from connectors.cpu_linear import packed_kernel_helps
 from connectors.cpu_preload import preload_value
 from tests.harness.servers import engine_env, free_port, serve
@@ -230,9 +238,10 @@ def build_one_b(out_dir: Path) -> None:
 
 
 def llama_server(
-    binaries: Path, gguf: Path, name: str, log_dir: Path, slots: int = 1
+    binaries: Path, gguf: Path, name: str, log_dir: Path, slots: int = 1, extra: list[str] | None = None
 ) -> contextlib.AbstractContextManager[Any]:
-    """llama.cpp's server with ``slots`` slots of 4,096 positions each (``-c`` is their sum)."""
+    """llama.cpp's server with ``slots`` slots of 4,096 positions each (``-c`` is their sum);
+    ``extra``: more of its flags."""
     port = free_port()
     command = [
         str(binaries / "llama-server"),
@@ -252,6 +261,7 @@ def llama_server(
         str(slots),
         "--alias",
         name,
+        *(extra or []),
     ]
     return serve(name, command, engine_env(), port, name, log_dir / f"{name}.log")
 
@@ -345,6 +355,61 @@ def many_conversations(side: Side, texts: list[list[str]], concurrency: int, pau
         return [turn for turns in pool.map(conversation, range(len(texts))) for turn in turns]
 
 
+SLOT_FILE = "resume.bin"
+
+
+def resume_after_restart(
+    name: str, start: Callable[[str], contextlib.AbstractContextManager[RunningServer]], context: list[str], turn: str
+) -> dict[str, Any]:
+    """A conversation of the ``context`` turns; its server stopped, the page cache dropped
+    (where this process may), the server started again; then one more turn. Its time to
+    first token counts from the restarted server's first call: for llama.cpp with a slot
+    file (``--slot-save-path``), the restore of the slot saved before the stop."""
+    restores = name.startswith("llama.cpp") and not name.endswith("no-restore")
+    with start("before") as server:
+        side = Side(name, server)
+        conversation = side.open_conversation()
+        for text in context:
+            side.turn(conversation, text)
+        if restores:
+            httpx.post(f"{server.base_url}/slots/0?action=save", json={"filename": SLOT_FILE}).raise_for_status()
+    dropped = drop_page_cache()
+    with start("after") as server:
+        side = Side(name, server)
+        began = time.perf_counter()
+        if restores:
+            httpx.post(f"{server.base_url}/slots/0?action=restore", json={"filename": SLOT_FILE}).raise_for_status()
+        restored_s = time.perf_counter() - began
+        figures = side.turn(conversation, turn)
+    return {
+        "ttft_s": restored_s + figures["ttft_s"],
+        "restore_s": restored_s,
+        "computed_prompt_tokens": figures["computed_prompt_tokens"],
+        "page_cache_dropped": dropped,
+    }
+
+
+def resume_sides(
+    setup: EngineSetup, binaries: Path, ggufs: dict[str, Path], log_dir: Path, round_dir: Path
+) -> dict[str, Callable[[str], contextlib.AbstractContextManager[RunningServer]]]:
+    """How each side of the resume workload starts (``phase``: before or after the restart)."""
+    slot_dir = round_dir / "slots"
+    slot_dir.mkdir(parents=True, exist_ok=True)
+    state = {"state_dir": str(round_dir / "ours")}
+    state_without = {"state_dir": str(round_dir / "ours-no-disk-tier")}
+
+    def llama(name: str, gguf: Path, extra: list[str]) -> Callable[[str], contextlib.AbstractContextManager[Any]]:
+        return lambda phase: llama_server(binaries, gguf, f"{name}-resume-{phase}", log_dir, extra=extra)
+
+    return {
+        "ours": lambda phase: ours_as_served(setup, log_dir, f"ours-resume-{phase}", disk_tier_gib="2", **state),
+        "ours-no-disk-tier": lambda phase: ours_as_served(setup, log_dir, f"ours-plain-{phase}", **state_without),
+        "llama.cpp-bf16": llama("llama.cpp-bf16", ggufs["llama.cpp-bf16"], ["--slot-save-path", str(slot_dir)]),
+        "llama.cpp-bf16-no-restore": llama("llama.cpp-bf16-no-restore", ggufs["llama.cpp-bf16"], []),
+        "llama.cpp-q4_1": llama("llama.cpp-q4_1", ggufs["llama.cpp-q4_1"], ["--slot-save-path", str(slot_dir)]),
+    }
+
+
 def run(args: Any) -> dict[str, Any]:
     binaries = llama_cpp_build()
     ggufs = gguf_files(binaries)
@@ -384,6 +449,17 @@ def run(args: Any) -> dict[str, Any]:
             for name, side in many.items():
                 slots[name] = many_conversations(side, texts, args.slot_concurrency, args.slot_pause)
                 print(f"{name}: {len(slots[name])} turns of {args.slot_conversations} conversations", flush=True)
+    resumes: dict[str, list[dict[str, Any]]] = {}
+    for index in range(args.resume_rounds):
+        # Resume after a restart: a context of about 2,000 tokens, in two turns (our chunks
+        # take at most 2,048 tokens), then one more turn after the restart.
+        context = [word_text(rng, args.resume_context // 2) for _ in range(2)]
+        turn = word_text(rng, 60)
+        round_dir = log_dir / f"resume-{index}"
+        starts = resume_sides(setup, binaries, ggufs, log_dir, round_dir)
+        for name in alternated(list(starts), index):
+            resumes.setdefault(name, []).append(resume_after_restart(name, starts[name], context, turn))
+            print(f"resume round {index} {name}: {resumes[name][-1]}", flush=True)
     if args.one_b_tokens:
         directory, gguf = one_b_model(binaries.parent.parent)
         with contextlib.ExitStack() as stack:
@@ -414,8 +490,18 @@ def run(args: Any) -> dict[str, Any]:
             slots_ttft_p99_s=round(statistics.quantiles(later, n=100)[98], 4),
             slots_computed_prompt_tokens=sum(t["computed_prompt_tokens"] for t in answered),
         )
-    for ours, peer in (("ours", "llama.cpp-bf16"), ("ours", "llama.cpp-q4_1"), ("ours-1b", "llama.cpp-1b-bf16")):
-        if peer in summary:
+    for name, rounds in resumes.items():
+        summary.setdefault(name, {}).update(
+            resume_ttft_p50_s=round(statistics.median(r["ttft_s"] for r in rounds), 4),
+            resume_computed_prompt_tokens=max(r["computed_prompt_tokens"] for r in rounds),
+        )
+    for ours, peer in (
+        ("ours", "llama.cpp-bf16"),
+        ("ours", "llama.cpp-q4_1"),
+        ("ours-1b", "llama.cpp-1b-bf16"),
+        ("ours-no-disk-tier", "llama.cpp-bf16-no-restore"),
+    ):
+        if peer in summary and ours in summary:
             summary[f"{ours}/{peer}"] = {
                 key: round(summary[ours][key] / summary[peer][key], 3)
                 for key in (
@@ -424,8 +510,9 @@ def run(args: Any) -> dict[str, Any]:
                     "transcript_turn_p50_s",
                     "slots_ttft_p50_s",
                     "slots_ttft_p99_s",
+                    "resume_ttft_p50_s",
                 )
-                if key in summary[peer]
+                if key in summary[peer] and key in summary[ours]
             }
     return {
         "benchmark": "llama_cpp",
@@ -451,8 +538,11 @@ def run(args: Any) -> dict[str, Any]:
             "slot_turns": args.slot_turns,
             "slot_concurrency": args.slot_concurrency,
             "slot_pause_s": args.slot_pause,
+            "resume_context_tokens": args.resume_context,
+            "resume_rounds": args.resume_rounds,
         },
         "slots": slots,
+        "resume": resumes,
         "decode": decode,
         "transcript": transcript,
         "summary": summary,
@@ -482,12 +572,15 @@ def main() -> None:
     parser.add_argument("--slot-turns", type=int, default=8)
     parser.add_argument("--slot-concurrency", type=int, default=8, help="conversations at a time")
     parser.add_argument("--slot-pause", type=float, default=1.0, help="seconds between a conversation's turns")
+    parser.add_argument("--resume-context", type=int, default=2000, help="tokens before the restart, about")
+    parser.add_argument("--resume-rounds", type=int, default=2, help="restarts a side; 0: skip the workload")
     parser.add_argument("--one-b-tokens", type=int, default=128, help="tokens a round on the ~1B model; 0: skip it")
     parser.set_defaults(cpu_tier_gib=1.0)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.tokens, args.turns, args.one_b_tokens = 2, 16, 6, 0
         args.slot_conversations, args.slot_turns, args.slot_concurrency, args.slot_pause = 3, 2, 2, 0.1
+        args.resume_context, args.resume_rounds = 200, 1
     finish("llama_cpp-quick" if args.quick else "llama_cpp", run(args), args.out, plot)
 
 
