@@ -90,6 +90,16 @@ from connectors.cpu_preload import preload_value
 from tests.harness.servers import engine_env, free_port, serve
 from tests.helpers import environment
 
+RATIOS = (  # ours over a peer's
+    "decode_tokens_per_s",
+    "transcript_ttft_p50_s",
+    "transcript_turn_p50_s",
+    "slots_ttft_p50_s",
+    "slots_ttft_p99_s",
+    "resume_ttft_p50_s",
+)
+# word_text counts in another tokenizer's tokens: 60 of them are about 16 of the default model's.
+TEXT_PER_TOKEN = 60 / 16
 SLOTS = 4  # each side's slots in the workload of more conversations than slots
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp (commit 0c1e570, 2026-10-01)
 PEERS = Path.home() / ".cache" / "streaming-sessions" / "peers"
@@ -355,6 +365,62 @@ def many_conversations(side: Side, texts: list[list[str]], concurrency: int, pau
         return [turn for turns in pool.map(conversation, range(len(texts))) for turn in turns]
 
 
+def live_transcript(sides: dict[str, Side], turns: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """One conversation a side, the same turns to each, turn by turn, the order alternating."""
+    conversations = {name: side.open_conversation() for name, side in sides.items()}
+    transcript: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for index, text in enumerate(turns):
+        for name in alternated(list(sides), index):
+            transcript[name].append(sides[name].turn(conversations[name], text))
+    print({name: transcript[name][-1] for name in sides}, flush=True)
+    return transcript
+
+
+def summarize(
+    decode: dict[str, list[dict[str, float]]],
+    transcript: dict[str, list[dict[str, Any]]],
+    last: int,
+    slots: dict[str, list[dict[str, Any]]],
+    resumes: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Each side's figures of each workload, and ours over each peer's."""
+    summary: dict[str, Any] = {}
+    for name, rounds in decode.items():
+        summary[name] = {"decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in rounds), 2)}
+    for name, turns in transcript.items():
+        tail = turns[-last:]
+        summary[name].update(
+            transcript_ttft_p50_s=round(statistics.median(t["ttft_s"] for t in tail), 4),
+            transcript_turn_p50_s=round(statistics.median(t["turn_s"] for t in tail), 4),
+            transcript_computed_prompt_tokens=sum(t["computed_prompt_tokens"] for t in turns),
+        )
+    for name, answered in slots.items():
+        later = sorted(t["ttft_s"] for t in answered if t["turn"] > 0)
+        summary[name].update(
+            slots_ttft_p50_s=round(statistics.median(later), 4),
+            slots_ttft_p99_s=round(statistics.quantiles(later, n=100)[98], 4),
+            slots_computed_prompt_tokens=sum(t["computed_prompt_tokens"] for t in answered),
+        )
+    for name, rounds in resumes.items():
+        summary.setdefault(name, {}).update(
+            resume_ttft_p50_s=round(statistics.median(r["ttft_s"] for r in rounds), 4),
+            resume_computed_prompt_tokens=max(r["computed_prompt_tokens"] for r in rounds),
+        )
+    for ours, peer in (
+        ("ours", "llama.cpp-bf16"),
+        ("ours", "llama.cpp-q4_1"),
+        ("ours-1b", "llama.cpp-1b-bf16"),
+        ("ours-no-disk-tier", "llama.cpp-bf16-no-restore"),
+    ):
+        if peer in summary and ours in summary:
+            summary[f"{ours}/{peer}"] = {
+                key: round(summary[ours][key] / summary[peer][key], 3)
+                for key in RATIOS
+                if key in summary[peer] and key in summary[ours]
+            }
+    return summary
+
+
 SLOT_FILE = "resume.bin"
 
 
@@ -422,20 +488,12 @@ def run(args: Any) -> dict[str, Any]:
     )
     rng = random.Random(args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-llama-cpp-"))
-    transcript: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
         sides = {"ours": Side("ours", stack.enter_context(ours_as_served(setup, log_dir, "ours")))}
         for name, gguf in ggufs.items():
             sides[name] = Side(name, stack.enter_context(llama_server(binaries, gguf, name, log_dir)))
         decode = decode_rounds(sides, args.rounds, args.tokens, rng)
-        # The live transcript: the same turns to each side, turn by turn, the order alternating.
-        turns = [word_text(rng, 60) for _ in range(args.turns)]  # about 16 tokens each
-        conversations = {name: side.open_conversation() for name, side in sides.items()}
-        transcript = {name: [] for name in sides}
-        for index, text in enumerate(turns):
-            for name in alternated(list(sides), index):
-                transcript[name].append(sides[name].turn(conversations[name], text))
-        print({name: transcript[name][-1] for name in sides}, flush=True)
+        transcript = live_transcript(sides, [word_text(rng, 60) for _ in range(args.turns)])  # ~16 tokens a turn
     slots: dict[str, list[dict[str, Any]]] = {}
     if args.slot_conversations:
         # More conversations than slots: 4 slots a side, one side at a time, the same turns.
@@ -451,69 +509,25 @@ def run(args: Any) -> dict[str, Any]:
                 print(f"{name}: {len(slots[name])} turns of {args.slot_conversations} conversations", flush=True)
     resumes: dict[str, list[dict[str, Any]]] = {}
     for index in range(args.resume_rounds):
-        # Resume after a restart: a context of about 2,000 tokens, in two turns (our chunks
-        # take at most 2,048 tokens), then one more turn after the restart.
-        context = [word_text(rng, args.resume_context // 2) for _ in range(2)]
+        # A context of about 2,000 tokens in two turns (our chunks take at most 2,048).
+        context = [word_text(rng, round(args.resume_context * TEXT_PER_TOKEN / 2)) for _ in range(2)]
         turn = word_text(rng, 60)
-        round_dir = log_dir / f"resume-{index}"
-        starts = resume_sides(setup, binaries, ggufs, log_dir, round_dir)
+        starts = resume_sides(setup, binaries, ggufs, log_dir, log_dir / f"resume-{index}")
         for name in alternated(list(starts), index):
             resumes.setdefault(name, []).append(resume_after_restart(name, starts[name], context, turn))
             print(f"resume round {index} {name}: {resumes[name][-1]}", flush=True)
     if args.one_b_tokens:
         directory, gguf = one_b_model(binaries.parent.parent)
         with contextlib.ExitStack() as stack:
+            ours_1b = ours_as_served(setup, log_dir, "ours-1b", model=str(directory))
+            peer_1b = llama_server(binaries, gguf, "llama.cpp-1b-bf16", log_dir)
             one_b = {
-                "ours-1b": Side(
-                    "ours-1b", stack.enter_context(ours_as_served(setup, log_dir, "ours-1b", model=str(directory)))
-                ),
-                "llama.cpp-1b-bf16": Side(
-                    "llama.cpp-1b-bf16", stack.enter_context(llama_server(binaries, gguf, "llama.cpp-1b-bf16", log_dir))
-                ),
+                "ours-1b": Side("ours-1b", stack.enter_context(ours_1b)),
+                "llama.cpp-1b-bf16": Side("llama.cpp-1b-bf16", stack.enter_context(peer_1b)),
             }
             decode.update(decode_rounds(one_b, args.rounds, args.one_b_tokens, rng))
     last = max(1, min(9, args.turns // 2))
-    summary: dict[str, Any] = {}
-    for name, rounds in decode.items():
-        summary[name] = {"decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in rounds), 2)}
-        if name in transcript:
-            tail = transcript[name][-last:]
-            summary[name].update(
-                transcript_ttft_p50_s=round(statistics.median(t["ttft_s"] for t in tail), 4),
-                transcript_turn_p50_s=round(statistics.median(t["turn_s"] for t in tail), 4),
-                transcript_computed_prompt_tokens=sum(t["computed_prompt_tokens"] for t in transcript[name]),
-            )
-    for name, answered in slots.items():
-        later = sorted(t["ttft_s"] for t in answered if t["turn"] > 0)
-        summary[name].update(
-            slots_ttft_p50_s=round(statistics.median(later), 4),
-            slots_ttft_p99_s=round(statistics.quantiles(later, n=100)[98], 4),
-            slots_computed_prompt_tokens=sum(t["computed_prompt_tokens"] for t in answered),
-        )
-    for name, rounds in resumes.items():
-        summary.setdefault(name, {}).update(
-            resume_ttft_p50_s=round(statistics.median(r["ttft_s"] for r in rounds), 4),
-            resume_computed_prompt_tokens=max(r["computed_prompt_tokens"] for r in rounds),
-        )
-    for ours, peer in (
-        ("ours", "llama.cpp-bf16"),
-        ("ours", "llama.cpp-q4_1"),
-        ("ours-1b", "llama.cpp-1b-bf16"),
-        ("ours-no-disk-tier", "llama.cpp-bf16-no-restore"),
-    ):
-        if peer in summary and ours in summary:
-            summary[f"{ours}/{peer}"] = {
-                key: round(summary[ours][key] / summary[peer][key], 3)
-                for key in (
-                    "decode_tokens_per_s",
-                    "transcript_ttft_p50_s",
-                    "transcript_turn_p50_s",
-                    "slots_ttft_p50_s",
-                    "slots_ttft_p99_s",
-                    "resume_ttft_p50_s",
-                )
-                if key in summary[peer] and key in summary[ours]
-            }
+    summary = summarize(decode, transcript, last, slots, resumes)
     return {
         "benchmark": "llama_cpp",
         "machine": machine(),
@@ -551,15 +565,24 @@ def run(args: Any) -> dict[str, Any]:
 
 def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
-    figure, (decode, turns) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, ((decode, turns), (slots, resume)) = plt.subplots(2, 2, figsize=(11, 8))
     plot_decode_rounds(decode, result["decode"])
     for side in result["transcript"]:
         turns.plot([t["ttft_s"] * 1000 for t in result["transcript"][side]], label=f"{side} TTFT")
         turns.plot([t["turn_s"] * 1000 for t in result["transcript"][side]], linestyle=":", label=f"{side} turn")
-    turns.set_xlabel("turn")
-    turns.set_ylabel("ms")
+    turns.set(title="live transcript", xlabel="turn", ylabel="ms")
     turns.legend(fontsize=7)
-    figure.suptitle(f"SmolLM2-135M-Instruct, one model thread each; {cpu_caption(result)}", fontsize=9)
+    for side, answered in result.get("slots", {}).items():
+        later = sorted(t["ttft_s"] * 1000 for t in answered if t["turn"] > 0)
+        slots.plot([100 * (i + 1) / len(later) for i in range(len(later))], later, label=side)
+    slots.set(title="more conversations than slots: TTFT, turns 2 on", xlabel="percentile", ylabel="ms")
+    slots.legend(fontsize=7)
+    names = list(result.get("resume", {}))
+    resume.bar(names, [statistics.median(r["ttft_s"] for r in result["resume"][n]) * 1000 for n in names])
+    resume.set(title="resume after a restart: TTFT (median)", ylabel="ms")
+    resume.tick_params(axis="x", labelrotation=20, labelsize=7)
+    figure.suptitle(f"one model thread each; {cpu_caption(result)}", fontsize=9)
+    figure.tight_layout()
     return figure
 
 
