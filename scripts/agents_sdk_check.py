@@ -9,9 +9,10 @@ chat completions model (vLLM's route) and its Responses model chained by
 output goes back, the agent answers, and (Responses) the round after the call computes
 only the tool's output and the turn's framing. Exits non-zero if any of it fails.
 
-On an AMX CPU, run it against a float32 server (STREAMSESS_DTYPE=float32 ./scripts/serve):
-in bf16 there the default model's greedy answer to a second turn loops until max_tokens,
-and the SDK fails on the `incomplete` response.
+On an AMX CPU, or an AVX-512-BF16 CPU without AMX (where vLLM's packed linear kernel runs),
+run it against a float32 server (STREAMSESS_DTYPE=float32 ./scripts/serve): in bf16 there
+the default model's greedy answer to a second turn loops until max_tokens, and the SDK
+fails on the `incomplete` response.
 """
 
 from __future__ import annotations
