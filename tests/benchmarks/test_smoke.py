@@ -223,6 +223,13 @@ def test_cpu_decode_quick(tmp_path: Path) -> None:
     assert result["summary"]["eager"]["ratio_to_eager"] == 1.0
 
 
+def test_cpu_linear_quick(tmp_path: Path) -> None:
+    result = own_process_quick(tmp_path, "cpu_linear")
+    kernels = {key.rsplit(" ", 1)[1] for key in result["summary"]}
+    assert {"onednn", "aten"} <= kernels and ("packed" in kernels) == ("avx512f" in result["machine"]["cpu_flags"])
+    assert all(row["layers_ms"] > 0 and row["head_ms"] > 0 for row in result["summary"].values())
+
+
 def test_vllm_bench_quick(tmp_path: Path) -> None:
     result = own_process_quick(tmp_path, "vllm_bench")
     (key,) = result["summary"]
