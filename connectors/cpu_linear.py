@@ -5,10 +5,11 @@ on AMX machines, where small weights go to its own VNNI-packed kernel from SGLan
 (``_C.weight_packed_linear``; ``check_cpu_sgl_kernel`` in ``vllm/model_executor/layers/utils.py``).
 That kernel also runs on a CPU with ``avx512_bf16`` and no AMX tiles (AMD Zen 4 and 5, Intel
 Cooper Lake): it uses ``vdpbf16ps`` for a few rows and the same brgemm as oneDNN for more.
-Measured on an AMD EPYC (``avx512_bf16``, no AMX), the default model's 30 layers of weights
-and its LM head at one row (a decode step), one thread: oneDNN 16.8 + 4.2 ms, the packed
-kernel 10.1 + 2.2 ms (weights streamed at 21 GB/s against 12.6); two threads 10.2 + 2.3
-against 7.6 + 1.7 ms. From 5 rows up both are within 3% (they share the brgemm).
+Measured on an AMD EPYC (``avx512_bf16``, no AMX) by ``python -m benchmarks.cpu_linear``,
+the default model's 30 layers and its LM head at one row (a decode step), one thread:
+oneDNN 15.5 + 3.7 ms, the packed kernel 9.4 + 2.1 ms (weights streamed at 22.6 GB/s
+against 13.7); the ~1B model of benchmarks.llama_cpp 0.57x oneDNN's time. From 5 rows up
+the two are within 3% (they share the brgemm).
 
 ``register`` wraps ``check_cpu_sgl_kernel`` so that it also accepts a bf16 weight of any size
 (with the kernel's own alignment: K a multiple of 32, N of 16) when the engine asks for it:
