@@ -224,7 +224,7 @@ def build_one_b(out_dir: Path) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from app.models.builder import ensure_model
+    from app.models.builder import ensure_model, randomize
 
     default_model = ensure_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(default_model)
@@ -236,13 +236,7 @@ def build_one_b(out_dir: Path) -> None:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu").bfloat16()
-    generator = torch.Generator().manual_seed(ONE_B_SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    randomize(model, ONE_B_SEED, 0.02)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from app.models import smollm2
 
@@ -153,6 +154,20 @@ def _build_tokenizer(vocab_size: int):  # -> PreTrainedTokenizerFast
     )
 
 
+def randomize(model: Any, seed: int, std: float) -> None:
+    """Seeded random weights, drawn in the parameters' sorted order: normal with ``std``,
+    norms at 1."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
 def _build(preset: ModelPreset, out_dir: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -176,14 +191,8 @@ def _build(preset: ModelPreset, out_dir: Path) -> None:
         tie_word_embeddings=False,
         dtype=preset.dtype,
     )
-    generator = torch.Generator().manual_seed(preset.seed)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * preset.init_std)
+    randomize(model, preset.seed, preset.init_std)
     model = model.to(getattr(torch, preset.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
