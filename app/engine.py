@@ -34,9 +34,7 @@ from connectors.compat import (
     TIER_COPY_THREAD_MIN_LOAD_BYTES_KEY,
     UPSTREAM_SYNC_LOAD_BUDGET_KEY,
 )
-from connectors.cpu_linear import CONFIG_KEY as CPU_LINEAR_KEY
-from connectors.cpu_linear import PACKED as PACKED_LINEAR
-from connectors.cpu_linear import packed_kernel_helps
+from connectors.cpu_linear import packed_config, packed_kernel_helps
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -135,7 +133,7 @@ def build_engine_args(settings: Settings) -> AsyncEngineArgs:
     if uses_packed_linear(settings):
         # In the engine's config, which vLLM hashes into its compile cache's key: a graph
         # compiled for one kernel is not loaded for the other.
-        args["additional_config"] = {CPU_LINEAR_KEY: PACKED_LINEAR}
+        args["additional_config"] = packed_config()
     if settings.disk_tier_gib and transfer:
         # Files are named by block hash: a hash that is the same in every process and
         # Python version (vLLM's default sha256 pickles its input).

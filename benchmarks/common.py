@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 
 import httpx
 
-from connectors.cpu_linear import CONFIG_KEY as CPU_LINEAR_KEY
-from connectors.cpu_linear import PACKED as PACKED_LINEAR
-from connectors.cpu_linear import packed_kernel_helps
+from app.engine import uses_packed_linear
+from app.settings import Settings
+from connectors.cpu_linear import packed_config
 
 # The server harness is the tests' (tests/harness); re-exported for the benchmark scripts.
 from tests.harness.servers import REPO as REPO
@@ -198,7 +198,7 @@ def vllm_server(
         "--dtype",
         setup.dtype,
         "--disable-log-stats",
-        *(["--additional-config", json.dumps({CPU_LINEAR_KEY: PACKED_LINEAR})] if packed_kernel_helps() else []),
+        *(["--additional-config", json.dumps(packed_config())] if uses_packed_linear(Settings(_env_file=None)) else []),
         *(extra_args or []),
     ]
     label = label or f"vllm-prefix-{'on' if prefix_caching else 'off'}"

@@ -60,24 +60,20 @@ SIDES: dict[str, tuple[bool, bool, bool]] = {  # name: (compiled, packed linear 
 
 
 def start_side(
-    stack: contextlib.ExitStack,
-    setup: EngineSetup,
-    log_dir: Path,
-    name: str,
-    compiled: bool,
-    packed: bool,
-    preloaded: bool,
-    cache_root: Path,
+    stack: contextlib.ExitStack, setup: EngineSetup, log_dir: Path, side: str, cache_root: Path, warm: bool = False
 ) -> tuple[RunningServer, float]:
-    """A server of this side, healthy, and the seconds its start took."""
+    """A server of this side, healthy, and the seconds its start took (``warm``: a second
+    start, on the compile cache the first filled)."""
+    compiled, packed, preloaded = SIDES[side]
     env = {"VLLM_CACHE_ROOT": str(cache_root), "LD_PRELOAD": preload_value("") if preloaded else ""}
+    name = side.replace("+", "-") + ("-warm" if warm else "")
     started = time.perf_counter()
     with environment(**env):
         server = stack.enter_context(
             our_server(
                 setup,
                 log_dir,
-                name=name.replace("+", "-"),
+                name=name,
                 enforce_eager=str(not compiled).lower(),
                 cpu_linear="auto" if packed else "onednn",
             )
@@ -101,13 +97,12 @@ def run(args: Any) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         servers: dict[str, RunningServer] = {}
         for side in sides:
-            compiled, packed, preloaded = SIDES[side]
             cache_root = log_dir / f"cache-{side}"
-            servers[side], seconds = start_side(stack, setup, log_dir, side, compiled, packed, preloaded, cache_root)
+            servers[side], seconds = start_side(stack, setup, log_dir, side, cache_root)
             starts[side] = {"cold_s": seconds}
-            if compiled:  # the same start again, on the compile cache the first one filled
+            if SIDES[side][0]:  # compiled: the same start again, on the compile cache the first one filled
                 with contextlib.ExitStack() as again:
-                    _, warm = start_side(again, setup, log_dir, f"{side}-warm", compiled, packed, preloaded, cache_root)
+                    _, warm = start_side(again, setup, log_dir, side, cache_root, warm=True)
                 starts[side]["warm_s"] = warm
             print(f"{side}: started in {starts[side]}")
         models = {side: served_model(server) for side, server in servers.items()}

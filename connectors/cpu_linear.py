@@ -47,6 +47,11 @@ def packed_kernel_helps(flags: frozenset[str] | None = None) -> bool:
     return "avx512_bf16" in flags and "amx_tile" not in flags
 
 
+def packed_config() -> dict[str, str]:
+    """The ``additional_config`` with which an engine asks for the packed kernel."""
+    return {CONFIG_KEY: PACKED}
+
+
 def engine_asks() -> bool:
     """Whether the engine being built asked for the packed kernel in its config."""
     from vllm.config.vllm import get_current_vllm_config_or_none
