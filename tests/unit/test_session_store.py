@@ -20,7 +20,7 @@ import pytest_asyncio
 import sqlalchemy as sa
 
 from app.store import LeaseRefused, SessionExistsError, SessionRecord, StoreUnavailableError
-from app.store.sql import SQLSessionStore
+from app.store.sql import SQLiteRunner, SQLSessionStore
 from tests.postgres import PostgresServer, needs_postgres, postgres_server
 
 
@@ -192,32 +192,30 @@ async def test_a_full_sqlite_disk_fails_the_commit_whole_and_the_store_recovers(
     disk is full"), the error a full file system gives. The failed commit raises
     StoreUnavailableError and leaves the session exactly as it was (the service then
     undoes the chunk: tests/server/test_store_failure.py); with room again, it commits."""
-    import sqlalchemy as sa
 
     store = SQLSessionStore(f"sqlite:///{tmp_path / 'full' / 'sessions.db'}")
     await store.start()
-    engine = store._engine
-    assert engine is not None
+    assert isinstance(store._runner, SQLiteRunner)
+    engine = store._runner.engine
     cap = {"pages": 0}
 
     def cap_pages(dbapi_connection: Any, _record: Any) -> None:
         if cap["pages"]:
             dbapi_connection.cursor().execute(f"PRAGMA max_page_count={cap['pages']}")
 
-    sa.event.listen(engine.sync_engine, "connect", cap_pages)
+    sa.event.listen(engine, "connect", cap_pages)
     try:
         session_id = unique("full")
         await store.create(record(session_id))
         assert isinstance(await store.acquire_lease(session_id, "replica-a", 30), SessionRecord)
-        async with engine.connect() as conn:
-            cap["pages"] = int((await conn.execute(sa.text("PRAGMA page_count"))).scalar_one())
-        await engine.dispose()  # new connections get the cap: the disk is now full
+        cap["pages"] = int(await store._run(lambda conn: conn.execute(sa.text("PRAGMA page_count")).scalar_one()))
+        engine.dispose()  # new connections get the cap: the disk is now full
         with pytest.raises(StoreUnavailableError, match="full"):
             await store.commit_chunk(session_id, "replica-a", 0, list(range(50_000)), time.time())
         loaded = await store.load(session_id)
         assert loaded is not None and loaded[0].num_chunks == 0 and loaded[1] == []
         cap["pages"] = 0
-        await engine.dispose()  # room again
+        engine.dispose()  # room again
         assert await store.commit_chunk(session_id, "replica-a", 0, [5, 6], time.time())
         loaded = await store.load(session_id)
         assert loaded is not None and loaded[0].num_chunks == 1 and loaded[1] == [5, 6]
@@ -246,18 +244,18 @@ async def test_only_lease_writes_skip_the_flush(store: SQLSessionStore, monkeypa
     query = "PRAGMA synchronous" if store.dialect == "sqlite" else "SHOW synchronous_commit"
     modes = {}
     for synced in (False, True):
-        async with store._transaction(synced=synced) as conn:
-            modes[synced] = str((await conn.execute(sa.text(query))).scalar_one()).lower()
+        mode = await store._run(lambda conn: conn.execute(sa.text(query)).scalar_one(), synced=synced)
+        modes[synced] = str(mode).lower()
     assert modes == ({False: "1", True: "2"} if store.dialect == "sqlite" else {False: "off", True: "on"})
 
     opened: list[bool] = []
-    transaction = store._transaction
+    run = store._run
 
-    def recording(write: bool = True, synced: bool = True) -> Any:
+    def recording(transaction: Any, write: bool = True, synced: bool = True) -> Any:
         opened.append(synced)
-        return transaction(write=write, synced=synced)
+        return run(transaction, write=write, synced=synced)
 
-    monkeypatch.setattr(store, "_transaction", recording)
+    monkeypatch.setattr(store, "_run", recording)
     session_id = unique("lease-sync")
     await store.create(record(session_id))
     assert opened == [True]
