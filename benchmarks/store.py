@@ -2,11 +2,13 @@
 
 In process, on one engine (as ``park_resume``), so that only the store differs:
 
-1. Per-chunk overhead: one session, N chunks of 1 token with max_tokens=1 through
-   the session service, with no store (``store_url=none``), with SQLite (the
-   default: WAL, synchronous=FULL, on this machine's disk) and with PostgreSQL
-   (Debian's server on loopback, fsync on). Every chunk takes a lease and commits
-   its tokens: two transactions. Reports p50/p99 per store, and the p50 over none.
+1. Per-chunk overhead: 1-token chunks with max_tokens=1 through the session service,
+   with no store (``store_url=none``), with SQLite (the default: WAL, synchronous=FULL,
+   on this machine's disk) and with PostgreSQL (Debian's server on loopback, fsync on),
+   the stores interleaved in rounds (a new session each, so every side's contexts are
+   the same lengths) so that a drift of the machine falls on all of them. Every chunk
+   takes a lease (not flushed) and commits its tokens (flushed): two transactions.
+   Reports p50/p99 per store, and the p50 over none.
 2. Resume after a restart against resume from the CPU tier: sessions of CONTEXT
    tokens, then a chunk of 16 tokens, timed to its first token, (a) never parked
    (device), (b) parked with the device cache reset (CPU tier), (c) after a
@@ -33,6 +35,7 @@ from typing import Any
 
 from benchmarks.common import (
     EngineSetup,
+    alternated,
     benchmark_parser,
     finish,
     in_process_engine,
@@ -83,7 +86,8 @@ class Bench:
         )
         return await run.result()
 
-    async def per_chunk(self, store_url: str, chunks: int) -> dict[str, float]:
+    async def chunk_times(self, store_url: str, chunks: int) -> list[float]:
+        """``chunks`` 1-token chunks on a new session over ``store_url``, each timed."""
         async with self.service(store_url) as service:
             session_id = await self.open(service)
             for _ in range(5):  # warm up
@@ -94,7 +98,19 @@ class Bench:
                 await self.chunk(service, session_id, [(index % 500) + 1])
                 times.append(time.perf_counter() - start)
             await service.close(OWNER, session_id)
-        return {"p50_s": percentile(times, 50), "p99_s": percentile(times, 99), "chunks": chunks}
+        return times
+
+    async def per_chunk(self, store_urls: dict[str, str], chunks: int, rounds: int) -> dict[str, dict[str, float]]:
+        """Each store's chunk times, the stores interleaved: ``rounds`` rounds of
+        ``chunks // rounds`` chunks a store, the order reversed every other round."""
+        times: dict[str, list[float]] = {name: [] for name in store_urls}
+        for index in range(rounds):
+            for name in alternated(list(store_urls), index):
+                times[name] += await self.chunk_times(store_urls[name], max(1, chunks // rounds))
+        return {
+            name: {"p50_s": percentile(values, 50), "p99_s": percentile(values, 99), "chunks": len(values)}
+            for name, values in times.items()
+        }
 
     async def reset(self, tier: bool) -> None:
         assert await self.engine.reset_prefix_cache(reset_connector=tier), "cache reset refused"
@@ -146,14 +162,13 @@ async def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     )
     engine, recorder, settings = in_process_engine(setup, "store-bench", session_park_after_s=3600)
     bench = Bench(engine, recorder, settings)
-    overhead: dict[str, dict[str, float]] = {}
     try:
-        overhead["none"] = await bench.per_chunk("none", args.chunks)
         sqlite_dir = tempfile.mkdtemp(prefix="streamsess-bench-sqlite-")
-        overhead["sqlite"] = await bench.per_chunk(f"sqlite:///{sqlite_dir}/sessions.db", args.chunks)
-        if postgres_bin_dir() is not None:
-            with postgres_server(fsync=True) as database:
-                overhead["postgresql"] = await bench.per_chunk(database.url, args.chunks)
+        stores = {"none": "none", "sqlite": f"sqlite:///{sqlite_dir}/sessions.db"}
+        with contextlib.ExitStack() as stack:
+            if postgres_bin_dir() is not None:
+                stores["postgresql"] = stack.enter_context(postgres_server(fsync=True)).url
+            overhead = await bench.per_chunk(stores, args.chunks, args.rounds)
         rng = random.Random(args.seed)
         resume = {str(context): await bench.resume(context, args.repeats, rng) for context in args.contexts}
     finally:
@@ -166,6 +181,7 @@ async def measure_all(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {
             **setup.describe(),
             "chunks": args.chunks,
+            "rounds": args.rounds,
             "repeats": args.repeats,
             "next_chunk": NEXT_CHUNK,
             "sqlite": "WAL, synchronous=FULL",
@@ -202,14 +218,15 @@ def plot(result: dict[str, Any]) -> Any:
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
-    parser.add_argument("--chunks", type=int, default=60)
+    parser.add_argument("--chunks", type=int, default=120, help="1-token chunks a store, over all rounds")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds the stores are interleaved in")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     args = parser.parse_args(argv)
     name = "store"
     if args.quick:
         quick_engine(args)
-        args.chunks, args.repeats, args.contexts = 10, 1, [128]
+        args.chunks, args.rounds, args.repeats, args.contexts = 10, 2, 1, [128]
         name = "store-quick"
     return name, args
 
