@@ -186,6 +186,43 @@ async def test_a_stopped_postgres_fails_fast_and_the_store_recovers(postgres: Po
         await store.close()
 
 
+@needs_postgres
+@pytest.mark.parametrize("ping_idle", [True, False], ids=["ping-idle", "negative-control-no-ping"])
+async def test_a_postgres_restart_while_the_pool_is_idle_is_not_seen(
+    postgres: PostgresServer, ping_idle: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL restarted while the store's pooled connections sat idle: the next lease
+    and commit succeed, because a connection idle longer than IDLE_PING_S is pinged at
+    checkout and replaced when dead (a ping on every checkout would cost a round trip a
+    transaction). Negative control: with the idle ping off, the first transaction after
+    the restart gets a dead connection and fails."""
+    if not ping_idle:
+        monkeypatch.setattr("app.store.sql.IDLE_PING_S", float("inf"))
+    store = SQLSessionStore(postgres.url)
+    await store.start()
+    session_id = unique("idle-restart")
+    try:
+        await store.create(record(session_id))
+        assert isinstance(await store.acquire_lease(session_id, "replica-a", 30), SessionRecord)
+        postgres.stop()
+        postgres.start()
+        await asyncio.sleep(1.2)  # past IDLE_PING_S (1 s)
+
+        async def lease_and_commit() -> None:
+            assert isinstance(await store.acquire_lease(session_id, "replica-a", 30), SessionRecord)
+            assert await store.commit_chunk(session_id, "replica-a", 0, [5, 6], time.time())
+
+        if ping_idle:
+            await lease_and_commit()
+        else:
+            with pytest.raises(StoreUnavailableError):
+                await lease_and_commit()
+    finally:
+        if not postgres.running():
+            postgres.start()
+        await store.close()
+
+
 async def test_a_full_sqlite_disk_fails_the_commit_whole_and_the_store_recovers(tmp_path: Path) -> None:
     """The store's disk full, as SQLite sees it: ``PRAGMA max_page_count`` caps the
     database so a write that needs a new page fails with SQLITE_FULL ("database or
