@@ -126,7 +126,7 @@ RELEASE_LEASE = _HELD.values(lease_holder=None, lease_expires=None)
 # A chunk extends its session (while its holder has the lease and no other chunk came in
 # between), then its tokens are added; a chunk that cut the context says where it starts.
 _EXTEND = sessions.update().where(
-    _s.id == sa.bindparam("sid"), _s.lease_holder == sa.bindparam("holder"), _s.num_chunks == sa.bindparam("idx")
+    _s.id == sa.bindparam("sid"), _s.lease_holder == sa.bindparam("holder"), _s.num_chunks == sa.bindparam("chunk_idx")
 )
 _EXTENDED: dict[str, Any] = {
     "num_chunks": sa.bindparam("next_idx"),
@@ -139,6 +139,22 @@ _EXTENDED: dict[str, Any] = {
 EXTEND_AT_END = _EXTEND.values(num_tokens=_s.num_tokens + sa.bindparam("added"), **_EXTENDED)
 EXTEND_CUT = _EXTEND.values(num_tokens=sa.bindparam("total"), **_EXTENDED)
 ADD_CHUNK = session_chunks.insert()
+
+
+def _extend_and_add(extend: sa.Update) -> sa.Insert:
+    """Both of a chunk's writes as one statement (PostgreSQL: an UPDATE in a WITH clause),
+    which adds the chunk's row only where the session was extended."""
+    extended = extend.returning(_s.id).cte("extended")
+    chunk = sa.select(
+        extended.c.id,
+        sa.bindparam("chunk_idx", type_=sa.Integer),
+        sa.bindparam("chunk_tokens", type_=sa.LargeBinary),
+        sa.bindparam("chunk_start", type_=sa.Integer),
+    )
+    return session_chunks.insert().from_select(["session_id", "idx", "token_ids", "start"], chunk)
+
+
+EXTEND_AND_ADD = {at_end: _extend_and_add(EXTEND_AT_END if at_end else EXTEND_CUT) for at_end in (True, False)}
 
 
 def pack_tokens(token_ids: list[int]) -> bytes:
@@ -197,7 +213,7 @@ class SQLiteRunner:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="store-reader")
 
-    async def run(self, transaction: Transaction[T], write: bool, synced: bool) -> T:
+    async def run(self, transaction: Transaction[T], write: bool, synced: bool, one_statement: bool) -> T:
         engine = self.engine if synced else self.lease_engine
         executor = self._writer if write else self._readers
         return await asyncio.get_running_loop().run_in_executor(executor, _whole, engine, transaction)
@@ -234,8 +250,13 @@ class PostgresRunner:
         for engine in (self.engine, self.lease_engine):
             _ping_when_idle(engine.sync_engine)
 
-    async def run(self, transaction: Transaction[T], write: bool, synced: bool) -> T:
-        async with (self.engine if synced else self.lease_engine).begin() as conn:
+    async def run(self, transaction: Transaction[T], write: bool, synced: bool, one_statement: bool) -> T:
+        engine = self.engine if synced else self.lease_engine
+        if one_statement:  # atomic by itself: no BEGIN and COMMIT, two round trips less
+            async with engine.connect() as conn:
+                autocommit = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                return await autocommit.run_sync(transaction)
+        async with engine.begin() as conn:
             return await conn.run_sync(transaction)
 
     async def close(self) -> None:
@@ -345,7 +366,9 @@ class SQLSessionStore(SessionStore):
     async def ping(self) -> None:
         await self._run(lambda conn: conn.execute(sa.text("SELECT 1")).scalar(), write=False)
 
-    async def _run(self, transaction: Transaction[T], write: bool = True, synced: bool = True) -> T:
+    async def _run(
+        self, transaction: Transaction[T], write: bool = True, synced: bool = True, one_statement: bool = False
+    ) -> T:
         """``transaction`` as one transaction; any failure of the database or its disk
         becomes StoreUnavailableError, after the transaction rolled back. ``synced=False``
         (lease writes): the commit returns before it is on disk. A lease lost to a power
@@ -353,11 +376,13 @@ class SQLSessionStore(SessionStore):
         refused), and a holder lost with it needs none. That takes a flush off every
         chunk's first token (SQLite: a connection at synchronous=NORMAL; PostgreSQL:
         synchronous_commit off on the lease pool's connections); chunks, sessions and
-        objects stay synced."""
+        objects stay synced. ``one_statement``: the transaction's one write is a single
+        statement, atomic by itself (anything after it only reads), which PostgreSQL runs
+        without BEGIN and COMMIT: a chunk's lease and commit are then a round trip each."""
         assert self._runner is not None, "start() the store first"
         started = time.perf_counter()
         try:
-            return await self._runner.run(transaction, write, synced)
+            return await self._runner.run(transaction, write, synced, one_statement)
         except IntegrityError:
             raise
         except (TimeoutError, SQLAlchemyError, OSError) as exc:
@@ -479,15 +504,16 @@ class SQLSessionStore(SessionStore):
                 return LeaseRefused.NOT_FOUND
             return LeaseRefused.CLOSED if status == "closed" else LeaseRefused.HELD
 
-        return await self._run(take, synced=False)
+        return await self._run(take, synced=False, one_statement=True)
 
     async def renew_lease(self, session_id: str, holder: str, ttl_s: float) -> bool:
         values = {"sid": session_id, "holder": holder, "expires": time.time() + ttl_s}
-        return await self._run(lambda conn: conn.execute(RENEW_LEASE, values).rowcount == 1, synced=False)
+        renew = lambda conn: conn.execute(RENEW_LEASE, values).rowcount == 1  # noqa: E731
+        return await self._run(renew, synced=False, one_statement=True)
 
     async def release_lease(self, session_id: str, holder: str) -> None:
         values = {"sid": session_id, "holder": holder}
-        await self._run(lambda conn: conn.execute(RELEASE_LEASE, values), synced=False)
+        await self._run(lambda conn: conn.execute(RELEASE_LEASE, values), synced=False, one_statement=True)
 
     async def commit_chunk(
         self,
@@ -503,22 +529,30 @@ class SQLSessionStore(SessionStore):
         values = {
             "sid": session_id,
             "holder": holder,
-            "idx": index,
+            "chunk_idx": index,
             "next_idx": index + 1,
             "chat_json": None if chat is None else json.dumps(chat),
             "activity": last_activity,
             "added": len(token_ids),
             "total": (start or 0) + len(token_ids),
         }
-        chunk = {"session_id": session_id, "idx": index, "token_ids": pack_tokens(token_ids), "start": start}
+        tokens = pack_tokens(token_ids)
 
         def write(conn: sa.Connection) -> bool:
             if conn.execute(extend, values).rowcount != 1:
                 return False
-            conn.execute(ADD_CHUNK, chunk)
+            conn.execute(ADD_CHUNK, {"session_id": session_id, "idx": index, "token_ids": tokens, "start": start})
             return True
 
+        def write_one(conn: sa.Connection) -> bool:
+            added = conn.execute(
+                EXTEND_AND_ADD[start is None], {**values, "chunk_tokens": tokens, "chunk_start": start}
+            )
+            return bool(added.rowcount == 1)
+
         try:
+            if self.dialect == "postgresql":
+                return await self._run(write_one, one_statement=True)
             return await self._run(write)
         except IntegrityError:
             return False  # chunk ``index`` exists: written by another replica

@@ -288,9 +288,9 @@ async def test_only_lease_writes_skip_the_flush(store: SQLSessionStore, monkeypa
     opened: list[bool] = []
     run = store._run
 
-    def recording(transaction: Any, write: bool = True, synced: bool = True) -> Any:
+    def recording(transaction: Any, write: bool = True, synced: bool = True, one_statement: bool = False) -> Any:
         opened.append(synced)
-        return run(transaction, write=write, synced=synced)
+        return run(transaction, write=write, synced=synced, one_statement=one_statement)
 
     monkeypatch.setattr(store, "_run", recording)
     session_id = unique("lease-sync")
