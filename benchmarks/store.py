@@ -4,11 +4,12 @@ In process, on one engine (as ``park_resume``), so that only the store differs:
 
 1. Per-chunk overhead: 1-token chunks with max_tokens=1 through the session service,
    with no store (``store_url=none``), with SQLite (the default: WAL, synchronous=FULL,
-   on this machine's disk) and with PostgreSQL (Debian's server on loopback, fsync on),
-   the stores interleaved in rounds (a new session each, so every side's contexts are
-   the same lengths) so that a drift of the machine falls on all of them. Every chunk
-   takes a lease (not flushed) and commits its tokens (flushed): two transactions.
-   Reports p50/p99 per store, and the p50 over none.
+   on this machine's disk) and with PostgreSQL (Debian's server on loopback, fsync on):
+   a service a store over the one engine, a session each, the chunks paired (each chunk
+   goes to every store in turn), so that a drift of the machine falls on all of them.
+   Every chunk takes a lease (not flushed) and commits its tokens (flushed): two
+   transactions. Reports p50/p99 per store, the p50 over none, and the median of each
+   chunk less the store-less chunk next to it (the paired figure).
 2. Resume after a restart against resume from the CPU tier: sessions of CONTEXT
    tokens, then a chunk of 16 tokens, timed to its first token, (a) never parked
    (device), (b) parked with the device cache reset (CPU tier), (c) after a
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -86,29 +88,34 @@ class Bench:
         )
         return await run.result()
 
-    async def chunk_times(self, store_url: str, chunks: int) -> list[float]:
-        """``chunks`` 1-token chunks on a new session over ``store_url``, each timed."""
-        async with self.service(store_url) as service:
-            session_id = await self.open(service)
-            for _ in range(5):  # warm up
-                await self.chunk(service, session_id, [7])
-            times = []
+    async def per_chunk(self, store_urls: dict[str, str], chunks: int) -> dict[str, dict[str, float]]:
+        """Each store's 1-token chunks, paired: a service a store over the one engine, a
+        session each, and chunk after chunk goes to every store in turn (the order
+        reversed every other time), so each store's chunk has its neighbours on the
+        others within a fraction of a second. Per store: p50/p99, and the median of its
+        chunk less the store-less chunk next to it."""
+        async with contextlib.AsyncExitStack() as stack:
+            services = {name: await stack.enter_async_context(self.service(url)) for name, url in store_urls.items()}
+            sessions = {name: await self.open(service) for name, service in services.items()}
+            for name, service in services.items():
+                for _ in range(5):  # warm up
+                    await self.chunk(service, sessions[name], [7])
+            times: dict[str, list[float]] = {name: [] for name in services}
             for index in range(chunks):
-                start = time.perf_counter()
-                await self.chunk(service, session_id, [(index % 500) + 1])
-                times.append(time.perf_counter() - start)
-            await service.close(OWNER, session_id)
-        return times
-
-    async def per_chunk(self, store_urls: dict[str, str], chunks: int, rounds: int) -> dict[str, dict[str, float]]:
-        """Each store's chunk times, the stores interleaved: ``rounds`` rounds of
-        ``chunks // rounds`` chunks a store, the order reversed every other round."""
-        times: dict[str, list[float]] = {name: [] for name in store_urls}
-        for index in range(rounds):
-            for name in alternated(list(store_urls), index):
-                times[name] += await self.chunk_times(store_urls[name], max(1, chunks // rounds))
+                for name in alternated(list(services), index):
+                    start = time.perf_counter()
+                    await self.chunk(services[name], sessions[name], [(index % 500) + 1])
+                    times[name].append(time.perf_counter() - start)
+            for name, service in services.items():
+                await service.close(OWNER, sessions[name])
         return {
-            name: {"p50_s": percentile(values, 50), "p99_s": percentile(values, 99), "chunks": len(values)}
+            name: {
+                "p50_s": percentile(values, 50),
+                "p99_s": percentile(values, 99),
+                "chunks": len(values),
+                "paired_over_none_p50_ms": 1000
+                * statistics.median(mine - none for mine, none in zip(values, times["none"], strict=True)),
+            }
             for name, values in times.items()
         }
 
@@ -168,7 +175,7 @@ async def measure_all(args: argparse.Namespace) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             if postgres_bin_dir() is not None:
                 stores["postgresql"] = stack.enter_context(postgres_server(fsync=True)).url
-            overhead = await bench.per_chunk(stores, args.chunks, args.rounds)
+            overhead = await bench.per_chunk(stores, args.chunks)
         rng = random.Random(args.seed)
         resume = {str(context): await bench.resume(context, args.repeats, rng) for context in args.contexts}
     finally:
@@ -177,11 +184,11 @@ async def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     for row in overhead.values():
         row["p50_over_none_ms"] = (row["p50_s"] - base) * 1000
         row["p50_ratio_vs_none"] = row["p50_s"] / base
+        row["paired_ratio_vs_none"] = 1 + row["paired_over_none_p50_ms"] / 1000 / base
     return {
         "settings": {
             **setup.describe(),
             "chunks": args.chunks,
-            "rounds": args.rounds,
             "repeats": args.repeats,
             "next_chunk": NEXT_CHUNK,
             "sqlite": "WAL, synchronous=FULL",
@@ -218,15 +225,14 @@ def plot(result: dict[str, Any]) -> Any:
 
 def parse_args(argv: list[str] | None = None) -> tuple[str, argparse.Namespace]:
     parser = benchmark_parser(__doc__, kv_cache_gib=1.0)
-    parser.add_argument("--chunks", type=int, default=120, help="1-token chunks a store, over all rounds")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds the stores are interleaved in")
+    parser.add_argument("--chunks", type=int, default=120, help="1-token chunks a store")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     args = parser.parse_args(argv)
     name = "store"
     if args.quick:
         quick_engine(args)
-        args.chunks, args.rounds, args.repeats, args.contexts = 10, 2, 1, [128]
+        args.chunks, args.repeats, args.contexts = 10, 1, [128]
         name = "store-quick"
     return name, args
 
@@ -235,7 +241,11 @@ async def run(name: str, args: argparse.Namespace) -> None:
     result = await measure_all(args)
     finish(name, result, args.out, plot)
     for store, row in result["per_chunk"].items():
-        print(store, f"p50 {row['p50_s'] * 1000:.1f} ms (+{row['p50_over_none_ms']:.1f} ms)")
+        print(
+            store,
+            f"p50 {row['p50_s'] * 1000:.1f} ms (+{row['p50_over_none_ms']:.1f} ms;"
+            f" paired +{row['paired_over_none_p50_ms']:.2f} ms, {row['paired_ratio_vs_none']:.3f}x)",
+        )
     for context, row in result["resume"].items():
         print(context, {k: round(v, 3) for k, v in row.items() if isinstance(v, float)})
 
