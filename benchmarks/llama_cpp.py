@@ -10,8 +10,9 @@ model, bf16, as ``./scripts/serve`` serves it on a CPU: compiled (its compile ca
 before the rounds), with vLLM's packed bf16 linear kernel where the CPU takes it
 (``connectors/cpu_linear.py``) and tcmalloc and Intel OpenMP preloaded. Every server gets
 one thread for the model
-(``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` on ours, ``-t 1 -tb 1`` on llama.cpp); all are up
-side by side and the workloads run side after side, the order alternating:
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` on ours, ``-t 1 -tb 1`` on llama.cpp), or ``--threads``
+each (written to ``llama_cpp-threads-N.json``); all are up side by side and the workloads
+run side after side, the order alternating:
 
 - decode: one stream, a 32-token prompt, 256 tokens (``ignore_eos``), tokens/s from the
   first token to the last, median of the rounds;
@@ -42,6 +43,8 @@ side by side and the workloads run side after side, the order alternating:
 
     python -m benchmarks.llama_cpp                # 4 decode rounds, 48 turns, the ~1B model
     python -m benchmarks.llama_cpp --quick        # 2 rounds of 16 tokens, 6 turns, no ~1B model
+    python -m benchmarks.llama_cpp --threads 2 --turns 0 --slot-conversations 0 --resume-rounds 0
+                                                  # decode only, two model threads each
 
 Writes benchmarks/results/llama_cpp.json and .png.
 """
@@ -242,10 +245,16 @@ def build_one_b(out_dir: Path) -> None:
 
 
 def llama_server(
-    binaries: Path, gguf: Path, name: str, log_dir: Path, slots: int = 1, extra: list[str] | None = None
+    binaries: Path,
+    gguf: Path,
+    name: str,
+    log_dir: Path,
+    slots: int = 1,
+    extra: list[str] | None = None,
+    threads: int = 1,
 ) -> contextlib.AbstractContextManager[Any]:
-    """llama.cpp's server with ``slots`` slots of 4,096 positions each (``-c`` is their sum);
-    ``extra``: more of its flags."""
+    """llama.cpp's server with ``slots`` slots of 4,096 positions each (``-c`` is their sum)
+    and ``threads`` threads; ``extra``: more of its flags."""
     port = free_port()
     command = [
         str(binaries / "llama-server"),
@@ -256,9 +265,9 @@ def llama_server(
         "--port",
         str(port),
         "-t",
-        "1",
+        str(threads),
         "-tb",
-        "1",
+        str(threads),
         "-c",
         str(4096 * slots),
         "-np",
@@ -322,9 +331,19 @@ class Side:
         }
 
 
-def ours_as_served(setup: EngineSetup, log_dir: Path, name: str, **settings: str) -> Any:
-    """Our server as ``./scripts/serve`` serves it on a CPU (its compile cache in ``log_dir``)."""
-    with environment(LD_PRELOAD=preload_value(""), VLLM_CACHE_ROOT=str(log_dir / "vllm-cache")):
+def reserved_cpus(threads: int) -> str:
+    """VLLM_CPU_NUM_OF_RESERVED_CPU that leaves ``threads`` of this machine's CPUs to the model."""
+    return str(max(0, (os.cpu_count() or 1) - threads))
+
+
+def ours_as_served(setup: EngineSetup, log_dir: Path, name: str, threads: int = 1, **settings: str) -> Any:
+    """Our server as ``./scripts/serve`` serves it on a CPU (its compile cache in ``log_dir``),
+    with ``threads`` model threads."""
+    with environment(
+        LD_PRELOAD=preload_value(""),
+        VLLM_CACHE_ROOT=str(log_dir / "vllm-cache"),
+        VLLM_CPU_NUM_OF_RESERVED_CPU=reserved_cpus(threads),
+    ):
         return our_server(setup, log_dir, name=name, enforce_eager="false", cpu_linear="auto", **settings)
 
 
@@ -450,7 +469,7 @@ def resume_after_restart(
 
 
 def resume_sides(
-    setup: EngineSetup, binaries: Path, ggufs: dict[str, Path], log_dir: Path, round_dir: Path
+    setup: EngineSetup, binaries: Path, ggufs: dict[str, Path], log_dir: Path, round_dir: Path, threads: int
 ) -> dict[str, Callable[[str], contextlib.AbstractContextManager[RunningServer]]]:
     """How each side of the resume workload starts (``phase``: before or after the restart)."""
     slot_dir = round_dir / "slots"
@@ -459,11 +478,16 @@ def resume_sides(
     state_without = {"state_dir": str(round_dir / "ours-no-disk-tier")}
 
     def llama(name: str, gguf: Path, extra: list[str]) -> Callable[[str], contextlib.AbstractContextManager[Any]]:
-        return lambda phase: llama_server(binaries, gguf, f"{name}-resume-{phase}", log_dir, extra=extra)
+        return lambda phase: llama_server(
+            binaries, gguf, f"{name}-resume-{phase}", log_dir, extra=extra, threads=threads
+        )
+
+    def ours(name: str, **settings: str) -> Callable[[str], contextlib.AbstractContextManager[Any]]:
+        return lambda phase: ours_as_served(setup, log_dir, f"{name}-{phase}", threads=threads, **settings)
 
     return {
-        "ours": lambda phase: ours_as_served(setup, log_dir, f"ours-resume-{phase}", disk_tier_gib="2", **state),
-        "ours-no-disk-tier": lambda phase: ours_as_served(setup, log_dir, f"ours-plain-{phase}", **state_without),
+        "ours": ours("ours-resume", disk_tier_gib="2", **state),
+        "ours-no-disk-tier": ours("ours-plain", **state_without),
         "llama.cpp-bf16": llama("llama.cpp-bf16", ggufs["llama.cpp-bf16"], ["--slot-save-path", str(slot_dir)]),
         "llama.cpp-bf16-no-restore": llama("llama.cpp-bf16-no-restore", ggufs["llama.cpp-bf16"], []),
         "llama.cpp-q4_1": llama("llama.cpp-q4_1", ggufs["llama.cpp-q4_1"], ["--slot-save-path", str(slot_dir)]),
@@ -483,20 +507,24 @@ def run(args: Any) -> dict[str, Any]:
     rng = random.Random(args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-llama-cpp-"))
     with contextlib.ExitStack() as stack:
-        sides = {"ours": Side("ours", stack.enter_context(ours_as_served(setup, log_dir, "ours")))}
+        ours = ours_as_served(setup, log_dir, "ours", threads=args.threads)
+        sides = {"ours": Side("ours", stack.enter_context(ours))}
         for name, gguf in ggufs.items():
-            sides[name] = Side(name, stack.enter_context(llama_server(binaries, gguf, name, log_dir)))
+            peer = llama_server(binaries, gguf, name, log_dir, threads=args.threads)
+            sides[name] = Side(name, stack.enter_context(peer))
         decode = decode_rounds(sides, args.rounds, args.tokens, rng)
-        transcript = live_transcript(sides, [word_text(rng, 60) for _ in range(args.turns)])  # ~16 tokens a turn
+        turns = [word_text(rng, 60) for _ in range(args.turns)]  # ~16 tokens a turn
+        transcript = live_transcript(sides, turns) if turns else {}
     slots: dict[str, list[dict[str, Any]]] = {}
     if args.slot_conversations:
         # More conversations than slots: 4 slots a side, one side at a time, the same turns.
         texts = [[word_text(rng, 60) for _ in range(args.slot_turns)] for _ in range(args.slot_conversations)]
         four_slots = dataclasses.replace(setup, max_num_seqs=SLOTS)
         with contextlib.ExitStack() as stack:
-            many = {"ours": Side("ours", stack.enter_context(ours_as_served(four_slots, log_dir, "ours-slots")))}
+            ours = ours_as_served(four_slots, log_dir, "ours-slots", threads=args.threads)
+            many = {"ours": Side("ours", stack.enter_context(ours))}
             for name, gguf in ggufs.items():
-                server = llama_server(binaries, gguf, f"{name}-slots", log_dir, slots=SLOTS)
+                server = llama_server(binaries, gguf, f"{name}-slots", log_dir, slots=SLOTS, threads=args.threads)
                 many[name] = Side(name, stack.enter_context(server))
             for name, side in many.items():
                 slots[name] = many_conversations(side, texts, args.slot_concurrency, args.slot_pause)
@@ -506,15 +534,15 @@ def run(args: Any) -> dict[str, Any]:
         # A context of about 2,000 tokens in two turns (our chunks take at most 2,048).
         context = [word_text(rng, round(args.resume_context * TEXT_PER_TOKEN / 2)) for _ in range(2)]
         turn = word_text(rng, 60)
-        starts = resume_sides(setup, binaries, ggufs, log_dir, log_dir / f"resume-{index}")
+        starts = resume_sides(setup, binaries, ggufs, log_dir, log_dir / f"resume-{index}", args.threads)
         for name in alternated(list(starts), index):
             resumes.setdefault(name, []).append(resume_after_restart(name, starts[name], context, turn))
             print(f"resume round {index} {name}: {resumes[name][-1]}", flush=True)
     if args.one_b_tokens:
         directory, gguf = one_b_model(binaries.parent.parent)
         with contextlib.ExitStack() as stack:
-            ours_1b = ours_as_served(setup, log_dir, "ours-1b", model=str(directory))
-            peer_1b = llama_server(binaries, gguf, "llama.cpp-1b-bf16", log_dir)
+            ours_1b = ours_as_served(setup, log_dir, "ours-1b", threads=args.threads, model=str(directory))
+            peer_1b = llama_server(binaries, gguf, "llama.cpp-1b-bf16", log_dir, threads=args.threads)
             one_b = {
                 "ours-1b": Side("ours-1b", stack.enter_context(ours_1b)),
                 "llama.cpp-1b-bf16": Side("llama.cpp-1b-bf16", stack.enter_context(peer_1b)),
@@ -526,7 +554,11 @@ def run(args: Any) -> dict[str, Any]:
         "benchmark": "llama_cpp",
         "machine": machine(),
         "llama_cpp_python": LLAMA_CPP_PYTHON,
-        "threads": {"ours": "VLLM_CPU_NUM_OF_RESERVED_CPU=1 (one model thread)", "llama.cpp": "-t 1 -tb 1"},
+        "threads": {
+            "model threads": args.threads,
+            "ours": f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved_cpus(args.threads)}",
+            "llama.cpp": f"-t {args.threads} -tb {args.threads}",
+        },
         "ours": {
             "compiled": True,
             "packed_linear_kernel": packed_kernel_helps(),
@@ -561,7 +593,7 @@ def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
     figure, ((decode, turns), (slots, resume)) = plt.subplots(2, 2, figsize=(11, 8))
     plot_decode_rounds(decode, result["decode"])
-    for side in result["transcript"]:
+    for side in result.get("transcript", {}):
         turns.plot([t["ttft_s"] * 1000 for t in result["transcript"][side]], label=f"{side} TTFT")
         turns.plot([t["turn_s"] * 1000 for t in result["transcript"][side]], linestyle=":", label=f"{side} turn")
     turns.set(title="live transcript", xlabel="turn", ylabel="ms")
@@ -575,7 +607,8 @@ def plot(result: dict[str, Any]) -> Any:
     resume.bar(names, [statistics.median(r["ttft_s"] for r in result["resume"][n]) * 1000 for n in names])
     resume.set(title="resume after a restart: TTFT (median)", ylabel="ms")
     resume.tick_params(axis="x", labelrotation=20, labelsize=7)
-    figure.suptitle(f"one model thread each; {cpu_caption(result)}", fontsize=9)
+    threads = result["threads"].get("model threads", 1)
+    figure.suptitle(f"{threads} model thread{'s' if threads > 1 else ''} each; {cpu_caption(result)}", fontsize=9)
     figure.tight_layout()
     return figure
 
@@ -584,7 +617,8 @@ def main() -> None:
     parser = benchmark_parser(__doc__, kv_cache_gib=0.5)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256, help="tokens decoded a round")
-    parser.add_argument("--turns", type=int, default=48)
+    parser.add_argument("--turns", type=int, default=48, help="turns of the live transcript; 0: skip it")
+    parser.add_argument("--threads", type=int, default=1, help="model threads a side")
     parser.add_argument("--slot-conversations", type=int, default=16, help="more conversations than slots; 0: skip")
     parser.add_argument("--slot-turns", type=int, default=8)
     parser.add_argument("--slot-concurrency", type=int, default=8, help="conversations at a time")
@@ -598,7 +632,8 @@ def main() -> None:
         args.rounds, args.tokens, args.turns, args.one_b_tokens = 2, 16, 6, 0
         args.slot_conversations, args.slot_turns, args.slot_concurrency, args.slot_pause = 3, 2, 2, 0.1
         args.resume_context, args.resume_rounds = 200, 1
-    finish("llama_cpp-quick" if args.quick else "llama_cpp", run(args), args.out, plot)
+    name = "llama_cpp-quick" if args.quick else "llama_cpp"
+    finish(name if args.threads == 1 else f"{name}-threads-{args.threads}", run(args), args.out, plot)
 
 
 if __name__ == "__main__":

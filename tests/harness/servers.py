@@ -25,13 +25,15 @@ from typing import Any, TypeVar
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-RESERVED_CPUS = "1"  # VLLM_CPU_NUM_OF_RESERVED_CPU on every side of every comparison
+# VLLM_CPU_NUM_OF_RESERVED_CPU on every side of every comparison, unless the caller's
+# environment sets it (a benchmark that gives each side more model threads).
+RESERVED_CPUS = "1"
 T = TypeVar("T")
 
 
 def engine_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMSESS_")}
-    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = RESERVED_CPUS
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", RESERVED_CPUS)
     return env
 
 
