@@ -15,6 +15,7 @@ survives a killed process and a power loss; PostgreSQL commits as it is configur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -264,21 +265,22 @@ class PostgresRunner:
         await self.lease_engine.dispose()
 
 
+# A session row's columns that hold JSON text (``chat`` may be NULL).
+JSON_COLUMNS = ("defaults", "metadata", "chat")
+
+
 def _record(row: Any) -> SessionRecord:
-    return SessionRecord(
-        id=row.id,
-        owner=row.owner,
-        model=row.model,
-        defaults=json.loads(row.defaults),
-        metadata=json.loads(row.metadata),
-        status=row.status,
-        close_reason=row.close_reason,
-        num_chunks=row.num_chunks,
-        num_tokens=row.num_tokens,
-        created=row.created,
-        last_activity=row.last_activity,
-        chat=None if row.chat is None else json.loads(row.chat),
-    )
+    fields = dict(row._mapping)
+    for name in JSON_COLUMNS:
+        fields[name] = None if fields[name] is None else json.loads(fields[name])
+    return SessionRecord(**fields)
+
+
+def _row(record: SessionRecord) -> dict[str, Any]:
+    values = dataclasses.asdict(record)
+    for name in JSON_COLUMNS:
+        values[name] = None if values[name] is None else json.dumps(values[name])
+    return values
 
 
 def _object(row: Any) -> StoredObject:
@@ -393,20 +395,7 @@ class SQLSessionStore(SessionStore):
 
     # ------------------------------------------------------------------ rows
     async def create(self, record: SessionRecord) -> None:
-        insert = sessions.insert().values(
-            id=record.id,
-            owner=record.owner,
-            model=record.model,
-            defaults=json.dumps(record.defaults),
-            metadata=json.dumps(record.metadata),
-            status=record.status,
-            close_reason=record.close_reason,
-            num_chunks=record.num_chunks,
-            num_tokens=record.num_tokens,
-            created=record.created,
-            last_activity=record.last_activity,
-            chat=None if record.chat is None else json.dumps(record.chat),
-        )
+        insert = sessions.insert().values(**_row(record))
         try:
             await self._run(lambda conn: conn.execute(insert))
         except IntegrityError as exc:
