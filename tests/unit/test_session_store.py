@@ -20,7 +20,8 @@ import pytest_asyncio
 import sqlalchemy as sa
 
 from app.store import LeaseRefused, SessionExistsError, SessionRecord, StoreUnavailableError
-from app.store.sql import SQLiteRunner, SQLSessionStore
+from app.store.runners import SQLiteRunner
+from app.store.sql import SQLSessionStore
 from tests.postgres import PostgresServer, needs_postgres, postgres_server
 
 
@@ -197,7 +198,7 @@ async def test_a_postgres_restart_while_the_pool_is_idle_is_not_seen(
     transaction). Negative control: with the idle ping off, the first transaction after
     the restart gets a dead connection and fails."""
     if not ping_idle:
-        monkeypatch.setattr("app.store.sql.IDLE_PING_S", float("inf"))
+        monkeypatch.setattr("app.store.runners.IDLE_PING_S", float("inf"))
     store = SQLSessionStore(postgres.url)
     await store.start()
     session_id = unique("idle-restart")
@@ -315,7 +316,7 @@ async def test_negative_control_sqlite_without_synchronous_full_is_seen(
     def relaxed(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.cursor().execute("PRAGMA synchronous=OFF")
 
-    monkeypatch.setattr("app.store.sql._sqlite_pragmas", relaxed)
+    monkeypatch.setattr("app.store.runners._sqlite_pragmas", relaxed)
     store = SQLSessionStore(f"sqlite:///{tmp_path / 'relaxed' / 'sessions.db'}")
     await store.start()
     try:
