@@ -216,13 +216,11 @@ def _upgrade_to_head(connection: sa.Connection) -> None:
 class SQLSessionStore(SessionStore):
     def __init__(self, url: str):
         self.url = driver_url(url)
+        # "sqlite" or "postgresql": parsed once, a chunk's commit reads it.
+        self.dialect: str = sa.make_url(self.url).get_backend_name()
         self._runner: SQLiteRunner | PostgresRunner | None = None
         # Bound once: labels() is a lookup under a lock, and every chunk makes transactions.
         self._seconds = {kind: session_metrics().store_seconds.labels(kind) for kind in ("read", "write", "lease")}
-
-    @property
-    def dialect(self) -> str:
-        return sa.make_url(self.url).get_backend_name()
 
     @property
     def shared(self) -> bool:  # type: ignore[override]
