@@ -282,7 +282,15 @@ def benchmark_parser(doc: str | None, kv_cache_gib: float) -> argparse.ArgumentP
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG results go")
+    parser.add_argument(
+        "--tag", default="", help="appended to the result's name, e.g. the CPU kind: cpu_decode-amx.json"
+    )
     return parser
+
+
+def tagged(name: str, args: argparse.Namespace) -> str:
+    """A result's name with the run's --tag, so runs on different CPUs sit side by side."""
+    return f"{name}-{args.tag}" if args.tag else name
 
 
 def quick_engine(args: argparse.Namespace) -> None:

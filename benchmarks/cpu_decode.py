@@ -45,6 +45,7 @@ from benchmarks.common import (
     quick_engine,
     random_tokens,
     served_model,
+    tagged,
 )
 from connectors.cpu_linear import packed_kernel_helps
 from connectors.cpu_preload import preload_value
@@ -158,7 +159,7 @@ def main() -> None:
         quick_engine(args)
         args.rounds, args.tokens = 2, 16
         args.sides = args.sides or ["eager", "eager+packed"]
-    finish("cpu_decode-quick" if args.quick else "cpu_decode", run(args), args.out, plot)
+    finish(tagged("cpu_decode-quick" if args.quick else "cpu_decode", args), run(args), args.out, plot)
 
 
 if __name__ == "__main__":

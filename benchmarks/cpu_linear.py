@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common import benchmark_parser, cpu_caption, finish, machine, pyplot
+from benchmarks.common import benchmark_parser, cpu_caption, finish, machine, pyplot, tagged
 from connectors.cpu_linear import packed_kernel_helps
 
 # (name, layers, per-layer (N, K) weights, LM head (N, K)): the default model and the ~1B one
@@ -164,7 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rows, args.repeats = [1], 2
-    finish("cpu_linear-quick" if args.quick else "cpu_linear", run(args), args.out, plot)
+    finish(tagged("cpu_linear-quick" if args.quick else "cpu_linear", args), run(args), args.out, plot)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ from benchmarks.common import (
     pyplot,
     served_model,
     streamed,
+    tagged,
     word_text,
 )
 from benchmarks.disk_tier import drop_page_cache
@@ -633,7 +634,7 @@ def main() -> None:
         args.slot_conversations, args.slot_turns, args.slot_concurrency, args.slot_pause = 3, 2, 2, 0.1
         args.resume_context, args.resume_rounds = 200, 1
     name = "llama_cpp-quick" if args.quick else "llama_cpp"
-    finish(name if args.threads == 1 else f"{name}-threads-{args.threads}", run(args), args.out, plot)
+    finish(tagged(name if args.threads == 1 else f"{name}-threads-{args.threads}", args), run(args), args.out, plot)
 
 
 if __name__ == "__main__":
