@@ -17,10 +17,12 @@ kernel needs AVX-512), its figures are left out and the reason is recorded.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from benchmarks.common import benchmark_parser, cpu_caption, finish, machine, pyplot, tagged
@@ -107,12 +109,20 @@ def run(args: Any) -> dict[str, Any]:
     thread_counts = sorted({1, os.cpu_count() or 1})
     runs: dict[str, Any] = {}
     summary: dict[str, Any] = {}
-    for model, shape in models.items():
+    measured: dict[str, Any] = {}
+    for threads in thread_counts:
+        # oneDNN keeps the thread count of its first use in a process: each count gets a
+        # process of its own, or oneDNN "at two threads" after one thread runs at one.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(1, mp_context=context, initializer=torch.set_num_threads, initargs=(threads,)) as pool:
+            for model, shape in models.items():
+                for rows in args.rows:
+                    measured[f"{model} {threads}t {rows}r"] = pool.submit(measure, shape, rows, args.repeats).result()
+    for model in models:
         for threads in thread_counts:
-            torch.set_num_threads(threads)
             for rows in args.rows:
                 key = f"{model} {threads}t {rows}r"
-                runs[key] = measure(shape, rows, args.repeats)
+                runs[key] = measured[key]
                 figures = runs[key]["kernels"]
                 for name, row in figures.items():
                     summary[f"{key} {name}"] = {
