@@ -90,6 +90,7 @@ from benchmarks.common import (
 )
 from benchmarks.disk_tier import drop_page_cache
 from connectors.cpu_linear import packed_kernel_helps
+from connectors.cpu_platform import cpu_flags
 from connectors.cpu_preload import preload_value
 from tests.harness.servers import engine_env, free_port, serve
 from tests.helpers import environment
@@ -245,6 +246,15 @@ def build_one_b(out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def repack_flags(gguf: Path) -> list[str]:
+    """llama.cpp's flags for this GGUF on this CPU: the vendored llama.cpp (0c1e570) crashes
+    at load (SIGSEGV) repacking Q4_1 weights for AMX, seen on a Sapphire Rapids; Q4_1 is then
+    served without repacking (its AVX-512 path). BF16 repacks and serves there."""
+    if "Q4_1" in gguf.name and "amx_tile" in cpu_flags():
+        return ["--no-repack"]
+    return []
+
+
 def llama_server(
     binaries: Path,
     gguf: Path,
@@ -275,6 +285,7 @@ def llama_server(
         str(slots),
         "--alias",
         name,
+        *repack_flags(gguf),
         *(extra or []),
     ]
     return serve(name, command, engine_env(), port, name, log_dir / f"{name}.log")
@@ -560,6 +571,7 @@ def run(args: Any) -> dict[str, Any]:
             "ours": f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved_cpus(args.threads)}",
             "llama.cpp": f"-t {args.threads} -tb {args.threads}",
         },
+        "llama_cpp_flags": {name: repack_flags(gguf) for name, gguf in ggufs.items()},
         "ours": {
             "compiled": True,
             "packed_linear_kernel": packed_kernel_helps(),
