@@ -7,7 +7,8 @@ vLLM does by itself); with vLLM's packed bf16 linear kernel (``cpu_linear=auto``
 without); compiled (``--no-enforce-eager``: torch.compile and vLLM's CPU graph mode)
 without, then with the packed kernel; and with vLLM's recommended CPU runtime preloaded
 (tcmalloc and Intel OpenMP, ``connectors.cpu_preload``): the last is what ``./scripts/serve``
-serves. Each server starts alone (its start to ``/health`` timed; a compiled one with an
+serves (on a CPU where the packed kernel does not apply, the steps without it, the last
+compiled with the runtime preloaded). Each server starts alone (its start to ``/health`` timed; a compiled one with an
 empty compile cache, then once more with the cache its first start filled: a warm start),
 then the rounds run side after side: one request of a short prompt generating N tokens
 (``ignore_eos``, greedy), streamed, timed from its first token to its last.
@@ -57,7 +58,16 @@ SIDES: dict[str, tuple[bool, bool, bool]] = {  # name: (compiled, packed linear 
     "compiled": (True, False, False),
     "compiled+packed": (True, True, False),
     "compiled+packed+preload": (True, True, True),
+    "compiled+preload": (True, False, True),  # what ./scripts/serve serves where the packed kernel does not apply
 }
+
+
+def default_sides() -> list[str]:
+    """Every step on a CPU where the packed kernel applies; elsewhere ``cpu_linear=auto`` is
+    vLLM's own choice, so the steps without it."""
+    if packed_kernel_helps():
+        return [side for side in SIDES if side != "compiled+preload"]
+    return [side for side, (_, packed, _) in SIDES.items() if not packed]
 
 
 def start_side(
@@ -91,7 +101,7 @@ def run(args: Any) -> dict[str, Any]:
         max_num_seqs=8,
     )
     rng = random.Random(args.seed)
-    sides = [side for side in SIDES if args.sides is None or side in args.sides]
+    sides = [side for side in SIDES if side in (args.sides or default_sides())]
     log_dir = Path(tempfile.mkdtemp(prefix="bench-cpu-decode-"))
     starts: dict[str, dict[str, float]] = {}
     rounds: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
