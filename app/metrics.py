@@ -24,8 +24,7 @@ class SessionMetrics:
         self.session_parks = Counter(
             "streamsess_session_parks",
             "Sessions parked, by reason: idle, admission (a chunk needed room), capacity (another "
-            "request needed room), stalled (vLLM had requests waiting and none running), ahead (more "
-            "sessions than slots in use: a slot kept free for the next), requested.",
+            "request needed room), stalled (vLLM had requests waiting and none running), requested.",
             ["reason"],
             registry=registry,
         )

@@ -240,13 +240,6 @@ class Settings(BaseSettings):
         "CPU tier, and its next chunk resumes it. Sessions also park at once, least recently used "
         "first, when a request would not fit on the device beside them.",
     )
-    session_park_ahead_window_s: float = Field(
-        default=10.0,
-        ge=0,
-        description="When more sessions than engine slots were active within this many seconds, the "
-        "least recently used idle session is parked as soon as every slot is held, so that the next "
-        "chunk of a parked session finds a slot free instead of waiting for a park. 0: park only on demand.",
-    )
     admission_timeout_s: float = Field(
         default=10.0,
         gt=0,

@@ -5,9 +5,7 @@ Sessions are bounded by the CPU tier, not by device memory: an idle session is
 kept) when it has been idle for ``session_park_after_s``, and at once, least recently
 used first, when a chunk or any other request would not fit on the device beside the
 sessions that hold it (``DeviceCapacity``). A chunk that still does not fit waits at
-most ``admission_timeout_s`` for room, then gets 503 ``server_busy``. While more
-sessions than slots are in use, one is parked *ahead*, as soon as every slot is held,
-so that the next chunk of a parked session finds a slot free.
+most ``admission_timeout_s`` for room, then gets 503 ``server_busy``.
 """
 
 from __future__ import annotations
@@ -46,13 +44,11 @@ class Parking:
         admission_timeout_s: float,
         observer: SchedulerObserver | None,
         recorder: ProvenanceRecorder | None,
-        park_ahead_window_s: float = 0.0,
     ) -> None:
         self._engine = engine
         self._registry = registry
         self._metrics = metrics
         self._admission_timeout_s = admission_timeout_s
-        self._park_ahead_window_s = park_ahead_window_s
         self._observer = observer
         self._recorder = recorder
         self.capacity = DeviceCapacity.of(engine)
@@ -78,19 +74,6 @@ class Parking:
             if victim is None or not await self.park([victim], reason):
                 return False
         return True
-
-    def _ahead_victim(self) -> StreamingSession | None:
-        """The session to park ahead of the next chunk: the least recently used idle one,
-        when every slot is held and more sessions than slots were active within the
-        window. Their chunks then come in turn, most of them to parked sessions, and
-        each would otherwise wait for a park (an engine round trip) before it runs.
-        While no more sessions than slots are in use, none is parked ahead: a free
-        slot kept then would only make sessions that fit take turns."""
-        if self._park_ahead_window_s <= 0 or self._load().slots < self.capacity.slots:
-            return None
-        since = time.time() - self._park_ahead_window_s
-        in_use = sum(1 for s in self._registry.held.values() if s.last_activity >= since and not s.closed)
-        return self._least_recently_used_idle() if in_use > self.capacity.slots else None
 
     async def park(self, sessions: list[StreamingSession], reason: str) -> bool:
         """Park the idle ones of ``sessions``; True when any parked. The engine
@@ -168,5 +151,3 @@ class Parking:
                 if stalled_checks >= 2 and (victim := self._least_recently_used_idle()) is not None:
                     await self.park([victim], "stalled")
                     stalled_checks = 0
-                if (victim := self._ahead_victim()) is not None:
-                    await self.park([victim], "ahead")

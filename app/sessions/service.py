@@ -78,15 +78,7 @@ class SessionService:
             min(settings.max_model_len, engine.model_config.max_model_len),
             on_freed=lambda: self.parking.capacity_freed.set(),
         )
-        self.parking = Parking(
-            engine,
-            self.registry,
-            metrics,
-            settings.admission_timeout_s,
-            observer,
-            recorder,
-            park_ahead_window_s=settings.session_park_ahead_window_s,
-        )
+        self.parking = Parking(engine, self.registry, metrics, settings.admission_timeout_s, observer, recorder)
         self.membership = ClusterMembership(self.registry.store, settings, salter)
         self._runs: set[ChunkRun] = set()
         self._undelivered: set[ChunkRun] = set()  # runs whose consumer has not had their end

@@ -17,7 +17,6 @@ import pytest
 from app.errors import APIError
 from app.protocol import SamplingOptions
 from app.sessions.admission import DeviceCapacity, DeviceLoad
-from app.sessions.parking import CAPACITY_CHECK_S
 from app.sessions.service import SessionService
 from tests.fast.test_service import GREEDY, OWNER, chunk, running_service
 from tests.helpers import until
@@ -103,46 +102,3 @@ async def test_admission_parks_the_least_recent_holder_when_the_device_is_full(t
         assert (first.status, second.status, third.status) == ("parked", "active", "active")
         assert service.registry.device_holders == {second, third}
         assert_estimate_whole(service)
-
-
-def parks(service: SessionService, reason: str) -> float:
-    """Sessions parked for ``reason`` so far, in this process."""
-    return float(service.parking._metrics.session_parks.labels(reason)._value.get())
-
-
-@pytest.mark.parametrize("window_s", [10.0, 0.0])
-async def test_more_sessions_than_slots_find_a_slot_parked_ahead(tmp_path: Path, window_s: float) -> None:
-    """Three sessions taking turns on two slots: once more sessions than slots are in use,
-    the least recently used idle one is parked ahead (by the capacity check), so the next
-    chunk of a parked session runs without parking anyone first. Negative control: with
-    the window 0, the session stays on the device and that chunk parks on admission."""
-    async with running_service(tmp_path, session_park_ahead_window_s=window_s) as (service, _engine):
-        service.parking.capacity = DeviceCapacity(slots=2, blocks=1000, block_size=32)
-        first, second, third = [await service.create(OWNER, GREEDY) for _ in range(3)]
-        for session in (first, second, third):
-            await chunk(service, session.id, [1])
-            await asyncio.sleep(0.01)  # distinct last activity times
-        assert first.status == "parked"  # the third's chunk parked it on admission
-        ahead, admission = parks(service, "ahead"), parks(service, "admission")
-        await asyncio.sleep(3 * CAPACITY_CHECK_S)
-        assert second.status == ("parked" if window_s else "active")
-        await chunk(service, first.id, [2])
-        assert parks(service, "ahead") - ahead == (1 if window_s else 0)
-        assert parks(service, "admission") - admission == (0 if window_s else 1)
-        assert first.status == "active"
-        assert_estimate_whole(service)
-
-
-async def test_sessions_that_fit_their_slots_are_not_parked_ahead(tmp_path: Path) -> None:
-    """Two sessions taking turns on two slots: nothing is parked, ahead or otherwise, however
-    long they go on (a slot kept free would only make them take turns)."""
-    async with running_service(tmp_path) as (service, _engine):
-        service.parking.capacity = DeviceCapacity(slots=2, blocks=1000, block_size=32)
-        sessions = [await service.create(OWNER, GREEDY) for _ in range(2)]
-        before = parks(service, "ahead"), parks(service, "admission")  # process-wide counters
-        for turn in range(4):
-            for session in sessions:
-                await chunk(service, session.id, [turn + 1])
-            await asyncio.sleep(CAPACITY_CHECK_S)
-        assert [s.status for s in sessions] == ["active", "active"]
-        assert (parks(service, "ahead"), parks(service, "admission")) == before
