@@ -291,12 +291,26 @@ async def open_session(http: httpx.AsyncClient) -> str:
         await asyncio.sleep(0.2)
 
 
+async def answered(http: httpx.AsyncClient, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    """A request through the proxy as a client sends it: a 503 with Retry-After (a replica
+    just restarted, or draining) is sent again after it, for at most a minute; any other
+    answer is returned, and so is the last 503."""
+    deadline = time.monotonic() + 60
+    while True:
+        response = await http.request(method, url, **kwargs)
+        if response.status_code != 503 or time.monotonic() > deadline:
+            return response
+        await asyncio.sleep(float(response.headers.get("retry-after", "1")))
+
+
 async def transcript_text(http: httpx.AsyncClient, session_id: str | None, tags: list[str], open_ids: list[str]) -> str:
     """The text of the session that holds a conversation: a session's own, or for a
     chain (``session_id`` None) the open session whose transcript has its last tag (a
     chain's latest response may be in a fork)."""
     for candidate in [session_id] if session_id is not None else open_ids:
-        text = str((await http.get(f"/v1/sessions/{candidate}/transcript")).json()["text"])
+        response = await answered(http, "GET", f"/v1/sessions/{candidate}/transcript")
+        assert response.status_code == 200, response.text
+        text = str(response.json()["text"])
         if tags[-1] in text:
             return text
     raise AssertionError(f"no session holds the turn {tags[-1]}")
@@ -333,7 +347,9 @@ async def test_a_rolling_restart_under_load_loses_nothing(cluster: Cluster) -> N
     print(json.dumps({"exit statuses": stopped, "clients": report}, indent=1))
     assert stopped == dict.fromkeys(cluster.replicas, 0), stopped  # each drained and exited cleanly
     async with httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120) as http:
-        open_ids = [s["id"] for s in (await http.get("/v1/sessions")).json()["data"]]
+        listed = await answered(http, "GET", "/v1/sessions")
+        assert listed.status_code == 200, listed.text
+        open_ids = [s["id"] for s in listed.json()["data"]]
         for client in clients:
             assert client.conversations(), f"{client.kind} client {client.number} saw no turn answered"
             for session_id, tags in client.conversations():
@@ -359,7 +375,8 @@ async def test_a_killed_replicas_session_goes_on_once_its_lease_expires(cluster:
         httpx.AsyncClient(base_url=cluster.proxy, headers=HEADERS, timeout=120) as http,
     ):
         for _ in range(40):  # a session the proxy homes on the victim (a chance of 2**-40 to miss)
-            created = await http.post("/v1/sessions", json={})
+            created = await answered(http, "POST", "/v1/sessions", json={})
+            assert created.status_code == 201, created.text
             if created.headers["x-replica"] == victim.name:
                 break
         assert created.headers["x-replica"] == victim.name
