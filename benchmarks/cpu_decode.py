@@ -8,8 +8,9 @@ without); compiled (``--no-enforce-eager``: torch.compile and vLLM's CPU graph m
 without, then with the packed kernel; and with vLLM's recommended CPU runtime preloaded
 (tcmalloc and Intel OpenMP, ``connectors.cpu_preload``): the last is what ``./scripts/serve``
 serves (on a CPU where the packed kernel does not apply, the steps without it, the last
-compiled with the runtime preloaded). Each server starts alone (its start to ``/health`` timed; a compiled one with an
-empty compile cache, then once more with the cache its first start filled: a warm start),
+compiled with the runtime preloaded). Each server starts alone (its start to ``/health``
+timed; a compiled one with an empty compile cache, then once more with the cache its first
+start filled: a warm start),
 then the rounds run side after side: one request of a short prompt generating N tokens
 (``ignore_eos``, greedy), streamed, timed from its first token to its last.
 

@@ -17,6 +17,7 @@ kernel needs AVX-512), its figures are left out and the reason is recorded.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import statistics
@@ -109,31 +110,33 @@ def run(args: Any) -> dict[str, Any]:
     thread_counts = sorted({1, os.cpu_count() or 1})
     runs: dict[str, Any] = {}
     summary: dict[str, Any] = {}
-    measured: dict[str, Any] = {}
-    for threads in thread_counts:
+    context = multiprocessing.get_context("spawn")
+    with contextlib.ExitStack() as stack:
         # oneDNN keeps the thread count of its first use in a process: each count gets a
         # process of its own, or oneDNN "at two threads" after one thread runs at one.
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(1, mp_context=context, initializer=torch.set_num_threads, initargs=(threads,)) as pool:
-            for model, shape in models.items():
+        pools = {
+            threads: stack.enter_context(
+                ProcessPoolExecutor(1, mp_context=context, initializer=torch.set_num_threads, initargs=(threads,))
+            )
+            for threads in thread_counts
+        }
+        for model, shape in models.items():
+            for threads, pool in pools.items():
                 for rows in args.rows:
-                    measured[f"{model} {threads}t {rows}r"] = pool.submit(measure, shape, rows, args.repeats).result()
-    for model in models:
-        for threads in thread_counts:
-            for rows in args.rows:
-                key = f"{model} {threads}t {rows}r"
-                runs[key] = measured[key]
-                figures = runs[key]["kernels"]
-                for name, row in figures.items():
-                    summary[f"{key} {name}"] = {
-                        **row,
-                        "ratio_to_onednn": round(
-                            (row["layers_ms"] + row["head_ms"])
-                            / (figures["onednn"]["layers_ms"] + figures["onednn"]["head_ms"]),
-                            3,
-                        ),
-                    }
-                print(key, figures, flush=True)
+                    key = f"{model} {threads}t {rows}r"
+                    runs[key] = pool.submit(measure, shape, rows, args.repeats).result()
+                    print(key, runs[key]["kernels"], flush=True)
+    for key, measured in runs.items():
+        figures = measured["kernels"]
+        for name, row in figures.items():
+            summary[f"{key} {name}"] = {
+                **row,
+                "ratio_to_onednn": round(
+                    (row["layers_ms"] + row["head_ms"])
+                    / (figures["onednn"]["layers_ms"] + figures["onednn"]["head_ms"]),
+                    3,
+                ),
+            }
     return {
         "benchmark": "cpu_linear",
         "machine": machine(),
